@@ -1,0 +1,28 @@
+# The two commands of the README, each doing all of its own set-up (idempotent, fast when done).
+VENV ?= .venv
+PY := $(VENV)/bin/python
+NP ?= 2
+PYTEST_ARGS ?=
+
+.PHONY: example test test-fast install install-slurm lint
+
+## make example: install, then train the digits MLP with horovod-torch on $(NP) processes
+example: install
+	$(VENV)/bin/horovodrun -np $(NP) --gloo $(PY) examples/train_digits.py
+
+## make test: install (with the Slurm daemons), then run the whole test suite
+test: install-slurm
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+## make test-fast: the suite without the multi-process (slow) tests
+test-fast: install
+	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
+
+install:
+	bash tools/install.sh
+
+install-slurm:
+	bash tools/install.sh --slurm
+
+lint:
+	$(VENV)/bin/ruff check toolkit adapters examples tests

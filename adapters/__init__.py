@@ -1,0 +1,42 @@
+"""Backend adapters, one module per framework, each importing its framework only when chosen.
+
+>>> import adapters
+>>> adapters.BACKENDS
+('horovod-torch', 'horovod-tf', 'jax-pmap', 'jax-pjit')
+"""
+
+from __future__ import annotations
+
+import importlib
+
+from toolkit import Adapter, ToolkitError
+
+# name -> module implementing it (None: reserved, not implemented yet)
+_REGISTRY: dict[str, str | None] = {
+    "horovod-torch": "adapters.horovod_torch",
+    "horovod-tf": None,
+    "jax-pmap": None,
+    "jax-pjit": None,
+}
+BACKENDS = tuple(_REGISTRY)
+IMPLEMENTED = tuple(name for name, module in _REGISTRY.items() if module)
+
+
+def get(name: str, *, dtype: str = "float32") -> Adapter:
+    """The adapter for backend ``name``; its framework is imported when it is set up.
+
+    Args:
+        name: one of :data:`BACKENDS`.
+        dtype: ``float32`` or ``float64`` parameters and arithmetic.
+
+    Raises:
+        ToolkitError: for an unknown name (listing the valid ones) or one not implemented yet.
+    """
+    if name not in _REGISTRY:
+        raise ToolkitError(f"unknown backend {name!r}",
+                           f"valid backends: {', '.join(BACKENDS)}")
+    module = _REGISTRY[name]
+    if module is None:
+        raise ToolkitError(f"backend {name!r} is not implemented yet",
+                           f"implemented backends: {', '.join(IMPLEMENTED)}")
+    return importlib.import_module(module).make_adapter(dtype=dtype)

@@ -1,0 +1,71 @@
+"""Train an MLP on scikit-learn's bundled handwritten digits, on any backend and launcher.
+
+    python examples/train_digits.py                               # one process
+    horovodrun -np 2 python examples/train_digits.py              # or: mpirun -np 2 ...
+    srun -n 2 --mpi=pmix python examples/train_digits.py          # inside a Slurm job
+
+Kill it at any moment and rerun the same command with ``--resume latest`` to continue.
+"""
+
+import argparse
+
+import numpy as np
+
+import adapters
+import toolkit
+from toolkit.datasets import load_digits
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--backend", default="horovod-torch",
+                        help=f"one of {', '.join(adapters.BACKENDS)}")
+    parser.add_argument("--epochs", type=int, default=10)
+    parser.add_argument("--steps", type=int, default=None, help="stop after this many steps")
+    parser.add_argument("--batch-size", type=int, default=64, help="global batch (all ranks)")
+    parser.add_argument("--lr", type=float, default=0.05)
+    parser.add_argument("--optimizer", choices=("sgd", "adam"), default="sgd")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--dtype", choices=("float32", "float64"), default="float32")
+    parser.add_argument("--lr-scaling", choices=("none", "linear", "sqrt"), default="none")
+    parser.add_argument("--accumulation-steps", type=int, default=1)
+    parser.add_argument("--checkpoint-dir", default=None)
+    parser.add_argument("--checkpoint-every", type=int, default=None, help="steps")
+    parser.add_argument("--keep", type=int, default=3)
+    parser.add_argument("--resume", default=None, help="'latest' or a checkpoint directory")
+    parser.add_argument("--metrics-log", default=None, help="JSON-lines file (rank 0)")
+    parser.add_argument("--save-model", default=None, help="write final weights (.npz) here")
+    args = parser.parse_args()
+
+    (x_train, y_train), validation = load_digits(seed=args.seed, dtype=args.dtype)
+    optimizer = (toolkit.SGD(lr=args.lr, momentum=0.9) if args.optimizer == "sgd"
+                 else toolkit.Adam(lr=args.lr))
+    trainer = toolkit.Trainer(
+        adapters.get(args.backend, dtype=args.dtype),
+        toolkit.MLP((64, 128, 10)),
+        optimizer,
+        global_batch_size=args.batch_size,
+        epochs=args.epochs,
+        max_steps=args.steps,
+        seed=args.seed,
+        lr_scaling=args.lr_scaling,
+        accumulation_steps=args.accumulation_steps,
+        checkpoint_dir=args.checkpoint_dir,
+        checkpoint_every=args.checkpoint_every,
+        keep=args.keep,
+        resume=args.resume,
+        metrics_log=args.metrics_log,
+    )
+    history = trainer.fit(x_train, y_train, validation)
+
+    state = trainer.adapter.state_dict()
+    if args.save_model:
+        toolkit.save0(args.save_model, lambda f: np.savez(f, **state))
+    final = trainer.evaluate(*validation)
+    toolkit.print0(f"done: world_size {history.world_size}  steps {trainer.global_step}  "
+                   f"final_loss {history.final_loss:.6f}  "
+                   f"val_accuracy {final['val_accuracy']:.4f}")
+
+
+if __name__ == "__main__":
+    toolkit.run(main)

@@ -1,0 +1,178 @@
+"""The adapter contract, one suite for every implemented backend (not one copy per backend).
+
+Single-process checks run in this process against a float64 numpy reference; the multi-rank
+checks (broadcast from rank 0, collectives, identical updates) run under real horovodrun.
+"""
+
+import json
+
+import numpy as np
+import pytest
+
+import adapters
+from toolkit import MLP, SGD, Adam, LaunchEnv, ToolkitError
+
+BACKENDS = adapters.IMPLEMENTED
+SPEC = MLP((8, 16, 4))
+ENV = LaunchEnv()
+
+
+def data(n=12, seed=0):
+    rng = np.random.default_rng(seed)
+    return rng.normal(size=(n, 8)), rng.integers(0, 4, size=n)
+
+
+def reference_grads(params, x, y):
+    return SPEC.loss_and_grads(params, x, y)
+
+
+def built(name, optimizer, dtype="float64", accumulation_steps=1, seed=3):
+    adapter = adapters.get(name, dtype=dtype)
+    adapter.setup(ENV)
+    adapter.build(SPEC, optimizer, "cross_entropy", seed=seed,
+                  accumulation_steps=accumulation_steps)
+    return adapter
+
+
+def params_of(adapter):
+    return {k[len("params/"):]: v for k, v in adapter.state_dict().items()
+            if k.startswith("params/")}
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_build_loads_the_spec_initialisation(backend):
+    got = params_of(built(backend, SGD(lr=0.1)))
+    want = SPEC.init(3, "float64")
+    assert got.keys() == want.keys()
+    for k in want:
+        np.testing.assert_array_equal(got[k], want[k])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_sgd_momentum_steps_match_numpy(backend):
+    adapter = built(backend, SGD(lr=0.1, momentum=0.9, weight_decay=0.01))
+    params = SPEC.init(3, "float64")
+    buf = {k: np.zeros_like(v) for k, v in params.items()}
+    for step in range(3):
+        x, y = data(seed=step)
+        loss, grads = reference_grads(params, x, y)
+        got = adapter.train_step(x, y, 0.1)
+        assert got == pytest.approx(loss, rel=1e-12)
+        for k in params:
+            buf[k] = 0.9 * buf[k] + grads[k] + 0.01 * params[k]
+            params[k] = params[k] - 0.1 * buf[k]
+    for k, v in params_of(adapter).items():
+        np.testing.assert_allclose(v, params[k], rtol=1e-11, atol=1e-13)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("decoupled", [False, True])
+def test_adam_steps_match_numpy(backend, decoupled):
+    spec = Adam(lr=0.01, weight_decay=0.1, decoupled=decoupled)
+    adapter = built(backend, spec)
+    params = SPEC.init(3, "float64")
+    m = {k: np.zeros_like(v) for k, v in params.items()}
+    v2 = {k: np.zeros_like(v) for k, v in params.items()}
+    for t in range(1, 4):
+        x, y = data(seed=t)
+        _, grads = reference_grads(params, x, y)
+        adapter.train_step(x, y, 0.01)
+        c1, c2 = 1 - 0.9 ** t, 1 - 0.999 ** t
+        for k in params:
+            g = grads[k] if decoupled else grads[k] + 0.1 * params[k]
+            if decoupled:
+                params[k] = params[k] * (1 - 0.01 * 0.1)
+            m[k] = 0.9 * m[k] + 0.1 * g
+            v2[k] = 0.999 * v2[k] + 0.001 * g * g
+            params[k] = params[k] - 0.01 / c1 * m[k] / (np.sqrt(v2[k]) / np.sqrt(c2) + 1e-8)
+    for k, v in params_of(adapter).items():
+        np.testing.assert_allclose(v, params[k], rtol=1e-10, atol=1e-12)
+    assert int(adapter.state_dict()["opt/count"]) == 3
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_gradient_accumulation_equals_one_big_batch(backend):
+    whole = built(backend, SGD(lr=0.1, momentum=0.9))
+    split = built(backend, SGD(lr=0.1, momentum=0.9), accumulation_steps=4)
+    for step in range(3):
+        x, y = data(n=16, seed=step)
+        assert split.train_step(x, y, 0.1) == pytest.approx(whole.train_step(x, y, 0.1),
+                                                            rel=1e-12)
+    a, b = params_of(whole), params_of(split)
+    for k in a:
+        np.testing.assert_allclose(b[k], a[k], rtol=1e-12, atol=1e-14)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_evaluate_returns_sums(backend):
+    adapter = built(backend, SGD(lr=0.1))
+    x, y = data(n=20)
+    params = SPEC.init(3, "float64")
+    loss, _ = reference_grads(params, x, y)
+    logits = SPEC.apply(params, x)
+    result = adapter.evaluate(x, y)
+    assert result["count"] == 20
+    assert result["loss_sum"] == pytest.approx(20 * loss, rel=1e-12)
+    assert result["correct"] == float((logits.argmax(1) == y).sum())
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("optimizer", [SGD(lr=0.1, momentum=0.9), Adam(lr=0.01)])
+def test_state_export_import_round_trip_continues_identically(backend, optimizer):
+    a = built(backend, optimizer)
+    for step in range(2):
+        a.train_step(*data(seed=step), 0.05)
+    saved = a.state_dict()
+    assert all(isinstance(v, np.ndarray) for v in saved.values())
+    assert any(k.startswith("opt/") for k in saved)
+    b = built(backend, optimizer, seed=99)  # other initial weights, fresh optimizer
+    b.load_state_dict(saved)
+    for name, value in b.state_dict().items():
+        np.testing.assert_array_equal(value, saved[name], err_msg=name)
+    x, y = data(seed=7)
+    assert a.train_step(x, y, 0.05) == b.train_step(x, y, 0.05)
+    for name, value in a.state_dict().items():
+        np.testing.assert_array_equal(b.state_dict()[name], value, err_msg=name)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_collectives_on_one_rank_are_identities(backend):
+    adapter = built(backend, SGD(lr=0.1))
+    values = np.array([1.5, -2.0])
+    np.testing.assert_array_equal(adapter.allreduce(values, "mean"), values)
+    np.testing.assert_array_equal(adapter.allreduce(values, "sum"), values)
+    np.testing.assert_array_equal(adapter.broadcast(values, 0), values)
+    adapter.barrier()
+    with pytest.raises(ToolkitError, match="unknown reduction 'max'"):
+        adapter.allreduce(values, "max")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_unknown_model_and_optimizer_are_clear_errors(backend):
+    adapter = adapters.get(backend)
+    adapter.setup(ENV)
+    with pytest.raises(ToolkitError, match="cannot build a model from dict"):
+        adapter.build({"layers": 3}, SGD(lr=0.1), "cross_entropy")
+    with pytest.raises(ToolkitError, match="cannot build an optimizer from 'lamb'"):
+        adapter.build(SPEC, "lamb", "cross_entropy")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_two_ranks_broadcast_reduce_and_update_identically(backend, launch):
+    job = launch("horovodrun-gloo", 2, ["tests/scripts/conformance_worker.py", backend])
+    assert job.returncode == 0, job
+    results = sorted((json.loads(line[len("RESULT "):]) for line in job.stdout.splitlines()
+                      if line.startswith("RESULT ")), key=lambda r: r["rank"])
+    assert [r["rank"] for r in results] == [0, 1], job
+    r0, r1 = results
+    # Rank 1 initialised from another seed; after build it holds rank 0's weights.
+    assert r0["initial_checksum"] == r1["initial_checksum"] == r0["seed0_checksum"]
+    assert r0["mean"] == r1["mean"] == [0.5, 5.0]
+    assert r0["sum"] == r1["sum"] == [1.0, 10.0]
+    assert r0["broadcast_from_1"] == r1["broadcast_from_1"] == [1.0]
+    # Different local data, averaged gradients: the same update everywhere, and it equals
+    # one process stepping on both halves together.
+    assert r0["after_step_checksum"] == r1["after_step_checksum"]
+    assert r0["after_step_checksum"] == pytest.approx(r0["single_process_checksum"], rel=1e-12)
+    assert r0["local_loss"] != r1["local_loss"]

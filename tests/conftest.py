@@ -1,0 +1,103 @@
+"""Shared fixtures: real launchers (horovodrun, mpirun, srun) and a real local Slurm cluster."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PYTHON = sys.executable
+BIN = Path(PYTHON).parent
+
+
+def child_env(extra: dict | None = None) -> dict:
+    env = dict(os.environ)
+    # A test process may itself run under a launcher; children must not inherit its identity.
+    for key in list(env):
+        if key.startswith(("HOROVOD_", "OMPI_", "PMIX_", "PMI_", "SLURM_STEP", "SLURM_PROCID")):
+            del env[key]
+    env.update(PATH=f"{BIN}:{env.get('PATH', '')}", PYTHONUNBUFFERED="1",
+               OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
+               OMPI_MCA_rmaps_base_oversubscribe="1", TF_CPP_MIN_LOG_LEVEL="2")
+    env.update(extra or {})
+    return env
+
+
+def launch_command(launcher: str, nproc: int, argv: list[str]) -> list[str]:
+    """The command line that starts ``python argv...`` on ``nproc`` ranks with ``launcher``."""
+    py = [PYTHON, *argv]
+    if launcher == "python":
+        assert nproc == 1
+        return py
+    if launcher == "horovodrun-gloo":
+        return [str(BIN / "horovodrun"), "-np", str(nproc), "--gloo", *py]
+    if launcher == "horovodrun-mpi":
+        return [str(BIN / "horovodrun"), "-np", str(nproc), "--mpi", *py]
+    if launcher == "mpirun":
+        return ["mpirun", "--allow-run-as-root", "--oversubscribe", "-np", str(nproc), *py]
+    if launcher == "srun":
+        return ["srun", "-n", str(nproc), "--mpi=pmix", "--kill-on-bad-exit=1", *py]
+    raise ValueError(launcher)
+
+
+class Job:
+    def __init__(self, proc: subprocess.CompletedProcess, seconds: float):
+        self.returncode, self.stdout, self.stderr = proc.returncode, proc.stdout, proc.stderr
+        self.seconds = seconds
+
+    def __repr__(self) -> str:
+        return (f"Job(rc={self.returncode}, {self.seconds:.1f}s)\n--- stdout\n"
+                f"{self.stdout[-3000:]}\n--- stderr\n{self.stderr[-3000:]}")
+
+
+@pytest.fixture(scope="session")
+def slurm_cluster():
+    """Starts the one-node Slurm cluster (unless one runs already) and stops what it started."""
+    script = ROOT / "slurm" / "local_cluster.sh"
+    if not shutil.which("slurmctld"):
+        pytest.fail("Slurm is not installed: run 'tools/install.sh --slurm' (make test does)")
+    conf = Path(os.environ.get("TOOLKIT_SLURM_DIR", "/tmp/hpc-toolkit-slurm")) / "slurm.conf"
+    already = subprocess.run(["sinfo", "-h"], env={**os.environ, "SLURM_CONF": str(conf)},
+                             capture_output=True).returncode == 0
+    if not already:
+        subprocess.run([str(script), "start"], check=True, capture_output=True, timeout=120)
+    yield {"SLURM_CONF": str(conf)}
+    if not already:
+        subprocess.run([str(script), "stop"], capture_output=True, timeout=60)
+
+
+@pytest.fixture(scope="session")
+def launch(request):
+    """``launch(launcher, nproc, argv, timeout=..., env=...) -> Job``, with real launchers."""
+
+    def run(launcher: str, nproc: int, argv: list[str], *, timeout: float = 240,
+            env: dict | None = None) -> Job:
+        extra = dict(env or {})
+        if launcher == "srun":
+            extra.update(request.getfixturevalue("slurm_cluster"))
+        start = time.monotonic()
+        proc = subprocess.run(launch_command(launcher, nproc, argv), cwd=ROOT,
+                              env=child_env(extra), capture_output=True, text=True,
+                              timeout=timeout, stdin=subprocess.DEVNULL)
+        return Job(proc, time.monotonic() - start)
+
+    return run
+
+
+@pytest.fixture
+def read_metrics():
+    """``read_metrics(path) -> {"steps": {step: loss}, "epochs": [records]}`` (JSON lines)."""
+
+    def read(path: Path) -> dict:
+        records = [json.loads(line) for line in Path(path).read_text().splitlines()]
+        return {"steps": {r["step"]: r["loss"] for r in records if r["event"] == "step"},
+                "epochs": [r for r in records if r["event"] == "epoch"]}
+
+    return read

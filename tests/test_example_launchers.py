@@ -1,0 +1,62 @@
+"""examples/train_digits.py, unchanged, under every launcher: real horovodrun, mpirun, srun.
+
+Data-parallel correctness rides along: 2 ranks with local batch 32 must reproduce one process
+with batch 64, step for step, to float32 rounding.
+"""
+
+import re
+
+import numpy as np
+import pytest
+
+EXAMPLE = "examples/train_digits.py"
+STEPS = 50
+TOLERANCE = 1e-5  # max relative per-step loss deviation, float32
+LAUNCHERS = ("horovodrun-gloo", "horovodrun-mpi", "mpirun", "srun")
+
+
+def example_args(tmp_path, name):
+    return [EXAMPLE, "--steps", str(STEPS), "--batch-size", "64", "--seed", "0",
+            "--metrics-log", str(tmp_path / f"{name}.jsonl")]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, launch):
+    """One process, global batch 64: the sequential run every launcher must reproduce."""
+    tmp = tmp_path_factory.mktemp("reference")
+    job = launch("python", 1, example_args(tmp, "ref"))
+    assert job.returncode == 0, job
+    return tmp / "ref.jsonl", job.stdout
+
+
+def losses(read_metrics, path):
+    steps = read_metrics(path)["steps"]
+    assert sorted(steps) == list(range(1, STEPS + 1))
+    return np.array([steps[k] for k in range(1, STEPS + 1)])
+
+
+def test_single_process_run_learns(reference, read_metrics):
+    path, stdout = reference
+    assert "done: world_size 1" in stdout
+    accuracy = float(re.search(r"val_accuracy (\S+)$", stdout.strip()).group(1))
+    assert accuracy > 0.9
+    curve = losses(read_metrics, path)
+    assert curve[-5:].mean() < 0.5 * curve[:5].mean()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("launcher", LAUNCHERS)
+def test_two_ranks_reproduce_one_process_under(launcher, launch, tmp_path, reference,
+                                               read_metrics):
+    job = launch(launcher, 2, example_args(tmp_path, launcher))
+    assert job.returncode == 0, job
+    # print0: the summary and every epoch line appear once, not once per rank.
+    assert job.stdout.count("done: world_size 2 ") == 1, job
+    assert len(re.findall(r"^epoch 1 ", job.stdout, re.M)) == 1, job
+    ref = losses(read_metrics, reference[0])
+    got = losses(read_metrics, tmp_path / f"{launcher}.jsonl")
+    deviation = np.max(np.abs(got - ref) / np.abs(ref))
+    assert deviation <= TOLERANCE, f"max relative per-step deviation {deviation:.2e}"
+    # ...and the same weights: the final validation accuracy matches to the sample.
+    acc = lambda out: re.search(r"val_accuracy (\S+)$", out.strip()).group(1)  # noqa: E731
+    assert acc(job.stdout) == acc(reference[1])

@@ -1,0 +1,50 @@
+"""Bad input and failing ranks: a clear error, a non-zero exit, and never a hang."""
+
+import pytest
+
+EXAMPLE = "examples/train_digits.py"
+
+
+def test_unknown_backend_lists_the_valid_ones(launch):
+    job = launch("python", 1, [EXAMPLE, "--backend", "horovod-mxnet", "--steps", "1"])
+    assert job.returncode == 2, job
+    assert "unknown backend 'horovod-mxnet'" in job.stderr
+    assert "horovod-torch, horovod-tf, jax-pmap, jax-pjit" in job.stderr
+
+
+def test_mismatched_slurm_environment_is_refused(launch):
+    job = launch("python", 1, [EXAMPLE, "--steps", "1"],
+                 env={"SLURM_JOB_ID": "99", "SLURM_NTASKS": "2", "SLURM_PROCID": "0"})
+    assert job.returncode == 2, job
+    assert "SLURM_NTASKS=2" in job.stderr and "srun -n 2" in job.stderr
+
+
+def test_missing_horovod_support_says_what_to_install(launch, tmp_path):
+    # A real missing module: None in sys.modules makes 'import horovod.torch' raise ImportError.
+    shim = ("import runpy, sys; sys.modules['horovod.torch'] = None; "
+            f"sys.argv = [{EXAMPLE!r}, '--steps', '1']; "
+            f"runpy.run_path({EXAMPLE!r}, run_name='__main__')")
+    job = launch("python", 1, ["-c", shim])
+    assert job.returncode == 2, job
+    assert "needs Horovod built with PyTorch support" in job.stderr
+    assert "tools/install.sh" in job.stderr
+
+
+@pytest.mark.slow
+def test_batch_not_divisible_by_world_size(launch):
+    job = launch("horovodrun-gloo", 2, [EXAMPLE, "--batch-size", "63", "--steps", "2"])
+    assert job.returncode != 0, job
+    assert "global batch size 63 is not divisible by the world size 2" in job.stderr
+    assert "such as 62 or 64" in job.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("launcher", ["horovodrun-gloo", "mpirun", "srun"])
+@pytest.mark.parametrize("mode", ["raise", "kill"])
+def test_a_failing_rank_ends_the_whole_job(launch, launcher, mode):
+    job = launch(launcher, 2, ["tests/scripts/crash_rank.py"], timeout=90,
+                 env={"CRASH_RANK": "1", "CRASH_STEP": "5", "CRASH_MODE": mode})
+    assert job.returncode != 0, job
+    assert job.seconds < 60, job
+    if mode == "raise":
+        assert "[rank 1/2]" in job.stderr and "injected failure on rank 1" in job.stderr, job

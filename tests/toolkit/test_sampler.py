@@ -1,0 +1,120 @@
+"""The shared sampler: global minibatches are those of sequential training, at any world size."""
+
+import numpy as np
+import pytest
+
+from toolkit import GlobalBatchSampler, ToolkitError, shard_indices
+
+
+def local_batches(n, b, world, rank, **kw):
+    return [x.tolist() for x in GlobalBatchSampler(n, b, world_size=world, rank=rank, **kw)]
+
+
+def test_published_example_24_samples_batch_8_two_ranks():
+    rank0 = local_batches(24, 8, 2, 0, shuffle=False)
+    rank1 = local_batches(24, 8, 2, 1, shuffle=False)
+    assert rank0[1] == [8, 10, 12, 14]
+    assert rank1[1] == [9, 11, 13, 15]
+    assert len(rank0) == len(rank1) == 3
+
+
+@pytest.mark.parametrize("world", [1, 2, 4, 8])
+@pytest.mark.parametrize("n, drop_last", [(100, True), (100, False), (97, True), (97, False)])
+def test_global_batches_do_not_depend_on_world_size(world, n, drop_last):
+    reference = GlobalBatchSampler(n, 16, seed=3, drop_last=drop_last)
+    for epoch in range(3):
+        samplers = [GlobalBatchSampler(n, 16, world_size=world, rank=r, seed=3,
+                                       drop_last=drop_last) for r in range(world)]
+        for s in samplers:
+            s.set_epoch(epoch)
+        per_rank = [list(s) for s in samplers]
+        assert len({len(p) for p in per_rank}) == 1
+        for step, expected in enumerate(reference.global_batch(epoch, k) for k in
+                                        range(len(reference))):
+            got = np.concatenate([per_rank[r][step] for r in range(world)])
+            assert sorted(got.tolist()) == sorted(expected.tolist())
+            assert all(len(per_rank[r][step]) == 16 // world for r in range(world))
+
+
+def test_every_rank_shuffles_identically_and_epochs_differ():
+    a = GlobalBatchSampler(64, 8, seed=1)
+    e0, e1 = a.epoch_order(0), a.epoch_order(1)
+    assert not np.array_equal(e0, e1)
+    assert np.array_equal(GlobalBatchSampler(64, 8, seed=1, world_size=4, rank=3).epoch_order(0),
+                          e0)
+    assert not np.array_equal(GlobalBatchSampler(64, 8, seed=2).epoch_order(0), e0)
+
+
+def test_iteration_moves_to_the_next_epoch_by_itself():
+    s = GlobalBatchSampler(32, 8, seed=0)
+    first = [b.tolist() for b in s]
+    assert (s.epoch, s.step) == (1, 0)
+    second = [b.tolist() for b in s]
+    assert first != second
+    assert second == [s.global_batch(1, k).tolist() for k in range(4)]
+
+
+def test_drop_last_drops_the_remainder_and_padding_wraps_around():
+    dropped = GlobalBatchSampler(10, 4, shuffle=False, drop_last=True)
+    assert len(dropped) == 2 and sorted(np.concatenate(list(dropped))) == list(range(8))
+    padded = GlobalBatchSampler(10, 4, shuffle=False, drop_last=False)
+    batches = [b.tolist() for b in padded]
+    assert batches == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 0, 1]]
+    tiny = GlobalBatchSampler(3, 8, shuffle=False, drop_last=False)
+    assert [b.tolist() for b in tiny] == [[0, 1, 2, 0, 1, 2, 0, 1]]
+
+
+@pytest.mark.parametrize("resume_world", [1, 2, 4])
+def test_state_round_trip_resumes_mid_epoch_on_another_world_size(resume_world):
+    s = GlobalBatchSampler(100, 8, world_size=2, rank=0, seed=5)
+    it = iter(s)
+    for _ in range(30):  # 12 steps per epoch: ends in epoch 2, step 6
+        try:
+            next(it)
+        except StopIteration:
+            it = iter(s)
+            next(it)
+    state = s.state_dict()
+    assert (state["epoch"], state["step"]) == (2, 6)
+    resumed = [GlobalBatchSampler(100, 8, world_size=resume_world, rank=r, seed=5)
+               for r in range(resume_world)]
+    for r in resumed:
+        r.load_state_dict(state)
+    rest = [list(r) for r in resumed]
+    expected = [s.global_batch(2, k) for k in range(6, 12)]
+    assert len(rest[0]) == 6
+    for step, batch in enumerate(expected):
+        got = np.concatenate([rest[r][step] for r in range(resume_world)])
+        assert sorted(got.tolist()) == sorted(batch.tolist())
+
+
+def test_state_from_other_data_or_seed_is_refused():
+    state = GlobalBatchSampler(100, 8, seed=5).state_dict()
+    with pytest.raises(ToolkitError, match="seed=5"):
+        GlobalBatchSampler(100, 8, seed=6).load_state_dict(state)
+    with pytest.raises(ToolkitError, match="num_samples=100"):
+        GlobalBatchSampler(90, 8, seed=5).load_state_dict(state)
+
+
+def test_batch_not_divisible_by_world_size_is_a_clear_error():
+    with pytest.raises(ToolkitError) as err:
+        GlobalBatchSampler(100, 10, world_size=4)
+    text = str(err.value)
+    assert "10 is not divisible by the world size 4" in text and "such as 8 or 12" in text
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(num_samples=0, global_batch_size=4), "empty"),
+    (dict(num_samples=10, global_batch_size=0), "must be positive"),
+    (dict(num_samples=10, global_batch_size=16), "larger than the data set"),
+    (dict(num_samples=10, global_batch_size=4, world_size=2, rank=2), "rank 2 is outside"),
+])
+def test_bad_arguments(kwargs, match):
+    with pytest.raises(ToolkitError, match=match):
+        GlobalBatchSampler(**kwargs)
+
+
+def test_evaluation_shards_cover_everything_once():
+    shards = [shard_indices(11, 4, r) for r in range(4)]
+    assert sorted(np.concatenate(shards).tolist()) == list(range(11))
+    assert [len(s) for s in shards] == [3, 3, 3, 2]

@@ -1,0 +1,73 @@
+"""The adapter contract: what every backend implements, with one signature everywhere.
+
+A backend adapter owns its framework's communicator, model and optimizer; the Trainer owns the
+loop, the sampler, metrics, checkpoints and printing. Data crosses the boundary as numpy arrays
+and floats, state as named numpy arrays (the checkpoint format's names), so the Trainer never
+imports a framework.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol, runtime_checkable
+
+import numpy as np
+
+from toolkit._env import LaunchEnv
+from toolkit._specs import OptimizerSpec
+
+
+@runtime_checkable
+class Adapter(Protocol):
+    """One backend. Methods are called in this order: setup, build, then steps and collectives,
+    then shutdown.
+
+    Attributes:
+        name: the backend's registry name, e.g. ``horovod-torch``.
+    """
+
+    name: str
+
+    def setup(self, env: LaunchEnv) -> None:
+        """Initialises the framework's communicator for ``env``; checks it agrees with ``env``."""
+
+    def build(self, model: Any, optimizer: OptimizerSpec | Any, loss: str, *,
+              seed: int = 0, accumulation_steps: int = 1) -> None:
+        """Builds the model and optimizer and makes rank 0's initial state everyone's.
+
+        Args:
+            model: a spec (e.g. :class:`toolkit.MLP`, initialised from ``seed``) or the
+                framework's native model.
+            optimizer: an optimizer spec, or the framework's native optimizer.
+            loss: ``cross_entropy`` or ``mse``.
+            seed: seeds the spec's numpy initialisation.
+            accumulation_steps: micro-batches each local batch is split into; gradients are
+                summed over them and averaged across ranks once per step.
+        """
+
+    def train_step(self, x: np.ndarray, y: np.ndarray, lr: float) -> float:
+        """One optimizer step on this rank's local batch; returns the local mean loss.
+
+        Gradients are averaged across ranks before the update, so every rank applies the same
+        update. ``lr`` is this step's learning rate (the Trainer evaluates schedules).
+        """
+
+    def evaluate(self, x: np.ndarray, y: np.ndarray) -> dict[str, float]:
+        """Local sums over ``x``: ``loss_sum``, ``correct`` (classification) and ``count``."""
+
+    def allreduce(self, values: np.ndarray, op: str = "mean") -> np.ndarray:
+        """Reduces a host array across ranks (``mean`` or ``sum``); every rank gets the result."""
+
+    def broadcast(self, values: np.ndarray, root: int = 0) -> np.ndarray:
+        """Rank ``root``'s copy of a host array, on every rank."""
+
+    def barrier(self) -> None:
+        """Returns once every rank has called it."""
+
+    def state_dict(self) -> dict[str, np.ndarray]:
+        """Model and optimizer state as named host arrays (``params/...``, ``opt/...``)."""
+
+    def load_state_dict(self, state: dict[str, np.ndarray]) -> None:
+        """Replaces model and optimizer state with ``state`` (from :meth:`state_dict`)."""
+
+    def shutdown(self) -> None:
+        """Releases the communicator."""

@@ -1,0 +1,195 @@
+"""Framework-neutral descriptions of a model, an optimizer, a schedule and a loss.
+
+A spec is plain data. Its parameters are initialised once, in numpy, from a seed, and every
+backend builds the same function from the same arrays: that is what makes equivalence across
+frameworks something a test can prove rather than hope for.
+
+Parameter names and layouts are the checkpoint format's: ``layers.{i}.kernel`` has shape
+``(fan_in, fan_out)`` (``y = x @ kernel + bias``); a backend whose framework stores weights the
+other way round (torch's ``Linear``) transposes when it imports and exports.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+
+from toolkit._errors import ToolkitError
+
+ACTIVATIONS = ("relu", "tanh")
+LOSSES = ("cross_entropy", "mse")
+DTYPES = ("float32", "float64")
+
+
+def check_choice(kind: str, value: object, valid: tuple[str, ...]) -> None:
+    """Raises a ToolkitError naming ``value`` when it is not one of ``valid``."""
+    if value not in valid:
+        raise ToolkitError(f"unknown {kind} {value!r}", f"use one of: {', '.join(valid)}")
+
+
+@dataclasses.dataclass(frozen=True)
+class MLP:
+    """A multi-layer perceptron: dense layers with an activation between them (not after the last).
+
+    Args:
+        sizes: layer widths from input to output, e.g. ``(64, 128, 10)``.
+        activation: ``relu`` or ``tanh``.
+
+    Example:
+        >>> params = MLP((64, 128, 10)).init(seed=0)
+        >>> sorted((k, v.shape) for k, v in params.items())[:2]
+        [('layers.0.bias', (128,)), ('layers.0.kernel', (64, 128))]
+    """
+
+    sizes: tuple[int, ...]
+    activation: str = "relu"
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "sizes", tuple(int(s) for s in self.sizes))
+        if len(self.sizes) < 2 or min(self.sizes) < 1:
+            raise ToolkitError(f"MLP sizes {self.sizes} need at least an input and an output "
+                               "width, all positive", "for digits use e.g. MLP((64, 128, 10))")
+        check_choice("activation", self.activation, ACTIVATIONS)
+
+    def init(self, seed: int, dtype: str = "float32") -> dict[str, np.ndarray]:
+        """Initial parameters, the same on every machine for the same seed.
+
+        Uniform in ``±1/sqrt(fan_in)`` for kernels and biases (PyTorch's default for Linear).
+        """
+        check_choice("dtype", dtype, DTYPES)
+        rng = np.random.default_rng(seed)
+        params = {}
+        for i, (fan_in, fan_out) in enumerate(zip(self.sizes[:-1], self.sizes[1:], strict=True)):
+            bound = 1.0 / math.sqrt(fan_in)
+            kernel = rng.uniform(-bound, bound, (fan_in, fan_out))
+            params[f"layers.{i}.kernel"] = kernel.astype(dtype)
+            params[f"layers.{i}.bias"] = rng.uniform(-bound, bound, (fan_out,)).astype(dtype)
+        return params
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.sizes) - 1
+
+    def apply(self, params: dict[str, np.ndarray], x: np.ndarray) -> np.ndarray:
+        """The forward pass in numpy (the reference backends are checked against)."""
+        return self._forward(params, x)[0][-1]
+
+    def _forward(self, params, x):
+        hs, zs = [x], []
+        for i in range(self.num_layers):
+            zs.append(hs[-1] @ params[f"layers.{i}.kernel"] + params[f"layers.{i}.bias"])
+            last = i == self.num_layers - 1
+            hs.append(zs[-1] if last else
+                      np.maximum(zs[-1], 0) if self.activation == "relu" else np.tanh(zs[-1]))
+        return hs, zs
+
+    def loss_and_grads(self, params: dict[str, np.ndarray], x: np.ndarray, y: np.ndarray,
+                       loss: str = "cross_entropy") -> tuple[float, dict[str, np.ndarray]]:
+        """Mean loss over the batch and its gradients, by hand in numpy (the reference)."""
+        check_choice("loss", loss, LOSSES)
+        hs, zs = self._forward(params, x)
+        out, n = hs[-1], len(x)
+        if loss == "cross_entropy":
+            p = np.exp(out - out.max(1, keepdims=True))
+            p /= p.sum(1, keepdims=True)
+            value = -np.log(p[np.arange(n), y]).mean()
+            dz = p
+            dz[np.arange(n), y] -= 1
+            dz /= n
+        else:
+            diff = out - y.reshape(out.shape)
+            value = (diff ** 2).mean()
+            dz = 2 * diff / diff.size
+        grads = {}
+        for i in reversed(range(self.num_layers)):
+            grads[f"layers.{i}.kernel"] = hs[i].T @ dz
+            grads[f"layers.{i}.bias"] = dz.sum(0)
+            if i:
+                dh = dz @ params[f"layers.{i}.kernel"].T
+                dz = dh * (zs[i - 1] > 0) if self.activation == "relu" else dh * (1 - hs[i] ** 2)
+        return float(value), grads
+
+
+@dataclasses.dataclass(frozen=True)
+class WarmupCosine:
+    """Linear warm-up from 0 to ``peak`` over ``warmup_steps``, then cosine decay to ``end``.
+
+    Evaluated on the host in float64, so every backend sees the same learning rate each step.
+    """
+
+    peak: float
+    warmup_steps: int
+    total_steps: int
+    end: float = 0.0
+
+    def __call__(self, step: int) -> float:
+        if step < self.warmup_steps:
+            return self.peak * (step + 1) / self.warmup_steps
+        span = max(1, self.total_steps - self.warmup_steps)
+        t = min(1.0, (step - self.warmup_steps) / span)
+        return self.end + 0.5 * (self.peak - self.end) * (1.0 + math.cos(math.pi * t))
+
+
+Schedule = float | WarmupCosine
+
+
+@dataclasses.dataclass(frozen=True)
+class SGD:
+    """SGD with optional (Nesterov) momentum and L2 weight decay added to the gradient.
+
+    ``buf = momentum * buf + (grad + weight_decay * param)``; ``param -= lr * buf``
+    (``grad + momentum * buf`` for Nesterov): torch.optim.SGD's arithmetic, dampening 0.
+    """
+
+    lr: Schedule
+    momentum: float = 0.0
+    nesterov: bool = False
+    weight_decay: float = 0.0
+
+    @property
+    def name(self) -> str:
+        return "sgd"
+
+
+@dataclasses.dataclass(frozen=True)
+class Adam:
+    """Adam; with ``decoupled=True`` AdamW (decay applied to the parameter, scaled by lr).
+
+    Update, with bias corrections ``c1 = 1 - b1**t`` and ``c2 = 1 - b2**t`` computed on the host
+    in double precision (as torch.optim does):
+    ``param -= lr / c1 * m / (sqrt(v) / sqrt(c2) + eps)``.
+    ``eps`` is added outside the square root. Coupled ``weight_decay`` adds ``wd * param`` to the
+    gradient; decoupled multiplies the parameter by ``1 - lr * wd`` first.
+    """
+
+    lr: Schedule
+    b1: float = 0.9
+    b2: float = 0.999
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    decoupled: bool = False
+
+    @property
+    def name(self) -> str:
+        return "adamw" if self.decoupled else "adam"
+
+
+OptimizerSpec = SGD | Adam
+
+
+def learning_rate(optimizer: OptimizerSpec, step: int) -> float:
+    """The learning rate of ``optimizer`` at (0-based) ``step``."""
+    lr = optimizer.lr
+    return float(lr(step)) if callable(lr) else float(lr)
+
+
+def lr_scale(mode: str, world_size: int) -> float:
+    """The factor ``none`` (1), ``linear`` (N) or ``sqrt`` (sqrt N) for N ranks.
+
+    Scaling is for users who grow the global batch with the world size (weak scaling); with a
+    fixed global batch keep ``none``, or the result depends on how many ranks ran it.
+    """
+    check_choice("lr scaling", mode, ("none", "linear", "sqrt"))
+    return {"none": 1.0, "linear": float(world_size), "sqrt": math.sqrt(world_size)}[mode]

@@ -1,0 +1,338 @@
+"""The Trainer: the one training loop every backend shares."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from toolkit._checkpoint import Checkpoint, CheckpointError, CheckpointStore, read_checkpoint
+from toolkit._contract import Adapter
+from toolkit._env import LaunchEnv
+from toolkit._errors import ToolkitError
+from toolkit._rank0 import current_env, print0
+from toolkit._sampler import GlobalBatchSampler, shard_indices
+from toolkit._specs import LOSSES, OptimizerSpec, check_choice, learning_rate, lr_scale
+
+
+@dataclasses.dataclass
+class History:
+    """What :meth:`Trainer.fit` returns, the same on every rank.
+
+    Attributes:
+        losses: the training loss of each step this run made, averaged across ranks.
+        epochs: one dict per finished epoch: ``epoch``, ``step``, ``loss`` (mean over the
+            epoch's steps), ``val_loss``/``val_accuracy`` when validation data was given,
+            ``seconds``.
+        first_step: the global step the run started from (non-zero after a resume).
+        world_size: how many ranks ran it.
+    """
+
+    losses: list[float] = dataclasses.field(default_factory=list)
+    epochs: list[dict[str, float]] = dataclasses.field(default_factory=list)
+    first_step: int = 0
+    world_size: int = 1
+
+    @property
+    def final_loss(self) -> float:
+        return self.losses[-1] if self.losses else math.nan
+
+
+class _Progress:
+    """A one-line progress display on rank 0, only when stderr is a terminal."""
+
+    def __init__(self, enabled: bool):
+        self.enabled = enabled and sys.stderr.isatty()
+        self._last = 0.0
+
+    def update(self, epoch: int, done: int, total: int, loss: float) -> None:
+        now = time.monotonic()
+        if self.enabled and (now - self._last > 0.2 or done == total):
+            self._last = now
+            sys.stderr.write(f"\r  epoch {epoch}  {done}/{total} steps  loss {loss:.4f} ")
+            sys.stderr.flush()
+
+    def clear(self) -> None:
+        if self.enabled:
+            sys.stderr.write("\r\033[K")
+            sys.stderr.flush()
+
+
+class Trainer:
+    """Data-parallel training with any backend adapter, the same loop for all of them.
+
+    The global batch is split by a :class:`GlobalBatchSampler`; the adapter averages gradients
+    across ranks; step losses are averaged across ranks before anyone prints them, and only
+    global rank 0 prints and writes files.
+
+    Args:
+        adapter: a backend, from ``adapters.get(name)``.
+        model: a model spec (``toolkit.MLP``) or the backend's native model.
+        optimizer: an optimizer spec (``toolkit.SGD``/``toolkit.Adam``) or a native one.
+        loss: ``cross_entropy`` (integer labels) or ``mse``.
+        global_batch_size: samples per step over all ranks; the world size must divide it.
+        epochs: passes over the training data (ignored when ``max_steps`` is given).
+        max_steps: stop after this many global steps instead.
+        seed: seeds the model initialisation and the sampler's shuffling.
+        shuffle, drop_last: see :class:`GlobalBatchSampler`.
+        lr_scaling: ``none``, ``linear`` or ``sqrt`` multiplies the learning rate by 1, N or
+            sqrt(N) for N ranks (for weak scaling, where the global batch grows with N).
+        accumulation_steps: split each local batch into this many micro-batches and sum their
+            gradients before the one allreduce of the step (same result, less memory).
+        checkpoint_dir: where checkpoints go (shared storage for multi-node jobs).
+        checkpoint_every: checkpoint every this many steps (and at the end of training).
+        checkpoint_every_seconds: or every this many seconds of training.
+        keep: how many checkpoints to keep.
+        resume: ``"latest"`` (newest intact checkpoint in ``checkpoint_dir``, or a fresh start
+            when there is none yet) or the path of a checkpoint directory.
+        async_checkpoint: write checkpoints in a background thread.
+        metrics_log: a JSON-lines file rank 0 appends step and epoch records to.
+        log_every: also print a line every this many steps (0: once per epoch).
+        progress: show a progress line on rank 0 when stderr is a terminal.
+        env: the launch environment; detected when omitted.
+    """
+
+    def __init__(
+        self,
+        adapter: Adapter,
+        model: Any,
+        optimizer: OptimizerSpec | Any,
+        *,
+        loss: str = "cross_entropy",
+        global_batch_size: int,
+        epochs: int = 1,
+        max_steps: int | None = None,
+        seed: int = 0,
+        shuffle: bool = True,
+        drop_last: bool = True,
+        lr_scaling: str = "none",
+        accumulation_steps: int = 1,
+        checkpoint_dir: str | os.PathLike | None = None,
+        checkpoint_every: int | None = None,
+        checkpoint_every_seconds: float | None = None,
+        keep: int = 3,
+        resume: str | os.PathLike | None = None,
+        async_checkpoint: bool = False,
+        metrics_log: str | os.PathLike | None = None,
+        log_every: int = 0,
+        progress: bool = True,
+        env: LaunchEnv | None = None,
+    ):
+        check_choice("loss", loss, LOSSES)
+        if not isinstance(adapter, Adapter):
+            raise ToolkitError(f"{adapter!r} is not a backend adapter",
+                               "pass adapters.get('horovod-torch') (or another backend name)")
+        if accumulation_steps < 1:
+            raise ToolkitError(f"accumulation_steps={accumulation_steps} must be >= 1",
+                               "use 1 for no gradient accumulation")
+        if resume is not None and checkpoint_dir is None and str(resume) == "latest":
+            raise ToolkitError("resume='latest' needs a checkpoint directory",
+                               "pass --checkpoint-dir DIR together with --resume latest")
+        self.adapter = adapter
+        self.model, self.optimizer, self.loss = model, optimizer, loss
+        self.global_batch_size = global_batch_size
+        self.epochs, self.max_steps = epochs, max_steps
+        self.seed, self.shuffle, self.drop_last = seed, shuffle, drop_last
+        self.lr_scaling, self.accumulation_steps = lr_scaling, accumulation_steps
+        self.checkpoint_dir = checkpoint_dir
+        self.checkpoint_every = checkpoint_every
+        self.checkpoint_every_seconds = checkpoint_every_seconds
+        self.keep, self.resume, self.async_checkpoint = keep, resume, async_checkpoint
+        self.metrics_log = Path(metrics_log) if metrics_log else None
+        self.log_every, self.progress = log_every, progress
+        self.env = env or current_env()
+        lr_scale(lr_scaling, 1)  # validates the name before any process group exists
+        self.global_step = 0
+        self._setup_done = False
+
+    # ------------------------------------------------------------------------ set-up
+    def _setup(self, num_samples: int) -> None:
+        env = self.env
+        self.sampler = GlobalBatchSampler(
+            num_samples, self.global_batch_size, world_size=env.world_size, rank=env.rank,
+            shuffle=self.shuffle, seed=self.seed, drop_last=self.drop_last)
+        if self.sampler.local_batch_size % self.accumulation_steps:
+            raise ToolkitError(
+                f"the local batch of {self.sampler.local_batch_size} samples (global "
+                f"{self.global_batch_size} / {env.world_size} ranks) does not split into "
+                f"accumulation_steps={self.accumulation_steps} micro-batches",
+                "choose a global batch divisible by world size x accumulation steps")
+        self.adapter.setup(env)
+        self.adapter.build(self.model, self.optimizer, self.loss, seed=self.seed,
+                           accumulation_steps=self.accumulation_steps)
+        self.store = (CheckpointStore(self.checkpoint_dir, keep=self.keep, rank=env.rank)
+                      if self.checkpoint_dir is not None else None)
+        if self.resume is not None:
+            self._restore()
+        self._setup_done = True
+
+    def _restore(self) -> None:
+        ckpt = self._find_checkpoint()
+        if ckpt is None:
+            print0(f"no checkpoint in {self.checkpoint_dir} yet: starting from step 0",
+                   env=self.env)
+            return
+        expected = self.adapter.state_dict()
+        missing = sorted(set(expected) - set(ckpt.tensors))
+        extra = sorted(set(ckpt.tensors) - set(expected))
+        wrong = sorted(n for n in set(expected) & set(ckpt.tensors)
+                       if expected[n].shape != ckpt.tensors[n].shape)
+        if missing or extra or wrong:
+            details = "; ".join(f"{what}: {', '.join(names[:5])}" for what, names in
+                                (("missing", missing), ("unexpected", extra),
+                                 ("wrong shape", wrong)) if names)
+            raise CheckpointError(f"checkpoint {ckpt.path} does not fit this model ({details})",
+                                  "resume with the model and optimizer that wrote it")
+        self.adapter.load_state_dict(
+            {n: a.astype(expected[n].dtype, copy=False) for n, a in ckpt.tensors.items()})
+        self.sampler.load_state_dict(ckpt.meta["sampler"])
+        self.global_step = ckpt.step
+        print0(f"resumed from {ckpt.path} (step {ckpt.step}, written by "
+               f"{ckpt.meta.get('backend')} on {ckpt.meta.get('world_size')} ranks)",
+               env=self.env)
+
+    def _find_checkpoint(self) -> Checkpoint | None:
+        if str(self.resume) != "latest":
+            return read_checkpoint(Path(self.resume))
+        assert self.store is not None
+        if not self.store.checkpoints():
+            return None
+        return self.store.load("latest")
+
+    # ------------------------------------------------------------------------ the loop
+    def fit(self, x: np.ndarray, y: np.ndarray,
+            validation: tuple[np.ndarray, np.ndarray] | None = None) -> History:
+        """Trains on ``(x, y)``; evaluates on ``validation`` after each epoch.
+
+        Every rank passes the whole data set; the sampler picks each rank's samples.
+        """
+        if len(x) != len(y):
+            raise ToolkitError(f"x has {len(x)} samples but y has {len(y)}",
+                               "pass inputs and labels of the same length")
+        if not self._setup_done:
+            self._setup(len(x))
+        env, sampler = self.env, self.sampler
+        total = self.max_steps if self.max_steps is not None else self.epochs * len(sampler)
+        scale = lr_scale(self.lr_scaling, env.world_size)
+        history = History(first_step=self.global_step, world_size=env.world_size)
+        progress = _Progress(self.progress and env.rank == 0)
+        last_ckpt_time = time.monotonic()
+        pending: list[float] = []  # local losses not yet averaged across ranks
+
+        def flush() -> None:
+            if pending:
+                averaged = self.adapter.allreduce(np.asarray(pending, np.float64), "mean")
+                first = self.global_step - len(pending)
+                history.losses.extend(float(v) for v in averaged)
+                self._log_records({"event": "step", "step": first + i + 1, "loss": float(v)}
+                                  for i, v in enumerate(averaged))
+                pending.clear()
+
+        while self.global_step < total:
+            epoch, epoch_start = sampler.epoch, time.monotonic()
+            first_in_epoch = len(history.losses) + len(pending)
+            for idx in sampler:
+                lr = learning_rate(self.optimizer, self.global_step) * scale \
+                    if not _is_native(self.optimizer) else None
+                loss = self.adapter.train_step(x[idx], y[idx], lr)
+                pending.append(loss)
+                self.global_step += 1
+                progress.update(epoch, sampler.step, len(sampler), loss)
+                if self.log_every and self.global_step % self.log_every == 0:
+                    flush()
+                    print0(f"step {self.global_step}  loss {history.losses[-1]:.4f}", env=env)
+                if self._checkpoint_due(last_ckpt_time):
+                    self.save_checkpoint()
+                    last_ckpt_time = time.monotonic()
+                if self.global_step >= total:
+                    break
+            flush()
+            progress.clear()
+            if sampler.step == 0:  # the epoch ran to its end
+                record = self._end_epoch(epoch, history.losses[first_in_epoch:], validation,
+                                         time.monotonic() - epoch_start)
+                history.epochs.append(record)
+        if self.store is not None:
+            if not self.store.checkpoints() or self._last_saved != self.global_step:
+                self.save_checkpoint()
+            self.store.wait()
+        return history
+
+    _last_saved = -1
+
+    def _checkpoint_due(self, last_time: float) -> bool:
+        if self.store is None:
+            return False
+        if self.checkpoint_every and self.global_step % self.checkpoint_every == 0:
+            return True
+        if self.checkpoint_every_seconds is not None:
+            # Every rank must agree, or rank 0 would save while others move on: rank 0's clock
+            # decides, and the decision is broadcast only on the steps that ask.
+            due = float(time.monotonic() - last_time >= self.checkpoint_every_seconds)
+            return bool(self.adapter.broadcast(np.asarray([due]), 0)[0])
+        return False
+
+    def save_checkpoint(self) -> Path | None:
+        """Writes the current state (rank 0 writes replicated state; returns its path there)."""
+        if self.store is None:
+            raise ToolkitError("no checkpoint directory was given", "pass checkpoint_dir=...")
+        meta = {
+            "epoch": self.sampler.epoch,
+            "sampler": self.sampler.state_dict(),
+            "world_size": self.env.world_size,
+            "backend": self.adapter.name,
+            "layout": "data_parallel",
+            "rng": {"seed": self.seed},
+        }
+        self._last_saved = self.global_step
+        return self.store.save(self.global_step, self.adapter.state_dict(), meta,
+                               blocking=not self.async_checkpoint)
+
+    def _end_epoch(self, epoch: int, losses: list[float], validation, seconds: float) -> dict:
+        record: dict[str, float] = {"epoch": epoch, "step": self.global_step,
+                                    "loss": float(np.mean(losses)) if losses else math.nan,
+                                    "seconds": round(seconds, 4)}
+        if validation is not None:
+            record.update(self.evaluate(*validation))
+        line = f"epoch {epoch + 1}  step {self.global_step}  loss {record['loss']:.4f}"
+        if validation is not None:
+            line += f"  val_loss {record['val_loss']:.4f}"
+            if "val_accuracy" in record:
+                line += f"  val_accuracy {record['val_accuracy']:.4f}"
+        print0(line + f"  ({seconds:.2f} s)", env=self.env)
+        self._log_records([{"event": "epoch", **record}])
+        return record
+
+    def evaluate(self, x: np.ndarray, y: np.ndarray) -> dict[str, float]:
+        """Loss (and accuracy for classification) over all of ``(x, y)``, split across ranks.
+
+        Each rank evaluates its strided share; sums are added across ranks, so the result is
+        exactly that of one process evaluating everything.
+        """
+        idx = shard_indices(len(x), self.env.world_size, self.env.rank)
+        local = self.adapter.evaluate(x[idx], y[idx]) if len(idx) else {}
+        keys = ("loss_sum", "correct", "count")
+        sums = self.adapter.allreduce(np.asarray([local.get(k, 0.0) for k in keys]), "sum")
+        out = {"val_loss": float(sums[0] / sums[2])}
+        if self.loss == "cross_entropy":
+            out["val_accuracy"] = float(sums[1] / sums[2])
+        return out
+
+    def _log_records(self, records) -> None:
+        if self.metrics_log is None or self.env.rank != 0:
+            return
+        self.metrics_log.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.metrics_log, "a") as f:
+            for record in records:
+                f.write(json.dumps({"time": round(time.time(), 3), **record}) + "\n")
+
+
+def _is_native(optimizer: Any) -> bool:
+    return not isinstance(optimizer, OptimizerSpec)
