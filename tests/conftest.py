@@ -101,3 +101,18 @@ def read_metrics():
                 "epochs": [r for r in records if r["event"] == "epoch"]}
 
     return read
+
+
+@pytest.fixture
+def sbatch(slurm_cluster, tmp_path):
+    """``sbatch(script, args, ntasks=2) -> (returncode, job output)``: submits and waits."""
+
+    def submit(script: str, args: list[str], ntasks: int = 2, timeout: float = 300):
+        out = tmp_path / "slurm-job.out"
+        env = child_env({**slurm_cluster, "TOOLKIT_VENV": str(BIN.parent)})
+        proc = subprocess.run(["sbatch", "--wait", f"--ntasks={ntasks}", f"--output={out}",
+                               script, *args], cwd=ROOT, env=env, capture_output=True,
+                              text=True, timeout=timeout)
+        return proc.returncode, (out.read_text() if out.exists() else "") + proc.stderr
+
+    return submit

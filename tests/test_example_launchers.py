@@ -29,6 +29,10 @@ def reference(tmp_path_factory, launch):
     return tmp / "ref.jsonl", job.stdout
 
 
+def final_accuracy(stdout):
+    return re.search(r"done: .* val_accuracy (\d+\.\d+)", stdout).group(1)
+
+
 def losses(read_metrics, path):
     steps = read_metrics(path)["steps"]
     assert sorted(steps) == list(range(1, STEPS + 1))
@@ -38,8 +42,7 @@ def losses(read_metrics, path):
 def test_single_process_run_learns(reference, read_metrics):
     path, stdout = reference
     assert "done: world_size 1" in stdout
-    accuracy = float(re.search(r"val_accuracy (\S+)$", stdout.strip()).group(1))
-    assert accuracy > 0.9
+    assert float(final_accuracy(stdout)) > 0.9
     curve = losses(read_metrics, path)
     assert curve[-5:].mean() < 0.5 * curve[:5].mean()
 
@@ -52,11 +55,21 @@ def test_two_ranks_reproduce_one_process_under(launcher, launch, tmp_path, refer
     assert job.returncode == 0, job
     # print0: the summary and every epoch line appear once, not once per rank.
     assert job.stdout.count("done: world_size 2 ") == 1, job
-    assert len(re.findall(r"^epoch 1 ", job.stdout, re.M)) == 1, job
+    # (horovodrun prefixes lines with "[0]<stdout>:" or "[1,0]<stdout>:")
+    assert len(re.findall(r"^(?:\[[\d,]+\]<stdout>:)?epoch 1 ", job.stdout, re.M)) == 1, job
     ref = losses(read_metrics, reference[0])
     got = losses(read_metrics, tmp_path / f"{launcher}.jsonl")
     deviation = np.max(np.abs(got - ref) / np.abs(ref))
     assert deviation <= TOLERANCE, f"max relative per-step deviation {deviation:.2e}"
     # ...and the same weights: the final validation accuracy matches to the sample.
-    acc = lambda out: re.search(r"val_accuracy (\S+)$", out.strip()).group(1)  # noqa: E731
-    assert acc(job.stdout) == acc(reference[1])
+    assert final_accuracy(job.stdout) == final_accuracy(reference[1])
+
+
+@pytest.mark.slow
+def test_sbatch_template_trains_on_two_tasks(sbatch, tmp_path, read_metrics, reference):
+    code, output = sbatch("slurm/train_digits.sbatch", example_args(tmp_path, "sbatch")[1:])
+    assert code == 0, output
+    assert output.count("done: world_size 2 ") == 1, output
+    ref = losses(read_metrics, reference[0])
+    got = losses(read_metrics, tmp_path / "sbatch.jsonl")
+    assert np.max(np.abs(got - ref) / np.abs(ref)) <= TOLERANCE

@@ -14,8 +14,8 @@ from toolkit._rank0 import current_env, eprint
 def run(main: Callable[[], object]) -> None:
     """Calls ``main()`` and turns failures into a clear message and a non-zero exit.
 
-    - A :class:`ToolkitError` (bad input) prints ``error: ...`` and its HINT once, from
-      rank 0 (every rank raises the same one), and exits with status 2.
+    - A :class:`ToolkitError` (bad input) prints ``error: ...`` and its HINT (prefixed with
+      the rank in multi-process jobs) and exits with status 2.
     - Any other exception prints the traceback prefixed with the rank that failed and exits
       with status 1 at once, skipping interpreter shutdown: the framework's communicator could
       otherwise wait forever for the other ranks, and the launcher (horovodrun, mpirun, srun)
@@ -29,8 +29,10 @@ def run(main: Callable[[], object]) -> None:
     try:
         main()
     except ToolkitError as err:
-        if env.rank == 0 or not env.is_distributed:
-            eprint(f"error: {err}")
+        # Every rank reports: the launcher may end the job the moment any rank exits, before
+        # rank 0 has had its turn to print.
+        prefix = f"[rank {env.rank}/{env.world_size}] " if env.is_distributed else ""
+        eprint(f"{prefix}error: {err}")
         _exit(2, env.is_distributed)
     except KeyboardInterrupt:
         _exit(130, env.is_distributed)

@@ -162,8 +162,9 @@ def test_unknown_model_and_optimizer_are_clear_errors(backend):
 def test_two_ranks_broadcast_reduce_and_update_identically(backend, launch):
     job = launch("horovodrun-gloo", 2, ["tests/scripts/conformance_worker.py", backend])
     assert job.returncode == 0, job
-    results = sorted((json.loads(line[len("RESULT "):]) for line in job.stdout.splitlines()
-                      if line.startswith("RESULT ")), key=lambda r: r["rank"])
+    # horovodrun prefixes each line with "[rank]<stdout>:".
+    results = sorted((json.loads(line.split("RESULT ", 1)[1]) for line in
+                      job.stdout.splitlines() if "RESULT " in line), key=lambda r: r["rank"])
     assert [r["rank"] for r in results] == [0, 1], job
     r0, r1 = results
     # Rank 1 initialised from another seed; after build it holds rank 0's weights.
