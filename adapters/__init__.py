@@ -14,7 +14,7 @@ from toolkit import Adapter, ToolkitError
 # name -> module implementing it (None: reserved, not implemented yet)
 _REGISTRY: dict[str, str | None] = {
     "horovod-torch": "adapters.horovod_torch",
-    "horovod-tf": None,
+    "horovod-tf": "adapters.horovod_tf",
     "jax-pmap": None,
     "jax-pjit": None,
 }

@@ -1,0 +1,64 @@
+"""The optimizers' arithmetic written once in numpy: the definition every backend must match.
+
+Used as the one-process reference of the equivalence check and in the conformance tests. The
+formulas are torch.optim's (SGD with dampening 0; Adam/AdamW with bias corrections computed in
+double precision on the host and eps outside the square root).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from toolkit._specs import SGD, Adam, OptimizerSpec
+
+
+def optimizer_slots(spec: OptimizerSpec) -> tuple[str, ...]:
+    """The per-parameter state of ``spec``, by neutral name (``opt/<slot>/<param>``)."""
+    if isinstance(spec, Adam):
+        return ("mu", "nu")
+    return ("momentum",) if spec.momentum else ()
+
+
+def init_state(spec: OptimizerSpec, params: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Zero optimizer state with the checkpoint format's names."""
+    state = {f"opt/{slot}/{name}": np.zeros_like(p)
+             for slot in optimizer_slots(spec) for name, p in params.items()}
+    if isinstance(spec, Adam):
+        state["opt/count"] = np.asarray(0, np.int64)
+    return state
+
+
+def adam_scalars(spec: Adam, t: int, lr: float) -> tuple[float, float]:
+    """Adam's host-side scalars for step ``t`` (1-based): ``lr / c1`` and ``sqrt(c2)``."""
+    return lr / (1 - spec.b1 ** t), math.sqrt(1 - spec.b2 ** t)
+
+
+def apply_update(spec: OptimizerSpec, params: dict[str, np.ndarray],
+                 grads: dict[str, np.ndarray], state: dict[str, np.ndarray], lr: float):
+    """One optimizer step; returns new ``(params, state)`` (inputs are not modified)."""
+    params, state = dict(params), dict(state)
+    if isinstance(spec, SGD):
+        for name, p in params.items():
+            g = grads[name] + spec.weight_decay * p if spec.weight_decay else grads[name]
+            if spec.momentum:
+                buf = spec.momentum * state[f"opt/momentum/{name}"] + g
+                state[f"opt/momentum/{name}"] = buf
+                g = g + spec.momentum * buf if spec.nesterov else buf
+            params[name] = p - lr * g
+        return params, state
+    t = int(state["opt/count"]) + 1
+    state["opt/count"] = np.asarray(t, np.int64)
+    step_size, c2_sqrt = adam_scalars(spec, t, lr)
+    for name, p in params.items():
+        g = grads[name]
+        if spec.decoupled:
+            p = p * (1 - lr * spec.weight_decay)
+        elif spec.weight_decay:
+            g = g + spec.weight_decay * p
+        m = spec.b1 * state[f"opt/mu/{name}"] + (1 - spec.b1) * g
+        v = spec.b2 * state[f"opt/nu/{name}"] + (1 - spec.b2) * g * g
+        state[f"opt/mu/{name}"], state[f"opt/nu/{name}"] = m, v
+        params[name] = p - step_size * m / (np.sqrt(v) / c2_sqrt + spec.eps)
+    return params, state
