@@ -15,19 +15,21 @@ from toolkit import Adapter, ToolkitError
 _REGISTRY: dict[str, str | None] = {
     "horovod-torch": "adapters.horovod_torch",
     "horovod-tf": "adapters.horovod_tf",
-    "jax-pmap": None,
-    "jax-pjit": None,
+    "jax-pmap": "adapters.jax_pmap",
+    "jax-pjit": "adapters.jax_pjit",
 }
 BACKENDS = tuple(_REGISTRY)
 IMPLEMENTED = tuple(name for name, module in _REGISTRY.items() if module)
 
 
-def get(name: str, *, dtype: str = "float32") -> Adapter:
+def get(name: str, *, dtype: str = "float32", local_devices: int | None = None) -> Adapter:
     """The adapter for backend ``name``; its framework is imported when it is set up.
 
     Args:
         name: one of :data:`BACKENDS`.
         dtype: ``float32`` or ``float64`` parameters and arithmetic.
+        local_devices: JAX backends only: CPU devices per process (``jax_num_cpu_devices``);
+            None keeps JAX's own count.
 
     Raises:
         ToolkitError: for an unknown name (listing the valid ones) or one not implemented yet.
@@ -39,4 +41,8 @@ def get(name: str, *, dtype: str = "float32") -> Adapter:
     if module is None:
         raise ToolkitError(f"backend {name!r} is not implemented yet",
                            f"implemented backends: {', '.join(IMPLEMENTED)}")
-    return importlib.import_module(module).make_adapter(dtype=dtype)
+    options = {} if local_devices is None else {"local_devices": local_devices}
+    if options and not name.startswith("jax-"):
+        raise ToolkitError(f"local_devices={local_devices} applies to the JAX backends only",
+                           f"drop it for {name!r} (one device per process)")
+    return importlib.import_module(module).make_adapter(dtype=dtype, **options)

@@ -27,6 +27,8 @@ def main() -> None:
     parser.add_argument("--optimizer", choices=("sgd", "adam"), default="sgd")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--dtype", choices=("float32", "float64"), default="float32")
+    parser.add_argument("--local-devices", type=int, default=None,
+                        help="JAX backends: CPU devices per process")
     parser.add_argument("--lr-scaling", choices=("none", "linear", "sqrt"), default="none")
     parser.add_argument("--accumulation-steps", type=int, default=1)
     parser.add_argument("--checkpoint-dir", default=None)
@@ -41,7 +43,7 @@ def main() -> None:
     optimizer = (toolkit.SGD(lr=args.lr, momentum=0.9) if args.optimizer == "sgd"
                  else toolkit.Adam(lr=args.lr))
     trainer = toolkit.Trainer(
-        adapters.get(args.backend, dtype=args.dtype),
+        adapters.get(args.backend, dtype=args.dtype, local_devices=args.local_devices),
         toolkit.MLP((64, 128, 10)),
         optimizer,
         global_batch_size=args.batch_size,

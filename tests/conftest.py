@@ -12,6 +12,10 @@ from pathlib import Path
 
 import pytest
 
+# The JAX backends run on 2 CPU devices in this process, so that in-process conformance tests
+# exercise pmap's pmean and jit's sharded batch for real (set before anything imports JAX).
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+
 ROOT = Path(__file__).resolve().parents[1]
 PYTHON = sys.executable
 BIN = Path(PYTHON).parent
@@ -21,7 +25,8 @@ def child_env(extra: dict | None = None) -> dict:
     env = dict(os.environ)
     # A test process may itself run under a launcher; children must not inherit its identity.
     for key in list(env):
-        if key.startswith(("HOROVOD_", "OMPI_", "PMIX_", "PMI_", "SLURM_STEP", "SLURM_PROCID")):
+        if key.startswith(("HOROVOD_", "OMPI_", "PMIX_", "PMI_", "SLURM_STEP", "SLURM_PROCID",
+                           "XLA_FLAGS")):
             del env[key]
     env.update(PATH=f"{BIN}:{env.get('PATH', '')}", PYTHONUNBUFFERED="1",
                OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",

@@ -1,0 +1,300 @@
+"""What the two JAX backends share: runtime set-up, the Flax model, the optax optimizer,
+host collectives and state naming. Imported only by ``jax_pmap`` and ``jax_pjit``."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import numpy as np
+
+from adapters._common import check_world, missing_framework
+from toolkit import MLP, SGD, Adam, LaunchEnv, ToolkitError
+from toolkit._reference import adam_scalars, optimizer_slots
+from toolkit._specs import DTYPES, check_choice
+
+
+def import_jax(backend: str, env: LaunchEnv, dtype: str, local_devices: int | None):
+    """Imports and configures JAX for ``env``: CPU devices, x64, and the distributed runtime.
+
+    The coordinator comes from the launch environment (horovodrun, srun or mpirun), so the
+    same script needs no JAX-specific flags under any launcher.
+    """
+    try:
+        import jax
+    except ImportError as err:
+        raise missing_framework(backend, "JAX (jax, jaxlib, flax, optax)", err) from err
+    try:
+        if local_devices:
+            jax.config.update("jax_num_cpu_devices", int(local_devices))
+        if dtype == "float64":
+            jax.config.update("jax_enable_x64", True)
+        if env.world_size > 1:
+            jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    except RuntimeError as err:  # the backend already started with other settings
+        raise ToolkitError(f"{backend}: JAX was initialised before the adapter ({err})",
+                           "create the adapter before any other JAX computation") from err
+    if env.world_size > 1 and not jax.distributed.is_initialized():
+        jax.distributed.initialize(coordinator_address=env.coordinator,
+                                   num_processes=env.world_size, process_id=env.rank)
+    if dtype == "float64" and not jax.config.jax_enable_x64:
+        raise ToolkitError(f"{backend} cannot run float64: JAX started without x64",
+                           "set JAX_ENABLE_X64=1, or create the adapter before using JAX")
+    check_world(backend, env, jax.process_count(), jax.process_index())
+    return jax
+
+
+class JaxModel:
+    """The model as a Flax module plus neutral-name mapping of its parameter tree."""
+
+    def __init__(self, model: Any, seed: int, dtype: str, backend: str):
+        import flax.linen as nn
+        from flax import traverse_util
+
+        self.traverse = traverse_util
+        if isinstance(model, MLP):
+            self.module = _flax_mlp(nn, model)
+            flat = {f"layers_{k.split('.')[1]}.{k.split('.')[2]}": v
+                    for k, v in model.init(seed, dtype).items()}
+            self.params = traverse_util.unflatten_dict(
+                {tuple(k.split(".")): v for k, v in flat.items()})
+            self.spec_names = True
+        elif isinstance(model, tuple) and len(model) == 2 and isinstance(model[0], nn.Module):
+            self.module, variables = model
+            self.params = variables["params"] if "params" in variables else variables
+            self.spec_names = False
+        else:
+            raise ToolkitError(f"{backend} cannot build a model from {type(model).__name__}",
+                               "pass a toolkit.MLP spec or a (flax module, variables) pair")
+
+    def apply(self, params, x):
+        return self.module.apply({"params": params}, x)
+
+    def name_of(self, path: tuple[str, ...]) -> str:
+        name = ".".join(path)
+        if self.spec_names and name.startswith("layers_"):
+            name = "layers." + name[len("layers_"):]
+        return name
+
+    def flat(self, tree) -> dict[str, Any]:
+        """Neutral name -> leaf."""
+        return {self.name_of(k): v for k, v in self.traverse.flatten_dict(tree).items()}
+
+    def unflat(self, flat: dict[str, Any], like) -> Any:
+        paths = {self.name_of(k): k for k in self.traverse.flatten_dict(like)}
+        return self.traverse.unflatten_dict({paths[n]: v for n, v in flat.items()})
+
+
+def _flax_mlp(nn, spec: MLP):
+    act = nn.relu if spec.activation == "relu" else nn.tanh
+
+    class FlaxMLP(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            for i, width in enumerate(spec.sizes[1:]):
+                x = nn.Dense(width, name=f"layers_{i}", param_dtype=x.dtype, dtype=x.dtype)(x)
+                if i < spec.num_layers - 1:
+                    x = act(x)
+            return x
+
+    return FlaxMLP()
+
+
+def per_sample_loss(jnp, loss: str, out, y):
+    if loss == "cross_entropy":
+        logp = out - jax_logsumexp(jnp, out)
+        return -jnp.take_along_axis(logp, y[:, None], axis=1)[:, 0]
+    return jnp.mean((out - y.reshape(out.shape)) ** 2, axis=tuple(range(1, out.ndim)))
+
+
+def jax_logsumexp(jnp, out):
+    m = jnp.max(out, axis=1, keepdims=True)
+    return m + jnp.log(jnp.sum(jnp.exp(out - m), axis=1, keepdims=True))
+
+
+def make_optimizer(spec: Any, backend: str):
+    """An optax GradientTransformationExtraArgs doing toolkit._reference's arithmetic.
+
+    ``update(grads, state, params, lr=, step_size=, c2_sqrt=)``: the step's learning rate and
+    Adam's host-computed scalars arrive as arguments, as in torch.optim, instead of being
+    recomputed in float32 inside the graph (optax.adam's way, about 1e-5 away from torch).
+    A native optax transformation is used as it is.
+    """
+    import jax
+    import jax.numpy as jnp
+    import optax
+
+    if isinstance(spec, optax.GradientTransformation):
+        return spec
+    if not isinstance(spec, SGD | Adam):
+        raise ToolkitError(f"{backend} cannot build an optimizer from {spec!r}",
+                           "pass toolkit.SGD(...)/toolkit.Adam(...) or an optax transformation")
+    slots = optimizer_slots(spec)
+    tmap = jax.tree_util.tree_map
+
+    def init(params):
+        return {slot: tmap(jnp.zeros_like, params) for slot in slots}
+
+    def update(grads, state, params, *, lr, step_size, c2_sqrt, **_):
+        if isinstance(spec, SGD):
+            if spec.weight_decay:
+                grads = tmap(lambda g, p: g + spec.weight_decay * p, grads, params)
+            if spec.momentum:
+                buf = tmap(lambda b, g: spec.momentum * b + g, state["momentum"], grads)
+                state = {"momentum": buf}
+                grads = (tmap(lambda g, b: g + spec.momentum * b, grads, buf)
+                         if spec.nesterov else buf)
+            return tmap(lambda g: -lr * g, grads), state
+        if spec.weight_decay and not spec.decoupled:
+            grads = tmap(lambda g, p: g + spec.weight_decay * p, grads, params)
+        m = tmap(lambda m, g: spec.b1 * m + (1 - spec.b1) * g, state["mu"], grads)
+        v = tmap(lambda v, g: spec.b2 * v + (1 - spec.b2) * g * g, state["nu"], grads)
+
+        def delta(p, m, v):
+            decayed = p * (1 - lr * spec.weight_decay) if spec.decoupled else p
+            return decayed - step_size * m / (jnp.sqrt(v) / c2_sqrt + spec.eps) - p
+
+        return tmap(delta, params, m, v), {"mu": m, "nu": v}
+
+    return optax.GradientTransformationExtraArgs(init, update)
+
+
+def apply_optimizer(tx, grads, opt_state, params, scalars):
+    """One update with either our transformation (scalars passed) or a native optax one."""
+    import optax
+
+    if isinstance(tx, optax.GradientTransformationExtraArgs):
+        updates, opt_state = tx.update(grads, opt_state, params, **scalars)
+    else:
+        updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state
+
+
+class JaxBackendBase:
+    """Host-side pieces common to jax-pmap and jax-pjit."""
+
+    name = "jax"
+
+    def __init__(self, dtype: str = "float32", local_devices: int | None = None):
+        check_choice("dtype", dtype, DTYPES)
+        if local_devices is not None and local_devices < 1:
+            raise ToolkitError(f"local_devices={local_devices} must be >= 1",
+                               "pass the number of CPU devices per process, e.g. 2")
+        self.dtype_name, self.local_devices = dtype, local_devices
+
+    def setup(self, env: LaunchEnv) -> None:
+        os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+        self.env = env
+        self.jax = import_jax(self.name, env, self.dtype_name, self.local_devices)
+        import jax.numpy as jnp
+
+        self.jnp = jnp
+        self.dtype = jnp.dtype(self.dtype_name)
+
+    def _build_common(self, model, optimizer, loss, seed, accumulation_steps):
+        self.loss_name, self.accumulation_steps = loss, accumulation_steps
+        self.model = JaxModel(model, seed, self.dtype_name, self.name)
+        self.tx = make_optimizer(optimizer, self.name)
+        self.opt_spec = optimizer if isinstance(optimizer, SGD | Adam) else None
+        self.count = 0
+        params = self.jax.tree_util.tree_map(lambda a: np.asarray(a, self.dtype_name),
+                                             self.model.params)
+        opt_state = self.jax.tree_util.tree_map(np.asarray, self.tx.init(params))
+        if self.env.world_size > 1:  # rank 0's initial state becomes everyone's
+            from jax.experimental import multihost_utils
+
+            params, opt_state = multihost_utils.broadcast_one_to_all((params, opt_state))
+        return params, opt_state
+
+    def _scalars(self, lr: float | None) -> dict[str, Any]:
+        if self.opt_spec is None:
+            return {}
+        if lr is None:
+            raise ToolkitError(f"{self.name} needs the learning rate of each step",
+                               "pass an optimizer spec (toolkit.SGD/Adam)")
+        self.count += 1
+        step_size, c2_sqrt = (adam_scalars(self.opt_spec, self.count, lr)
+                              if isinstance(self.opt_spec, Adam) else (0.0, 1.0))
+        return {k: np.asarray(v, self.dtype_name) for k, v in
+                (("lr", lr), ("step_size", step_size), ("c2_sqrt", c2_sqrt))}
+
+    def _labels(self, y: np.ndarray) -> np.ndarray:
+        return np.asarray(y, np.int32 if self.loss_name == "cross_entropy" else self.dtype_name)
+
+    def _loss_fn(self, params, x, y):
+        return self.jnp.mean(per_sample_loss(self.jnp, self.loss_name,
+                                             self.model.apply(params, x), y))
+
+    def _eval_fn(self, params, x, y):
+        jnp = self.jnp
+        out = self.model.apply(params, x)
+        loss_sum = jnp.sum(per_sample_loss(jnp, self.loss_name, out, y))
+        correct = jnp.sum(jnp.argmax(out, axis=1) == y) if self.loss_name == "cross_entropy" \
+            else jnp.zeros((), jnp.int32)
+        return loss_sum, correct
+
+    def _eval_result(self, loss_sum, correct, n: int) -> dict[str, float]:
+        result = {"loss_sum": float(loss_sum), "count": float(n)}
+        if self.loss_name == "cross_entropy":
+            result["correct"] = float(correct)
+        return result
+
+    # ------------------------------------------------------------------ host collectives
+    def allreduce(self, values: np.ndarray, op: str = "mean") -> np.ndarray:
+        check_choice("reduction", op, ("mean", "sum"))
+        values = np.asarray(values, np.float64)
+        if self.env.world_size == 1:
+            return values.copy()
+        from jax.experimental import multihost_utils
+
+        # float64 travels as two float32 halves when x64 is off: gather the exact bytes.
+        raw = values.view(np.uint32) if values.size else values
+        gathered = np.asarray(multihost_utils.process_allgather(raw))
+        stacked = gathered.view(np.float64).reshape((self.env.world_size,) + values.shape)
+        total = stacked.sum(axis=0)
+        return total / self.env.world_size if op == "mean" else total
+
+    def broadcast(self, values: np.ndarray, root: int = 0) -> np.ndarray:
+        values = np.asarray(values)
+        if self.env.world_size == 1:
+            return values.copy()
+        from jax.experimental import multihost_utils
+
+        raw = values.view(np.uint8)
+        gathered = np.asarray(multihost_utils.process_allgather(raw))
+        return gathered.reshape((self.env.world_size,) + raw.shape)[root].view(
+            values.dtype).reshape(values.shape)
+
+    def barrier(self) -> None:
+        if self.env.world_size > 1:
+            from jax.experimental import multihost_utils
+
+            multihost_utils.sync_global_devices("toolkit-barrier")
+
+    # ------------------------------------------------------------------ state
+    def _export(self, params, opt_state) -> dict[str, np.ndarray]:
+        out = {f"params/{n}": np.array(v) for n, v in self.model.flat(params).items()}
+        if self.opt_spec is not None:
+            for slot, tree in opt_state.items():
+                out.update({f"opt/{slot}/{n}": np.array(v)
+                            for n, v in self.model.flat(tree).items()})
+            if isinstance(self.opt_spec, Adam):
+                out["opt/count"] = np.asarray(self.count, np.int64)
+        return out
+
+    def _import(self, state: dict[str, np.ndarray], params_like, opt_like):
+        def take(prefix, like):
+            names = self.model.flat(like)
+            return self.model.unflat(
+                {n: np.asarray(state[f"{prefix}/{n}"], self.dtype_name) for n in names}, like)
+
+        params = take("params", params_like)
+        opt_state = ({slot: take(f"opt/{slot}", tree) for slot, tree in opt_like.items()}
+                     if self.opt_spec is not None else opt_like)
+        if "opt/count" in state:
+            self.count = int(state["opt/count"])
+        return params, opt_state
+
+    def shutdown(self) -> None:
+        if self.env.world_size > 1:
+            self.jax.distributed.shutdown()

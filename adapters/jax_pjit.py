@@ -1,0 +1,107 @@
+"""The ``jax-pjit`` backend: ``jax.jit`` over a ``Mesh`` of every process's devices.
+
+The batch is sharded on the mesh's ``data`` axis (``NamedSharding(mesh, P("data"))``), the
+parameters and optimizer state are replicated (``P()``); the compiler inserts the gradient
+all-reduce. Each process contributes its local samples through
+``jax.make_array_from_process_local_data``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from adapters._jax import JaxBackendBase, apply_optimizer, per_sample_loss
+from toolkit import ToolkitError
+
+
+def make_adapter(dtype: str = "float32", local_devices: int | None = None) -> JaxPjitAdapter:
+    return JaxPjitAdapter(dtype=dtype, local_devices=local_devices)
+
+
+class JaxPjitAdapter(JaxBackendBase):
+    """JAX with jit over a device mesh. See :class:`toolkit.Adapter` for the contract."""
+
+    name = "jax-pjit"
+
+    def build(self, model: Any, optimizer: Any, loss: str, *, seed: int = 0,
+              accumulation_steps: int = 1) -> None:
+        jax = self.jax
+        from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+        params, opt_state = self._build_common(model, optimizer, loss, seed, accumulation_steps)
+        self.mesh = Mesh(np.asarray(jax.devices()), ("data",))
+        self.replicated = NamedSharding(self.mesh, PartitionSpec())
+        self.batch = NamedSharding(self.mesh, PartitionSpec("data"))
+        self.params = self._replicate(params)
+        self.opt_state = self._replicate(opt_state)
+        repl, batch = self.replicated, self.batch
+        self._jstep = jax.jit(self._global_step, in_shardings=(repl, repl, batch, batch, repl),
+                              out_shardings=(repl, repl, batch), donate_argnums=(0, 1))
+        self._jeval = jax.jit(self._eval_fn, in_shardings=(repl, batch, batch),
+                              out_shardings=(repl, repl))
+
+    def _replicate(self, tree):
+        jax = self.jax
+        return jax.tree_util.tree_map(
+            lambda a: jax.make_array_from_process_local_data(self.replicated, np.asarray(a)),
+            tree)
+
+    def _global_step(self, params, opt_state, x, y, scalars):
+        jax, jnp, k = self.jax, self.jnp, self.accumulation_steps
+        xs = x.reshape((k, -1) + x.shape[1:])
+        ys = y.reshape((k, -1) + y.shape[1:])
+
+        def loss_fn(params, xb, yb):  # mean for the gradient, per-sample for the report
+            per_sample = per_sample_loss(jnp, self.loss_name, self.model.apply(params, xb), yb)
+            return jnp.mean(per_sample), per_sample
+
+        grads = jax.tree_util.tree_map(jnp.zeros_like, params)
+        per_sample = []
+        for i in range(k):
+            (_, losses), g = jax.value_and_grad(loss_fn, has_aux=True)(params, xs[i], ys[i])
+            grads = jax.tree_util.tree_map(lambda a, b: a + b / k, grads, g)
+            per_sample.append(losses)
+        params, opt_state = apply_optimizer(self.tx, grads, opt_state, params, scalars)
+        return params, opt_state, jnp.concatenate(per_sample)
+
+    def _global(self, local: np.ndarray):
+        return self.jax.make_array_from_process_local_data(self.batch, local)
+
+    def train_step(self, x: np.ndarray, y: np.ndarray, lr: float | None) -> float:
+        devices = self.jax.local_device_count()
+        if len(x) % (devices * self.accumulation_steps):
+            raise ToolkitError(
+                f"jax-pjit: the local batch of {len(x)} samples does not split over {devices} "
+                f"local devices x {self.accumulation_steps} accumulation steps",
+                f"use a global batch divisible by world size x "
+                f"{devices * self.accumulation_steps}, or change --local-devices")
+        scalars = self._replicate(self._scalars(lr))
+        xg = self._global(np.asarray(x, self.dtype_name))
+        yg = self._global(self._labels(y))
+        self.params, self.opt_state, losses = self._jstep(self.params, self.opt_state, xg, yg,
+                                                          scalars)
+        # Per-sample losses stay sharded like the batch: this process's shards are its samples.
+        mine = [np.asarray(shard.data) for shard in losses.addressable_shards]
+        return float(np.mean(np.concatenate(mine)))
+
+    def evaluate(self, x: np.ndarray, y: np.ndarray) -> dict[str, float]:
+        # Evaluation shares may be uneven across ranks, so each rank evaluates its own
+        # samples on its first local device with the (replicated) parameters.
+        local = self.jax.tree_util.tree_map(lambda a: np.asarray(a.addressable_data(0)),
+                                            self.params)
+        loss_sum, correct = self.jax.jit(self._eval_fn)(
+            local, np.asarray(x, self.dtype_name), self._labels(y))
+        return self._eval_result(loss_sum, correct, len(x))
+
+    def _host(self, tree):
+        return self.jax.tree_util.tree_map(lambda a: np.asarray(a.addressable_data(0)), tree)
+
+    def state_dict(self) -> dict[str, np.ndarray]:
+        return self._export(self._host(self.params), self._host(self.opt_state))
+
+    def load_state_dict(self, state: dict[str, np.ndarray]) -> None:
+        params, opt_state = self._import(state, self._host(self.params),
+                                         self._host(self.opt_state))
+        self.params, self.opt_state = self._replicate(params), self._replicate(opt_state)

@@ -1,0 +1,91 @@
+"""The ``jax-pmap`` backend: ``jax.pmap`` over the local devices, gradients averaged with
+``lax.pmean``; several processes join through ``jax.distributed`` (Gloo on CPU).
+
+``pmap`` is in maintenance mode in current JAX; it works on the pinned JAX 0.10.2. New code
+should prefer ``jax-pjit`` (``jax.jit`` over a device ``Mesh``), which gives the same data
+parallelism, lets the compiler place the collectives, and extends to sharded parameters.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from adapters._jax import JaxBackendBase, apply_optimizer
+from toolkit import ToolkitError
+
+
+def make_adapter(dtype: str = "float32", local_devices: int | None = None) -> JaxPmapAdapter:
+    return JaxPmapAdapter(dtype=dtype, local_devices=local_devices)
+
+
+class JaxPmapAdapter(JaxBackendBase):
+    """JAX with pmap. See :class:`toolkit.Adapter` for the contract."""
+
+    name = "jax-pmap"
+
+    def build(self, model: Any, optimizer: Any, loss: str, *, seed: int = 0,
+              accumulation_steps: int = 1) -> None:
+        jax = self.jax
+        params, opt_state = self._build_common(model, optimizer, loss, seed, accumulation_steps)
+        from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+        self.devices = jax.local_devices()
+        # One copy per local device, stacked on a leading axis (what pmap maps over).
+        self.stacked = NamedSharding(Mesh(np.asarray(self.devices), ("local",)),
+                                     PartitionSpec("local"))
+        self.params, self.opt_state = self._replicate(params), self._replicate(opt_state)
+        self._pstep = jax.pmap(self._device_step, axis_name="batch",
+                               in_axes=(0, 0, 0, 0, None), donate_argnums=(0, 1))
+        self._jeval = jax.jit(self._eval_fn)
+
+    def _device_step(self, params, opt_state, x, y, scalars):
+        jax, k = self.jax, self.accumulation_steps
+        xs = x.reshape((k, -1) + x.shape[1:])
+        ys = y.reshape((k, -1) + y.shape[1:])
+        grads = jax.tree_util.tree_map(self.jnp.zeros_like, params)
+        total = 0.0
+        for i in range(k):  # k is static: unrolled micro-batches, summed gradients
+            loss, g = jax.value_and_grad(self._loss_fn)(params, xs[i], ys[i])
+            grads = jax.tree_util.tree_map(lambda a, b: a + b / k, grads, g)
+            total = total + loss / k
+        grads = jax.lax.pmean(grads, axis_name="batch")
+        params, opt_state = apply_optimizer(self.tx, grads, opt_state, params, scalars)
+        return params, opt_state, total
+
+    def train_step(self, x: np.ndarray, y: np.ndarray, lr: float | None) -> float:
+        d, k = len(self.devices), self.accumulation_steps
+        if len(x) % (d * k):
+            raise ToolkitError(
+                f"jax-pmap: the local batch of {len(x)} samples does not split over {d} local "
+                f"devices x {k} accumulation steps",
+                f"use a global batch divisible by world size x {d * k}, or change "
+                "--local-devices / --accumulation-steps")
+        scalars = self._scalars(lr)
+        xs = np.asarray(x, self.dtype_name).reshape((d, -1) + x.shape[1:])
+        ys = self._labels(y).reshape((d, -1) + y.shape[1:])
+        self.params, self.opt_state, losses = self._pstep(self.params, self.opt_state, xs, ys,
+                                                          scalars)
+        return float(np.mean(np.asarray(losses)))
+
+    def _replicate(self, tree):
+        d = len(self.devices)
+        return self.jax.tree_util.tree_map(
+            lambda a: self.jax.device_put(np.stack([np.asarray(a)] * d), self.stacked), tree)
+
+    def _local(self, tree):
+        return self.jax.tree_util.tree_map(lambda a: np.asarray(a[0]), tree)
+
+    def evaluate(self, x: np.ndarray, y: np.ndarray) -> dict[str, float]:
+        loss_sum, correct = self._jeval(self._local(self.params),
+                                        np.asarray(x, self.dtype_name), self._labels(y))
+        return self._eval_result(loss_sum, correct, len(x))
+
+    def state_dict(self) -> dict[str, np.ndarray]:
+        return self._export(self._local(self.params), self._local(self.opt_state))
+
+    def load_state_dict(self, state: dict[str, np.ndarray]) -> None:
+        params, opt_state = self._import(state, self._local(self.params),
+                                         self._local(self.opt_state))
+        self.params, self.opt_state = self._replicate(params), self._replicate(opt_state)
