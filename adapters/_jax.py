@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 
 from adapters._common import check_world, missing_framework
-from toolkit import MLP, SGD, Adam, LaunchEnv, ToolkitError
+from toolkit import CNN, MLP, SGD, Adam, LaunchEnv, ToolkitError
 from toolkit._reference import adam_scalars, optimizer_slots
 from toolkit._specs import DTYPES, check_choice
 
@@ -52,29 +52,32 @@ class JaxModel:
         from flax import traverse_util
 
         self.traverse = traverse_util
-        if isinstance(model, MLP):
-            self.module = _flax_mlp(nn, model)
-            flat = {f"layers_{k.split('.')[1]}.{k.split('.')[2]}": v
-                    for k, v in model.init(seed, dtype).items()}
-            self.params = traverse_util.unflatten_dict(
-                {tuple(k.split(".")): v for k, v in flat.items()})
+        if isinstance(model, MLP | CNN):
+            self.module = _flax_module(nn, model)
             self.spec_names = True
+            self.params = traverse_util.unflatten_dict(
+                {self.path_of(k): v for k, v in model.init(seed, dtype).items()})
         elif isinstance(model, tuple) and len(model) == 2 and isinstance(model[0], nn.Module):
             self.module, variables = model
             self.params = variables["params"] if "params" in variables else variables
             self.spec_names = False
         else:
             raise ToolkitError(f"{backend} cannot build a model from {type(model).__name__}",
-                               "pass a toolkit.MLP spec or a (flax module, variables) pair")
+                               "pass a toolkit.MLP/CNN spec or a (flax module, variables) pair")
 
     def apply(self, params, x):
         return self.module.apply({"params": params}, x)
 
+    # Flax names submodules "layers_0", "convs_1", "head"; the spec says "layers.0", ...
     def name_of(self, path: tuple[str, ...]) -> str:
-        name = ".".join(path)
-        if self.spec_names and name.startswith("layers_"):
-            name = "layers." + name[len("layers_"):]
-        return name
+        if self.spec_names:
+            module, leaf = path
+            return ".".join(module.split("_")) + "." + leaf
+        return ".".join(path)
+
+    def path_of(self, name: str) -> tuple[str, ...]:
+        *module, leaf = name.split(".")
+        return ("_".join(module), leaf)
 
     def flat(self, tree) -> dict[str, Any]:
         """Neutral name -> leaf."""
@@ -85,7 +88,21 @@ class JaxModel:
         return self.traverse.unflatten_dict({paths[n]: v for n, v in flat.items()})
 
 
-def _flax_mlp(nn, spec: MLP):
+def _flax_module(nn, spec):
+    if isinstance(spec, CNN):
+        k = spec.kernel_size
+
+        class FlaxCNN(nn.Module):
+            @nn.compact
+            def __call__(self, x):
+                for i, width in enumerate(spec.channels):
+                    x = nn.relu(nn.Conv(width, (k, k), padding="SAME", name=f"convs_{i}",
+                                        param_dtype=x.dtype, dtype=x.dtype)(x))
+                x = x.reshape((x.shape[0], -1))  # NHWC flattened as (h, w, c), as the spec
+                return nn.Dense(spec.classes, name="head", param_dtype=x.dtype, dtype=x.dtype)(x)
+
+        return FlaxCNN()
+
     act = nn.relu if spec.activation == "relu" else nn.tanh
 
     class FlaxMLP(nn.Module):

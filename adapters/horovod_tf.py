@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from adapters._common import check_world, missing_framework
-from toolkit import MLP, SGD, Adam, LaunchEnv, ToolkitError
+from toolkit import CNN, MLP, SGD, Adam, LaunchEnv, ToolkitError
 from toolkit._reference import adam_scalars, optimizer_slots
 from toolkit._specs import DTYPES, check_choice
 
@@ -59,8 +59,8 @@ class HorovodTFAdapter:
               accumulation_steps: int = 1) -> None:
         tf = self.tf
         self.loss_name, self.accumulation_steps = loss, accumulation_steps
-        spec = model if isinstance(model, MLP) else _mlp_from_keras(tf, model)
-        params = spec.init(seed, self.dtype_name) if isinstance(model, MLP) else \
+        spec = model if isinstance(model, MLP | CNN) else _mlp_from_keras(model)
+        params = spec.init(seed, self.dtype_name) if isinstance(model, MLP | CNN) else \
             _keras_weights(model, self.dtype_name)
         self.spec = spec
         self.names = list(params)
@@ -84,7 +84,13 @@ class HorovodTFAdapter:
 
     # -------------------------------------------------------------------------- math
     def _forward(self, x):
-        tf = self.tf
+        tf, v = self.tf, self.vars
+        if isinstance(self.spec, CNN):
+            for i in range(len(self.spec.channels)):
+                x = tf.nn.relu(tf.nn.conv2d(x, v[f"convs.{i}.kernel"], 1, "SAME")
+                               + v[f"convs.{i}.bias"])
+            return tf.matmul(tf.reshape(x, [tf.shape(x)[0], -1]), v["head.kernel"]) \
+                + v["head.bias"]
         for i in range(self.spec.num_layers):
             x = tf.matmul(x, self.vars[f"layers.{i}.kernel"]) + self.vars[f"layers.{i}.bias"]
             if i < self.spec.num_layers - 1:
@@ -206,13 +212,14 @@ class HorovodTFAdapter:
 _KERAS_ACTIVATIONS = {"relu": "relu", "tanh": "tanh"}
 
 
-def _mlp_from_keras(tf, model: Any) -> MLP:
+def _mlp_from_keras(model: Any) -> MLP:
     """Maps a built Keras model made of Dense layers onto the MLP spec, or says why not."""
     import keras
 
     if not isinstance(model, keras.Model):
         raise ToolkitError(f"horovod-tf cannot build a model from {type(model).__name__}",
-                           "pass a toolkit.MLP spec or a built keras.Sequential of Dense layers")
+                           "pass a toolkit.MLP/CNN spec or a built keras.Sequential of Dense "
+                           "layers")
     dense = []
     for layer in model.layers:
         if isinstance(layer, keras.layers.InputLayer):

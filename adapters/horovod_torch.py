@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 
 from adapters._common import check_world, missing_framework
-from toolkit import MLP, SGD, Adam, LaunchEnv, ToolkitError
+from toolkit import CNN, MLP, SGD, Adam, LaunchEnv, ToolkitError
 from toolkit._specs import DTYPES, check_choice
 
 # Neutral optimizer-state names (the checkpoint format's) <-> torch.optim state keys.
@@ -53,16 +53,16 @@ class HorovodTorchAdapter:
               accumulation_steps: int = 1) -> None:
         torch, hvd = self.torch, self.hvd
         self.loss_name, self.accumulation_steps = loss, accumulation_steps
-        if isinstance(model, MLP):
-            self.spec = model
-            self.net = _mlp(torch, model).to(self.dtype)
+        if isinstance(model, MLP | CNN):
+            self.net, self.layout = _from_spec(torch, model)
+            self.net.to(self.dtype)
             self._load_params(model.init(seed, self.dtype_name))
         elif isinstance(model, torch.nn.Module):
-            self.spec = None
             self.net = model.to(self.dtype)
+            self.layout = [(n, p, _SAME, _SAME) for n, p in self.net.named_parameters()]
         else:
             raise ToolkitError(f"horovod-torch cannot build a model from {type(model).__name__}",
-                               "pass a toolkit.MLP spec or a torch.nn.Module")
+                               "pass a toolkit.MLP/CNN spec or a torch.nn.Module")
         # DistributedOptimizer builds a new optimizer over the same param groups (with empty
         # state), so slots are filled in after wrapping, before the state is broadcast.
         self.opt = hvd.DistributedOptimizer(
@@ -162,71 +162,113 @@ class HorovodTorchAdapter:
         self.hvd.barrier()
 
     # -------------------------------------------------------------------------- state
-    def _param_names(self) -> list[tuple[str, Any, bool]]:
-        """(neutral name, parameter, stored transposed) for every parameter."""
-        if self.spec is None:
-            return [(f"params/{n}", p, False) for n, p in self.net.named_parameters()]
-        out = []
-        for i, layer in enumerate(self.net.layers):
-            out.append((f"params/layers.{i}.kernel", layer.weight, True))
-            out.append((f"params/layers.{i}.bias", layer.bias, False))
-        return out
-
     def _load_params(self, params: dict[str, np.ndarray]) -> None:
         self.load_state_dict({f"params/{k}": v for k, v in params.items()}, params_only=True)
 
     def state_dict(self) -> dict[str, np.ndarray]:
-        out = {}
-        step = None
-        for name, p, transposed in self._param_names():
-            def host(t, transposed=transposed):
-                a = t.detach().cpu().numpy()  # shares the tensor's memory: copy
-                return np.array(a.T if transposed else a, order="C", copy=True)
-
-            out[name] = host(p)
+        out, step = {}, None
+        for name, p, _, from_torch in self.layout:
+            out[f"params/{name}"] = _host(p, from_torch)
             for key, value in self.opt.state.get(p, {}).items():
                 if key == "step":
                     step = int(value)
                 else:
-                    out[f"opt/{_SLOTS.get(key, key)}/{name[len('params/'):]}"] = host(value)
+                    out[f"opt/{_SLOTS.get(key, key)}/{name}"] = _host(value, from_torch)
         if step is not None:
             out["opt/count"] = np.asarray(step, np.int64)
         return out
 
     def load_state_dict(self, state: dict[str, np.ndarray], params_only: bool = False) -> None:
         torch = self.torch
-        with torch.no_grad():
-            for name, p, transposed in self._param_names():
-                def tensor(a, transposed=transposed):  # a copy: never alias the caller's array
-                    return torch.tensor(np.asarray(a.T if transposed else a), dtype=self.dtype)
 
-                p.copy_(tensor(state[name]))
+        def tensor(a, to_torch):  # a copy: never alias the caller's array
+            return torch.tensor(np.asarray(to_torch(np.asarray(a))), dtype=self.dtype)
+
+        with torch.no_grad():
+            for name, p, to_torch, _ in self.layout:
+                p.copy_(tensor(state[f"params/{name}"], to_torch))
                 if params_only:
                     continue
-                base = name[len("params/"):]
-                for key in list(self.opt.state.get(p, {})):
+                slots = self.opt.state.get(p, {})
+                for key in list(slots):
                     if key == "step":
-                        self.opt.state[p]["step"] = torch.tensor(float(state["opt/count"]))
+                        slots["step"] = torch.tensor(float(state["opt/count"]))
                     else:
-                        self.opt.state[p][key] = tensor(state[f"opt/{_SLOTS.get(key, key)}/{base}"])
+                        slots[key] = tensor(state[f"opt/{_SLOTS.get(key, key)}/{name}"], to_torch)
 
     def shutdown(self) -> None:
         self.hvd.shutdown()
 
 
-def _mlp(torch, spec: MLP):
-    class TorchMLP(torch.nn.Module):
+def _SAME(a):
+    return a
+
+
+def _T(a):
+    return a.T
+
+
+def _hwio_to_oihw(a):
+    return a.transpose(3, 2, 0, 1)
+
+
+def _oihw_to_hwio(a):
+    return a.transpose(2, 3, 1, 0)
+
+
+def _host(t, from_torch) -> np.ndarray:
+    # .numpy() shares the tensor's memory: always copy.
+    return np.array(from_torch(t.detach().cpu().numpy()), order="C", copy=True)
+
+
+def _from_spec(torch, spec):
+    """A torch module for a spec, and the (neutral name, parameter, to torch, from torch)
+    layout that maps between the spec's arrays and torch's own layouts."""
+    nn = torch.nn
+    if isinstance(spec, MLP):
+        act = torch.relu if spec.activation == "relu" else torch.tanh
+
+        class TorchMLP(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.layers = nn.ModuleList(
+                    nn.Linear(a, b) for a, b in zip(spec.sizes[:-1], spec.sizes[1:], strict=True))
+
+            def forward(self, x):
+                for i, layer in enumerate(self.layers):
+                    x = layer(x)
+                    if i < len(self.layers) - 1:
+                        x = act(x)
+                return x
+
+        net = TorchMLP()
+        layout = []
+        for i, layer in enumerate(net.layers):
+            layout += [(f"layers.{i}.kernel", layer.weight, _T, _T),
+                       (f"layers.{i}.bias", layer.bias, _SAME, _SAME)]
+        return net, layout
+
+    h, w, c = spec.image_shape
+    widths = (c, *spec.channels)
+
+    class TorchCNN(nn.Module):
         def __init__(self):
             super().__init__()
-            self.layers = torch.nn.ModuleList(
-                torch.nn.Linear(a, b) for a, b in zip(spec.sizes[:-1], spec.sizes[1:], strict=True))
-            self.act = torch.relu if spec.activation == "relu" else torch.tanh
+            self.convs = nn.ModuleList(
+                nn.Conv2d(a, b, spec.kernel_size, padding=spec.kernel_size // 2)
+                for a, b in zip(widths[:-1], widths[1:], strict=True))
+            self.head = nn.Linear(h * w * widths[-1], spec.classes)
 
         def forward(self, x):
-            for i, layer in enumerate(self.layers):
-                x = layer(x)
-                if i < len(self.layers) - 1:
-                    x = self.act(x)
-            return x
+            x = x.permute(0, 3, 1, 2)  # the spec's NHWC -> torch's NCHW
+            for conv in self.convs:
+                x = torch.relu(conv(x))
+            return self.head(x.permute(0, 2, 3, 1).reshape(len(x), -1))  # flatten as (h, w, c)
 
-    return TorchMLP()
+    net = TorchCNN()
+    layout = []
+    for i, conv in enumerate(net.convs):
+        layout += [(f"convs.{i}.kernel", conv.weight, _hwio_to_oihw, _oihw_to_hwio),
+                   (f"convs.{i}.bias", conv.bias, _SAME, _SAME)]
+    layout += [("head.kernel", net.head.weight, _T, _T), ("head.bias", net.head.bias, _SAME, _SAME)]
+    return net, layout

@@ -11,11 +11,11 @@ from toolkit._env import LaunchEnv, detect_launch_env, expand_nodelist
 from toolkit._errors import ToolkitError
 from toolkit._rank0 import atomic_open, current_env, print0, save0
 from toolkit._sampler import GlobalBatchSampler, shard_indices
-from toolkit._specs import MLP, SGD, Adam, WarmupCosine, learning_rate, lr_scale
+from toolkit._specs import CNN, MLP, SGD, Adam, WarmupCosine, learning_rate, lr_scale
 from toolkit._trainer import History, Trainer
 
 __all__ = [
-    "MLP", "SGD", "Adam", "WarmupCosine", "Adapter", "Checkpoint", "CheckpointError",
+    "CNN", "MLP", "SGD", "Adam", "WarmupCosine", "Adapter", "Checkpoint", "CheckpointError",
     "CheckpointStore", "GlobalBatchSampler", "History", "LaunchEnv", "ToolkitError", "Trainer",
     "atomic_open", "current_env", "detect_launch_env", "expand_nodelist", "learning_rate",
     "lr_scale", "print0", "read_checkpoint", "run", "save0", "shard_indices",

@@ -62,3 +62,30 @@ def apply_update(spec: OptimizerSpec, params: dict[str, np.ndarray],
         state[f"opt/mu/{name}"], state[f"opt/nu/{name}"] = m, v
         params[name] = p - step_size * m / (np.sqrt(v) / c2_sqrt + spec.eps)
     return params, state
+
+
+def reference_run(model, optimizer: OptimizerSpec, loss: str, x: np.ndarray, y: np.ndarray, *,
+                  global_batch_size: int, steps: int, seed: int = 0,
+                  dtype: str = "float64") -> tuple[list[float], dict[str, np.ndarray]]:
+    """Sequential training in numpy: one process, the global batch, the same sampler.
+
+    Returns:
+        The loss of every step and the final parameters (neutral names, no prefix).
+    """
+    from toolkit._sampler import GlobalBatchSampler
+    from toolkit._specs import learning_rate
+
+    params = model.init(seed, dtype)
+    state = init_state(optimizer, params)
+    sampler = GlobalBatchSampler(len(x), global_batch_size, seed=seed)
+    x = np.asarray(x, dtype)
+    losses: list[float] = []
+    while len(losses) < steps:
+        for idx in sampler:
+            value, grads = model.loss_and_grads(params, x[idx], y[idx], loss)
+            params, state = apply_update(optimizer, params, grads, state,
+                                         learning_rate(optimizer, len(losses)))
+            losses.append(value)
+            if len(losses) == steps:
+                break
+    return losses, params

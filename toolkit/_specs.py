@@ -90,18 +90,7 @@ class MLP:
         """Mean loss over the batch and its gradients, by hand in numpy (the reference)."""
         check_choice("loss", loss, LOSSES)
         hs, zs = self._forward(params, x)
-        out, n = hs[-1], len(x)
-        if loss == "cross_entropy":
-            p = np.exp(out - out.max(1, keepdims=True))
-            p /= p.sum(1, keepdims=True)
-            value = -np.log(p[np.arange(n), y]).mean()
-            dz = p
-            dz[np.arange(n), y] -= 1
-            dz /= n
-        else:
-            diff = out - y.reshape(out.shape)
-            value = (diff ** 2).mean()
-            dz = 2 * diff / diff.size
+        value, dz = _loss_grad(hs[-1], y, loss)
         grads = {}
         for i in reversed(range(self.num_layers)):
             grads[f"layers.{i}.kernel"] = hs[i].T @ dz
@@ -110,6 +99,124 @@ class MLP:
                 dh = dz @ params[f"layers.{i}.kernel"].T
                 dz = dh * (zs[i - 1] > 0) if self.activation == "relu" else dh * (1 - hs[i] ** 2)
         return float(value), grads
+
+
+def _loss_grad(out: np.ndarray, y: np.ndarray, loss: str) -> tuple[float, np.ndarray]:
+    """Mean loss over the batch and its gradient with respect to ``out``."""
+    n = len(out)
+    if loss == "cross_entropy":
+        p = np.exp(out - out.max(1, keepdims=True))
+        p /= p.sum(1, keepdims=True)
+        value = -np.log(p[np.arange(n), y]).mean()
+        p[np.arange(n), y] -= 1
+        return float(value), p / n
+    diff = out - y.reshape(out.shape)
+    return float((diff ** 2).mean()), 2 * diff / diff.size
+
+
+@dataclasses.dataclass(frozen=True)
+class CNN:
+    """Convolutions (k x k, stride 1, SAME padding, each followed by relu), then one dense
+    layer on the flattened feature maps. Images are NHWC.
+
+    Parameter layouts: ``convs.{i}.kernel`` is ``(k, k, in, out)`` (HWIO), ``convs.{i}.bias``
+    ``(out,)``, ``head.kernel`` ``(H*W*C, classes)`` over the maps flattened in (h, w, c)
+    order, ``head.bias`` ``(classes,)``.
+
+    Args:
+        image_shape: ``(height, width, channels)`` of one input.
+        channels: output channels of each convolution.
+        classes: outputs of the dense head.
+        kernel_size: odd ``k``.
+    """
+
+    image_shape: tuple[int, int, int]
+    channels: tuple[int, ...]
+    classes: int
+    kernel_size: int = 3
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "image_shape", tuple(int(v) for v in self.image_shape))
+        object.__setattr__(self, "channels", tuple(int(v) for v in self.channels))
+        if (len(self.image_shape) != 3 or min(self.image_shape) < 1 or not self.channels
+                or min(self.channels) < 1 or self.classes < 1 or self.kernel_size % 2 == 0):
+            raise ToolkitError(
+                f"CNN(image_shape={self.image_shape}, channels={self.channels}, "
+                f"classes={self.classes}, kernel_size={self.kernel_size}) is not a valid network",
+                "for digits use CNN(image_shape=(8, 8, 1), channels=(8,), classes=10)")
+
+    @property
+    def activation(self) -> str:
+        return "relu"
+
+    def init(self, seed: int, dtype: str = "float32") -> dict[str, np.ndarray]:
+        """Uniform in ``±1/sqrt(fan_in)`` (PyTorch's default for Conv2d and Linear)."""
+        check_choice("dtype", dtype, DTYPES)
+        rng = np.random.default_rng(seed)
+        h, w, c = self.image_shape
+        k = self.kernel_size
+        params = {}
+        for i, out in enumerate(self.channels):
+            bound = 1.0 / math.sqrt(k * k * c)
+            params[f"convs.{i}.kernel"] = rng.uniform(-bound, bound, (k, k, c, out)).astype(dtype)
+            params[f"convs.{i}.bias"] = rng.uniform(-bound, bound, (out,)).astype(dtype)
+            c = out
+        bound = 1.0 / math.sqrt(h * w * c)
+        params["head.kernel"] = rng.uniform(-bound, bound, (h * w * c, self.classes)).astype(dtype)
+        params["head.bias"] = rng.uniform(-bound, bound, (self.classes,)).astype(dtype)
+        return params
+
+    def _patches(self, x: np.ndarray) -> np.ndarray:
+        """(N, H, W, C) -> (N, H, W, k*k*C), SAME padding, in the kernel's (i, j, c) order."""
+        k, (n, h, w, _) = self.kernel_size, x.shape
+        pad = k // 2
+        xp = np.pad(x, ((0, 0), (pad, pad), (pad, pad), (0, 0)))
+        return np.concatenate([xp[:, i:i + h, j:j + w, :] for i in range(k) for j in range(k)],
+                              axis=-1)
+
+    def _forward(self, params, x):
+        acts, patches = [x], []
+        for i in range(len(self.channels)):
+            kernel = params[f"convs.{i}.kernel"]
+            patches.append(self._patches(acts[-1]))
+            z = patches[-1] @ kernel.reshape(-1, kernel.shape[-1]) + params[f"convs.{i}.bias"]
+            acts.append(np.maximum(z, 0))
+        flat = acts[-1].reshape(len(x), -1)
+        return flat @ params["head.kernel"] + params["head.bias"], acts, patches
+
+    def apply(self, params: dict[str, np.ndarray], x: np.ndarray) -> np.ndarray:
+        """The forward pass in numpy (the reference backends are checked against)."""
+        return self._forward(params, x)[0]
+
+    def loss_and_grads(self, params: dict[str, np.ndarray], x: np.ndarray, y: np.ndarray,
+                       loss: str = "cross_entropy") -> tuple[float, dict[str, np.ndarray]]:
+        """Mean loss over the batch and its gradients, by hand in numpy (the reference)."""
+        check_choice("loss", loss, LOSSES)
+        out, acts, patches = self._forward(params, x)
+        value, dout = _loss_grad(out, y, loss)
+        flat = acts[-1].reshape(len(x), -1)
+        grads = {"head.kernel": flat.T @ dout, "head.bias": dout.sum(0)}
+        dz = (dout @ params["head.kernel"].T).reshape(acts[-1].shape) * (acts[-1] > 0)
+        k, pad = self.kernel_size, self.kernel_size // 2
+        for i in reversed(range(len(self.channels))):
+            kernel = params[f"convs.{i}.kernel"]
+            cols = patches[i].reshape(-1, patches[i].shape[-1])
+            grads[f"convs.{i}.kernel"] = (cols.T @ dz.reshape(-1, kernel.shape[-1])).reshape(
+                kernel.shape)
+            grads[f"convs.{i}.bias"] = dz.sum((0, 1, 2))
+            if i:
+                dcols = dz @ kernel.reshape(-1, kernel.shape[-1]).T
+                n, h, w, c = acts[i].shape
+                dxp = np.zeros((n, h + 2 * pad, w + 2 * pad, c), dz.dtype)
+                for a in range(k):
+                    for b in range(k):
+                        part = (a * k + b) * c
+                        dxp[:, a:a + h, b:b + w, :] += dcols[..., part:part + c]
+                dz = dxp[:, pad:pad + h, pad:pad + w, :] * (acts[i] > 0)
+        return value, grads
+
+
+ModelSpec = MLP | CNN
 
 
 @dataclasses.dataclass(frozen=True)

@@ -10,23 +10,26 @@ import numpy as np
 import pytest
 
 import adapters
-from toolkit import MLP, SGD, Adam, LaunchEnv, ToolkitError
+from toolkit import CNN, MLP, SGD, Adam, LaunchEnv, ToolkitError
 from toolkit._reference import apply_update, init_state
 
 BACKENDS = adapters.IMPLEMENTED
 SPEC = MLP((8, 16, 4))
+# Two convolutions, so that gradients flow through a convolution into another one.
+CNN_SPEC = CNN(image_shape=(4, 4, 2), channels=(3, 2), classes=4)
 ENV = LaunchEnv()
 
 
-def data(n=12, seed=0):
+def data(n=12, seed=0, spec=SPEC):
     rng = np.random.default_rng(seed)
-    return rng.normal(size=(n, 8)), rng.integers(0, 4, size=n)
+    shape = (8,) if spec is SPEC else spec.image_shape
+    return rng.normal(size=(n, *shape)), rng.integers(0, 4, size=n)
 
 
-def built(name, optimizer, dtype="float64", accumulation_steps=1, seed=3):
+def built(name, optimizer, dtype="float64", accumulation_steps=1, seed=3, spec=SPEC):
     adapter = adapters.get(name, dtype=dtype)
     adapter.setup(ENV)
-    adapter.build(SPEC, optimizer, "cross_entropy", seed=seed,
+    adapter.build(spec, optimizer, "cross_entropy", seed=seed,
                   accumulation_steps=accumulation_steps)
     return adapter
 
@@ -56,17 +59,19 @@ OPTIMIZERS = {
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("opt_name", list(OPTIMIZERS))
-def test_steps_match_the_numpy_reference(backend, opt_name):
-    """The framework's optimizer arithmetic is toolkit._reference's, to float64 rounding."""
-    spec = OPTIMIZERS[opt_name]
-    adapter = built(backend, spec)
-    params = SPEC.init(3, "float64")
-    state = init_state(spec, params)
+@pytest.mark.parametrize("spec", [SPEC, CNN_SPEC], ids=["mlp", "cnn"])
+def test_steps_match_the_numpy_reference(backend, opt_name, spec):
+    """The framework's model and optimizer arithmetic are the spec's and toolkit._reference's,
+    to float64 rounding."""
+    opt = OPTIMIZERS[opt_name]
+    adapter = built(backend, opt, spec=spec)
+    params = spec.init(3, "float64")
+    state = init_state(opt, params)
     for step in range(4):
-        x, y = data(seed=step)
-        loss, grads = SPEC.loss_and_grads(params, x, y)
+        x, y = data(seed=step, spec=spec)
+        loss, grads = spec.loss_and_grads(params, x, y)
         assert adapter.train_step(x, y, 0.1 / (step + 1)) == pytest.approx(loss, rel=1e-12)
-        params, state = apply_update(spec, params, grads, state, 0.1 / (step + 1))
+        params, state = apply_update(opt, params, grads, state, 0.1 / (step + 1))
     got = adapter.state_dict()
     expected = {**{f"params/{k}": v for k, v in params.items()}, **state}
     assert got.keys() == expected.keys()

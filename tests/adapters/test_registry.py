@@ -11,7 +11,7 @@ from toolkit import ToolkitError
 
 def test_backend_names():
     assert adapters.BACKENDS == ("horovod-torch", "horovod-tf", "jax-pmap", "jax-pjit")
-    assert "horovod-torch" in adapters.IMPLEMENTED
+    assert adapters.IMPLEMENTED == adapters.BACKENDS
 
 
 def test_unknown_backend_lists_valid_names():
@@ -21,10 +21,11 @@ def test_unknown_backend_lists_valid_names():
     assert "horovod-torch, horovod-tf, jax-pmap, jax-pjit" in str(err.value)
 
 
-@pytest.mark.parametrize("name", sorted(set(adapters.BACKENDS) - set(adapters.IMPLEMENTED)))
-def test_reserved_backends_say_not_implemented(name):
-    with pytest.raises(ToolkitError, match=f"backend '{name}' is not implemented yet"):
-        adapters.get(name)
+def test_local_devices_is_for_jax_only():
+    with pytest.raises(ToolkitError, match="local_devices=2 applies to the JAX backends only"):
+        adapters.get("horovod-torch", local_devices=2)
+    with pytest.raises(ToolkitError, match="local_devices=0 must be >= 1"):
+        adapters.get("jax-pmap", local_devices=0)
 
 
 def test_bad_dtype_is_refused():
@@ -33,7 +34,8 @@ def test_bad_dtype_is_refused():
 
 
 def test_importing_toolkit_and_adapters_imports_no_framework():
-    code = ("import sys, toolkit, adapters, toolkit.datasets; adapters.get('horovod-torch'); "
+    code = ("import sys, toolkit, adapters, toolkit.datasets, toolkit.equivalence; "
+            "[adapters.get(b) for b in adapters.BACKENDS]; "
             "print(sorted(m for m in ('torch', 'tensorflow', 'jax', 'horovod') "
             "if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

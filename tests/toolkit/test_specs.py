@@ -5,7 +5,7 @@ import math
 import numpy as np
 import pytest
 
-from toolkit import MLP, SGD, ToolkitError, WarmupCosine, learning_rate, lr_scale
+from toolkit import CNN, MLP, SGD, ToolkitError, WarmupCosine, learning_rate, lr_scale
 
 
 def test_init_is_seeded_and_shaped():
@@ -16,25 +16,43 @@ def test_init_is_seeded_and_shaped():
     assert np.abs(a["layers.0.kernel"]).max() <= 1 / 8
 
 
-@pytest.mark.parametrize("activation", ["relu", "tanh"])
+MODELS = {
+    "mlp-relu": (MLP((5, 7, 3), "relu"), (5,)),
+    "mlp-tanh": (MLP((5, 7, 3), "tanh"), (5,)),
+    "cnn-two-convs": (CNN(image_shape=(4, 5, 2), channels=(3, 2), classes=3), (4, 5, 2)),
+}
+
+
+@pytest.mark.parametrize("model", list(MODELS))
 @pytest.mark.parametrize("loss", ["cross_entropy", "mse"])
-def test_reference_gradients_match_finite_differences(activation, loss):
-    spec = MLP((5, 7, 3), activation)
+def test_reference_gradients_match_finite_differences(model, loss):
+    spec, shape = MODELS[model]
     params = spec.init(1, "float64")
     rng = np.random.default_rng(0)
-    x = rng.normal(size=(6, 5))
+    x = rng.normal(size=(6, *shape))
     y = rng.integers(0, 3, 6) if loss == "cross_entropy" else rng.normal(size=(6, 3))
     _, grads = spec.loss_and_grads(params, x, y, loss)
     for name in params:
         flat = params[name].reshape(-1)
-        for i in range(0, flat.size, 4):
+        for i in range(0, flat.size, 3):
             old = flat[i]
             flat[i] = old + 1e-6
             up = spec.loss_and_grads(params, x, y, loss)[0]
             flat[i] = old - 1e-6
             down = spec.loss_and_grads(params, x, y, loss)[0]
             flat[i] = old
-            assert grads[name].reshape(-1)[i] == pytest.approx((up - down) / 2e-6, abs=1e-7)
+            assert grads[name].reshape(-1)[i] == pytest.approx((up - down) / 2e-6, abs=1e-7), name
+
+
+def test_cnn_forward_is_a_same_padded_convolution():
+    spec = CNN(image_shape=(3, 3, 1), channels=(1,), classes=1)
+    params = {"convs.0.kernel": np.zeros((3, 3, 1, 1)), "convs.0.bias": np.zeros(1),
+              "head.kernel": np.zeros((9, 1)), "head.bias": np.zeros(1)}
+    params["convs.0.kernel"][1, 1, 0, 0] = 2.0  # centre tap: doubles the image
+    params["convs.0.kernel"][0, 1, 0, 0] = 1.0  # tap above: adds the pixel one row up
+    params["head.kernel"][4, 0] = 1.0  # read the centre pixel of the map
+    x = np.arange(9.0).reshape(1, 3, 3, 1)
+    assert spec.apply(params, x)[0, 0] == 2 * 4 + 1
 
 
 def test_warmup_cosine():

@@ -1,0 +1,69 @@
+"""One run of the equivalence check (started by ``python -m toolkit.equivalence``).
+
+Trains the chosen presets with the Trainer, then rank 0 writes ``result.json`` (per-step
+losses averaged across ranks, median step time) and ``params.npz`` (final parameters) into
+``--out``. A backend whose framework is not installed writes status ``skipped`` and its reason.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+
+import adapters
+import toolkit
+from toolkit.equivalence import load_data, make_model, make_optimizer
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    for name in ("--backend", "--model", "--optimizer", "--dtype", "--out"):
+        p.add_argument(name, required=True)
+    for name in ("--steps", "--batch-size", "--seed"):
+        p.add_argument(name, type=int, required=True)
+    p.add_argument("--local-devices", type=int, default=None)
+    args = p.parse_args()
+    out, env = Path(args.out), toolkit.current_env()
+
+    adapter = adapters.get(args.backend, dtype=args.dtype, local_devices=args.local_devices)
+    try:
+        adapter.setup(env)
+    except toolkit.ToolkitError as err:
+        if "not importable" in str(err):
+            toolkit.save0(out / "result.json", json.dumps({"status": "skipped",
+                                                           "reason": err.message}), env=env)
+            return
+        raise
+    step_seconds = []
+    real_step = adapter.train_step
+
+    def timed_step(x, y, lr):
+        start = time.perf_counter()
+        loss = real_step(x, y, lr)
+        step_seconds.append(time.perf_counter() - start)
+        return loss
+
+    adapter.train_step = timed_step
+    x, y = load_data(args.model, args.dtype)
+    trainer = toolkit.Trainer(adapter, make_model(args.model),
+                              make_optimizer(args.optimizer, args.steps),
+                              global_batch_size=args.batch_size, max_steps=args.steps,
+                              seed=args.seed, progress=False)
+    history = trainer.fit(x, y)
+    params = {k[len("params/"):]: v for k, v in adapter.state_dict().items()
+              if k.startswith("params/")}
+    # Median over steps after the first few, which include compilation.
+    median = float(np.median(step_seconds[min(5, len(step_seconds) - 1):]))
+    step_time = float(adapter.allreduce(np.asarray([median]), "mean")[0])
+    toolkit.save0(out / "params.npz", lambda f: np.savez(f, **params), env=env)
+    toolkit.save0(out / "result.json", json.dumps({
+        "status": "ok", "losses": history.losses, "step_seconds": step_time,
+        "world_size": env.world_size}), env=env)
+
+
+if __name__ == "__main__":
+    toolkit.run(main)

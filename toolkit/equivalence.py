@@ -1,0 +1,273 @@
+"""The cross-framework equivalence check: same model, data, seed and optimizer in every
+backend, at any world size, against a one-process float64 numpy reference.
+
+    python -m toolkit.equivalence                       # all backends, world sizes 1 and 2
+    python -m toolkit.equivalence --world-sizes 1,2,4 --dtype float64 --json eq.json
+    python -m toolkit.equivalence --backends horovod-torch,jax-pjit --plot curves.png
+
+Each backend trains ``--steps`` steps on scikit-learn's digits with the model and optimizer
+presets below, launched by the chosen launcher (horovodrun by default; srun when inside a
+Slurm allocation; mpirun on request). The table shows, for every run, the final loss, the
+largest relative per-step loss deviation from the reference, the largest absolute parameter
+deviation after the last step, the median time per step, and PASS/FAIL. A backend that is not
+installed is reported as SKIPPED with the reason, never as passed. The exit status is 1 when
+any run fails.
+
+This module imports no framework: the runs happen in worker processes
+(``python -m adapters.equivalence_worker``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from toolkit._errors import ToolkitError
+from toolkit._specs import CNN, MLP, SGD, Adam, WarmupCosine
+
+BACKENDS = ("horovod-torch", "horovod-tf", "jax-pmap", "jax-pjit")
+LAUNCHERS = ("auto", "horovodrun", "mpirun", "srun")
+# Bounds on the max relative per-step loss deviation (and on the parameters' max absolute
+# deviation) from the float64 reference.
+LOSS_TOLERANCE = {"float32": 1e-5, "float64": 1e-10}
+PARAM_TOLERANCE = {"float32": 1e-4, "float64": 1e-9}
+
+
+def make_model(name: str):
+    """The model presets: ``mlp`` (64-128-10, relu) and ``cnn`` (conv 3x3x8, relu, dense)."""
+    models = {"mlp": lambda: MLP((64, 128, 10)),
+              "cnn": lambda: CNN(image_shape=(8, 8, 1), channels=(8,), classes=10)}
+    if name not in models:
+        raise ToolkitError(f"unknown model preset {name!r}", f"use one of: {', '.join(models)}")
+    return models[name]()
+
+
+def make_optimizer(name: str, steps: int):
+    """The optimizer presets, each exercising a different part of the arithmetic."""
+    optimizers = {
+        "sgd": lambda: SGD(lr=0.05, momentum=0.9),
+        "sgd-cosine": lambda: SGD(lr=WarmupCosine(0.1, max(1, steps // 5), steps),
+                                  momentum=0.9, nesterov=True, weight_decay=1e-4),
+        "adam": lambda: Adam(lr=1e-3),
+        "adamw": lambda: Adam(lr=1e-3, weight_decay=0.01, decoupled=True),
+    }
+    if name not in optimizers:
+        raise ToolkitError(f"unknown optimizer preset {name!r}",
+                           f"use one of: {', '.join(optimizers)}")
+    return optimizers[name]()
+
+
+def load_data(model_name: str, dtype: str):
+    from toolkit.datasets import load_digits
+
+    (x, y), _ = load_digits(dtype=dtype)
+    if model_name == "cnn":
+        x = x.reshape(-1, 8, 8, 1)
+    return x, y
+
+
+def reference(args) -> tuple[list[float], dict[str, np.ndarray]]:
+    """The one-process float64 numpy run every backend is compared with."""
+    from toolkit._reference import reference_run
+
+    x, y = load_data(args.model, "float64")
+    return reference_run(make_model(args.model), make_optimizer(args.optimizer, args.steps),
+                         "cross_entropy", x, y, global_batch_size=args.batch_size,
+                         steps=args.steps, seed=args.seed, dtype="float64")
+
+
+def pick_launcher(requested: str) -> str:
+    if requested != "auto":
+        return requested
+    return "srun" if "SLURM_JOB_ID" in os.environ else "horovodrun"
+
+
+def worker_command(args, backend: str, world_size: int, launcher: str, out: Path) -> list[str]:
+    worker = [sys.executable, "-m", "adapters.equivalence_worker", "--backend", backend,
+              "--model", args.model, "--optimizer", args.optimizer, "--steps", str(args.steps),
+              "--batch-size", str(args.batch_size), "--dtype", args.dtype,
+              "--seed", str(args.seed), "--out", str(out)]
+    if args.local_devices and backend.startswith("jax-"):
+        worker += ["--local-devices", str(args.local_devices)]
+    if world_size == 1:
+        return worker
+    if launcher == "horovodrun":
+        exe = shutil.which("horovodrun") or str(Path(sys.executable).parent / "horovodrun")
+        return [exe, "-np", str(world_size), "--gloo", *worker]
+    if launcher == "mpirun":
+        root = ["--allow-run-as-root"] if os.geteuid() == 0 else []
+        return ["mpirun", *root, "--oversubscribe", "-np", str(world_size), *worker]
+    return ["srun", "-n", str(world_size), "--mpi=pmix", "--kill-on-bad-exit=1", *worker]
+
+
+def run_one(args, backend: str, world_size: int, launcher: str, workdir: Path) -> dict:
+    out = workdir / f"{backend}-{world_size}"
+    out.mkdir(parents=True, exist_ok=True)
+    cmd = worker_command(args, backend, world_size, launcher, out)
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "TF_CPP_MIN_LOG_LEVEL": "2"}
+    used = "python" if world_size == 1 else launcher
+    base = {"backend": backend, "world_size": world_size, "launcher": used}
+    try:
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True,
+                              timeout=args.timeout, stdin=subprocess.DEVNULL)
+    except FileNotFoundError as err:
+        return {**base, "status": "skipped", "reason": f"launcher not found: {err.filename}"}
+    except subprocess.TimeoutExpired:
+        return {**base, "status": "fail", "reason": f"timed out after {args.timeout} s"}
+    result_file = out / "result.json"
+    if not result_file.exists():
+        tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
+        return {**base, "status": "fail",
+                "reason": f"exit {proc.returncode}: " + " | ".join(tail)}
+    result = {**base, **json.loads(result_file.read_text())}
+    if result["status"] == "ok":
+        with np.load(out / "params.npz") as f:
+            result["params"] = {k: f[k] for k in f.files}
+    return result
+
+
+def compare(result: dict, ref_losses: list[float], ref_params: dict, dtype: str) -> dict:
+    if result["status"] != "ok":
+        return result
+    losses, ref = np.asarray(result["losses"]), np.asarray(ref_losses)
+    if losses.shape != ref.shape:
+        return {**result, "status": "fail", "reason": f"{len(losses)} steps, expected {len(ref)}"}
+    params = result.pop("params")
+    loss_dev = float(np.max(np.abs(losses - ref) / np.abs(ref)))
+    param_dev = max(float(np.max(np.abs(params[k].astype(np.float64) - v)))
+                    for k, v in ref_params.items())
+    passed = loss_dev <= LOSS_TOLERANCE[dtype] and param_dev <= PARAM_TOLERANCE[dtype]
+    return {**result, "final_loss": float(losses[-1]), "max_rel_loss_dev": loss_dev,
+            "max_abs_param_dev": param_dev, "status": "pass" if passed else "fail"}
+
+
+def format_table(rows: list[dict], baseline: dict[int, float]) -> str:
+    header = ("backend", "world", "launcher", "final loss", "max rel loss dev",
+              "max abs param dev", "ms/step", "vs torch", "result")
+    lines = [header]
+    for r in rows:
+        ok = "final_loss" in r
+        step_ms = r.get("step_seconds", 0) * 1e3
+        base = baseline.get(r["world_size"])
+        lines.append((
+            r["backend"], str(r["world_size"]), r["launcher"],
+            f"{r['final_loss']:.8f}" if ok else "-",
+            f"{r['max_rel_loss_dev']:.2e}" if ok else "-",
+            f"{r['max_abs_param_dev']:.2e}" if ok else "-",
+            f"{step_ms:.2f}" if ok else "-",
+            f"{r['step_seconds'] / base:.2f}x" if ok and base else "-",
+            r["status"].upper() + (f" ({r['reason']})" if r.get("reason") else ""),
+        ))
+    widths = [max(len(line[i]) for line in lines[:]) for i in range(len(header) - 1)]
+    out = []
+    for line in lines:
+        out.append("  ".join(c.ljust(w) for c, w in zip(line, widths, strict=False))
+                   + "  " + line[-1])
+    return "\n".join(out)
+
+
+def plot(path: str, ref_losses, rows) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 7), sharex=True)
+    steps = np.arange(1, len(ref_losses) + 1)
+    top.plot(steps, ref_losses, "k-", lw=3, alpha=0.3, label="numpy float64 reference")
+    for r in rows:
+        if "final_loss" in r:
+            label = f"{r['backend']} x{r['world_size']}"
+            top.plot(steps, r["losses"], lw=1, label=label)
+            dev = np.abs(np.asarray(r["losses"]) - ref_losses) / np.abs(ref_losses)
+            bottom.semilogy(steps, np.maximum(dev, 1e-18), lw=1, label=label)
+    top.set_ylabel("training loss")
+    top.legend(fontsize=8)
+    bottom.set_ylabel("relative deviation from reference")
+    bottom.set_xlabel("step")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m toolkit.equivalence",
+                                description=__doc__.split("\n\n")[0])
+    p.add_argument("--backends", default=",".join(BACKENDS), help="comma-separated")
+    p.add_argument("--world-sizes", default="1,2", help="comma-separated, e.g. 1,2,4")
+    p.add_argument("--steps", type=int, default=50)
+    p.add_argument("--batch-size", type=int, default=64, help="global batch")
+    p.add_argument("--dtype", choices=tuple(LOSS_TOLERANCE), default="float32")
+    p.add_argument("--model", default="mlp", help="mlp or cnn")
+    p.add_argument("--optimizer", default="sgd", help="sgd, sgd-cosine, adam or adamw")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--launcher", choices=LAUNCHERS, default="auto")
+    p.add_argument("--local-devices", type=int, default=None,
+                   help="CPU devices per process for the JAX backends")
+    p.add_argument("--timeout", type=float, default=600, help="seconds per run")
+    p.add_argument("--json", default=None, help="write all numbers to this file")
+    p.add_argument("--plot", default=None, help="write the loss curves to this PNG")
+    args = p.parse_args(argv)
+    args.backends = [b.strip() for b in args.backends.split(",") if b.strip()]
+    for b in args.backends:
+        if b not in BACKENDS:
+            raise ToolkitError(f"unknown backend {b!r}", f"valid backends: {', '.join(BACKENDS)}")
+    try:
+        args.world_sizes = [int(w) for w in args.world_sizes.split(",")]
+    except ValueError:
+        raise ToolkitError(f"--world-sizes {args.world_sizes!r} is not a list of integers",
+                           "write e.g. --world-sizes 1,2,4") from None
+    for w in args.world_sizes:
+        if w < 1 or args.batch_size % w:
+            raise ToolkitError(f"world size {w} does not divide the global batch "
+                               f"{args.batch_size}", "choose world sizes that divide --batch-size")
+    make_model(args.model)
+    make_optimizer(args.optimizer, args.steps)
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    launcher = pick_launcher(args.launcher)
+    ref_losses, ref_params = reference(args)
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="equivalence-") as tmp:
+        for backend in args.backends:
+            for world_size in args.world_sizes:
+                result = run_one(args, backend, world_size, launcher, Path(tmp))
+                rows.append(compare(result, ref_losses, ref_params, args.dtype))
+                print(f"  ran {backend} x{world_size}: {rows[-1]['status']}", file=sys.stderr,
+                      flush=True)
+    baseline = {r["world_size"]: r["step_seconds"] for r in rows
+                if r["backend"] == "horovod-torch" and "final_loss" in r}
+    print(f"equivalence: {args.model} + {args.optimizer}, {args.steps} steps, global batch "
+          f"{args.batch_size}, {args.dtype}, seed {args.seed}; reference: numpy float64, "
+          f"1 process; bounds: loss {LOSS_TOLERANCE[args.dtype]:.0e} relative, params "
+          f"{PARAM_TOLERANCE[args.dtype]:.0e} absolute")
+    print(format_table(rows, baseline))
+    if args.json:
+        config = {k: v for k, v in vars(args).items() if k not in ("json", "plot")}
+        Path(args.json).write_text(json.dumps(
+            {"config": {**config, "launcher": launcher},
+             "tolerance": {"loss": LOSS_TOLERANCE[args.dtype],
+                           "params": PARAM_TOLERANCE[args.dtype]},
+             "reference": {"losses": ref_losses}, "results": rows}, indent=1))
+    if args.plot:
+        plot(args.plot, ref_losses, rows)
+    return 1 if any(r["status"] == "fail" for r in rows) else 0
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main())
+    except ToolkitError as err:
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(2)
