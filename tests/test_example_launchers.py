@@ -1,7 +1,9 @@
-"""examples/train_digits.py, unchanged, under every launcher: real horovodrun, mpirun, srun.
+"""examples/train_digits.py, unchanged, with every backend under every launcher: real
+horovodrun (Gloo and MPI), mpirun and srun.
 
-Data-parallel correctness rides along: 2 ranks with local batch 32 must reproduce one process
-with batch 64, step for step, to float32 rounding.
+Data-parallel correctness and cross-framework equivalence ride along: 2 ranks with local batch
+32, in any backend, must reproduce one horovod-torch process with batch 64, step for step, to
+float32 rounding.
 """
 
 import re
@@ -13,11 +15,12 @@ EXAMPLE = "examples/train_digits.py"
 STEPS = 50
 TOLERANCE = 1e-5  # max relative per-step loss deviation, float32
 LAUNCHERS = ("horovodrun-gloo", "horovodrun-mpi", "mpirun", "srun")
+BACKENDS = ("horovod-torch", "horovod-tf", "jax-pmap", "jax-pjit")
 
 
-def example_args(tmp_path, name):
-    return [EXAMPLE, "--steps", str(STEPS), "--batch-size", "64", "--seed", "0",
-            "--metrics-log", str(tmp_path / f"{name}.jsonl")]
+def example_args(tmp_path, name, backend="horovod-torch"):
+    return [EXAMPLE, "--backend", backend, "--steps", str(STEPS), "--batch-size", "64",
+            "--seed", "0", "--metrics-log", str(tmp_path / f"{name}.jsonl")]
 
 
 @pytest.fixture(scope="module")
@@ -49,9 +52,10 @@ def test_single_process_run_learns(reference, read_metrics):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("launcher", LAUNCHERS)
-def test_two_ranks_reproduce_one_process_under(launcher, launch, tmp_path, reference,
-                                               read_metrics):
-    job = launch(launcher, 2, example_args(tmp_path, launcher))
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_two_ranks_reproduce_one_process(backend, launcher, launch, tmp_path, reference,
+                                         read_metrics):
+    job = launch(launcher, 2, example_args(tmp_path, launcher, backend))
     assert job.returncode == 0, job
     # print0: the summary and every epoch line appear once, not once per rank.
     assert job.stdout.count("done: world_size 2 ") == 1, job

@@ -12,11 +12,12 @@ from toolkit._errors import ToolkitError
 from toolkit._rank0 import atomic_open, current_env, print0, save0
 from toolkit._sampler import GlobalBatchSampler, shard_indices
 from toolkit._specs import CNN, MLP, SGD, Adam, WarmupCosine, learning_rate, lr_scale
-from toolkit._trainer import History, Trainer
+from toolkit._trainer import PREEMPTED_EXIT_CODE, History, Trainer, TrainingPreempted
 
 __all__ = [
     "CNN", "MLP", "SGD", "Adam", "WarmupCosine", "Adapter", "Checkpoint", "CheckpointError",
-    "CheckpointStore", "GlobalBatchSampler", "History", "LaunchEnv", "ToolkitError", "Trainer",
+    "CheckpointStore", "GlobalBatchSampler", "History", "LaunchEnv", "PREEMPTED_EXIT_CODE",
+    "ToolkitError", "Trainer", "TrainingPreempted",
     "atomic_open", "current_env", "detect_launch_env", "expand_nodelist", "learning_rate",
     "lr_scale", "print0", "read_checkpoint", "run", "save0", "shard_indices",
 ]

@@ -9,6 +9,7 @@ from collections.abc import Callable
 
 from toolkit._errors import ToolkitError
 from toolkit._rank0 import current_env, eprint
+from toolkit._trainer import PREEMPTED_EXIT_CODE, TrainingPreempted
 
 
 def run(main: Callable[[], object]) -> None:
@@ -16,6 +17,8 @@ def run(main: Callable[[], object]) -> None:
 
     - A :class:`ToolkitError` (bad input) prints ``error: ...`` and its HINT (prefixed with
       the rank in multi-process jobs) and exits with status 2.
+    - :class:`TrainingPreempted` (a stop signal; the state is checkpointed) exits with
+      status 75 (``PREEMPTED_EXIT_CODE``), which a requeueing batch script looks for.
     - Any other exception prints the traceback prefixed with the rank that failed and exits
       with status 1 at once, skipping interpreter shutdown: the framework's communicator could
       otherwise wait forever for the other ranks, and the launcher (horovodrun, mpirun, srun)
@@ -28,6 +31,10 @@ def run(main: Callable[[], object]) -> None:
         sys.exit(2)
     try:
         main()
+    except TrainingPreempted as stop:
+        if env.rank == 0:
+            eprint(f"preempted: {stop}")
+        _exit(PREEMPTED_EXIT_CODE, env.is_distributed)
     except ToolkitError as err:
         # Every rank reports: the launcher may end the job the moment any rank exits, before
         # rank 0 has had its turn to print.

@@ -168,7 +168,7 @@ class CNN:
 
     def _patches(self, x: np.ndarray) -> np.ndarray:
         """(N, H, W, C) -> (N, H, W, k*k*C), SAME padding, in the kernel's (i, j, c) order."""
-        k, (n, h, w, _) = self.kernel_size, x.shape
+        k, (_, h, w, _) = self.kernel_size, x.shape
         pad = k // 2
         xp = np.pad(x, ((0, 0), (pad, pad), (pad, pad), (0, 0)))
         return np.concatenate([xp[:, i:i + h, j:j + w, :] for i in range(k) for j in range(k)],

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
 import os
+import signal
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -20,6 +23,21 @@ from toolkit._errors import ToolkitError
 from toolkit._rank0 import current_env, print0
 from toolkit._sampler import GlobalBatchSampler, shard_indices
 from toolkit._specs import LOSSES, OptimizerSpec, check_choice, learning_rate, lr_scale
+
+PREEMPTED_EXIT_CODE = 75  # EX_TEMPFAIL: "try again later", what a requeued job should do
+
+
+class TrainingPreempted(Exception):
+    """Raised by :meth:`Trainer.fit` after a stop signal: the state is checkpointed.
+
+    ``toolkit.run`` turns it into exit status 75 (``PREEMPTED_EXIT_CODE``), which
+    ``slurm/train_preemptible.sbatch`` answers with ``scontrol requeue``.
+    """
+
+    def __init__(self, signame: str, step: int, path):
+        self.signame, self.step, self.path = signame, step, path
+        super().__init__(f"stopped by {signame} after step {step}; checkpoint {path}; "
+                         "rerun with --resume latest (a requeued job does so by itself)")
 
 
 @dataclasses.dataclass
@@ -96,6 +114,11 @@ class Trainer:
         metrics_log: a JSON-lines file rank 0 appends step and epoch records to.
         log_every: also print a line every this many steps (0: once per epoch).
         progress: show a progress line on rank 0 when stderr is a terminal.
+        stop_signals: with a checkpoint directory, these signals (what ``sbatch --signal``,
+            ``srun --signal``, ``scancel --signal`` and a time limit send) make every rank
+            finish its current step, write a checkpoint and raise :class:`TrainingPreempted`.
+            Ranks agree on stopping through one tiny allreduce per step while handlers are
+            installed; pass ``()`` to install none.
         env: the launch environment; detected when omitted.
     """
 
@@ -123,6 +146,7 @@ class Trainer:
         metrics_log: str | os.PathLike | None = None,
         log_every: int = 0,
         progress: bool = True,
+        stop_signals: tuple[str, ...] = ("SIGUSR1", "SIGTERM"),
         env: LaunchEnv | None = None,
     ):
         check_choice("loss", loss, LOSSES)
@@ -147,6 +171,12 @@ class Trainer:
         self.keep, self.resume, self.async_checkpoint = keep, resume, async_checkpoint
         self.metrics_log = Path(metrics_log) if metrics_log else None
         self.log_every, self.progress = log_every, progress
+        for name in stop_signals:
+            if not isinstance(getattr(signal, str(name), None), signal.Signals):
+                raise ToolkitError(f"unknown signal {name!r} in stop_signals",
+                                   "use names such as 'SIGUSR1' and 'SIGTERM'")
+        self.stop_signals = tuple(stop_signals) if checkpoint_dir is not None else ()
+        self._stop_signal: str | None = None
         self.env = env or current_env()
         lr_scale(lr_scaling, 1)  # validates the name before any process group exists
         self.global_step = 0
@@ -220,50 +250,86 @@ class Trainer:
             self._setup(len(x))
         env, sampler = self.env, self.sampler
         total = self.max_steps if self.max_steps is not None else self.epochs * len(sampler)
-        scale = lr_scale(self.lr_scaling, env.world_size)
-        history = History(first_step=self.global_step, world_size=env.world_size)
-        progress = _Progress(self.progress and env.rank == 0)
+        self._history = History(first_step=self.global_step, world_size=env.world_size)
+        self._pending: list[float] = []  # local step losses not yet averaged across ranks
+        self._progress = _Progress(self.progress and env.rank == 0)
+        with self._stop_handlers():
+            self._loop(x, y, validation, total, lr_scale(self.lr_scaling, env.world_size))
+        if self.store is not None:
+            if not self.store.checkpoints() or self._last_saved != self.global_step:
+                self.save_checkpoint()
+            self.store.wait()
+        return self._history
+
+    def _flush(self) -> None:
+        """Averages the pending step losses across ranks (one allreduce) and logs them."""
+        pending, history = self._pending, self._history
+        if pending:
+            averaged = self.adapter.allreduce(np.asarray(pending, np.float64), "mean")
+            first = self.global_step - len(pending)
+            history.losses.extend(float(v) for v in averaged)
+            self._log_records({"event": "step", "step": first + i + 1, "loss": float(v)}
+                              for i, v in enumerate(averaged))
+            pending.clear()
+
+    def _loop(self, x, y, validation, total: int, scale: float) -> None:
+        env, sampler, history, progress = self.env, self.sampler, self._history, self._progress
         last_ckpt_time = time.monotonic()
-        pending: list[float] = []  # local losses not yet averaged across ranks
-
-        def flush() -> None:
-            if pending:
-                averaged = self.adapter.allreduce(np.asarray(pending, np.float64), "mean")
-                first = self.global_step - len(pending)
-                history.losses.extend(float(v) for v in averaged)
-                self._log_records({"event": "step", "step": first + i + 1, "loss": float(v)}
-                                  for i, v in enumerate(averaged))
-                pending.clear()
-
         while self.global_step < total:
             epoch, epoch_start = sampler.epoch, time.monotonic()
-            first_in_epoch = len(history.losses) + len(pending)
+            first_in_epoch = len(history.losses) + len(self._pending)
             for idx in sampler:
                 lr = learning_rate(self.optimizer, self.global_step) * scale \
                     if not _is_native(self.optimizer) else None
                 loss = self.adapter.train_step(x[idx], y[idx], lr)
-                pending.append(loss)
+                self._pending.append(loss)
                 self.global_step += 1
                 progress.update(epoch, sampler.step, len(sampler), loss)
                 if self.log_every and self.global_step % self.log_every == 0:
-                    flush()
+                    self._flush()
                     print0(f"step {self.global_step}  loss {history.losses[-1]:.4f}", env=env)
                 if self._checkpoint_due(last_ckpt_time):
                     self.save_checkpoint()
                     last_ckpt_time = time.monotonic()
+                if self.stop_signals and self._stop_agreed():
+                    self._flush()
+                    progress.clear()
+                    path = self.save_checkpoint()
+                    self.store.wait()
+                    raise TrainingPreempted(self._stop_signal or "a signal on another rank",
+                                            self.global_step, path or self.checkpoint_dir)
                 if self.global_step >= total:
                     break
-            flush()
+            self._flush()
             progress.clear()
             if sampler.step == 0:  # the epoch ran to its end
                 record = self._end_epoch(epoch, history.losses[first_in_epoch:], validation,
                                          time.monotonic() - epoch_start)
                 history.epochs.append(record)
-        if self.store is not None:
-            if not self.store.checkpoints() or self._last_saved != self.global_step:
-                self.save_checkpoint()
-            self.store.wait()
-        return history
+
+    @contextlib.contextmanager
+    def _stop_handlers(self):
+        if not self.stop_signals or threading.current_thread() is not threading.main_thread():
+            yield
+            return
+
+        def handler(signum, frame):  # only note it: the step in flight finishes first
+            self._stop_signal = signal.Signals(signum).name
+
+        previous = {name: signal.signal(getattr(signal, name), handler)
+                    for name in self.stop_signals}
+        try:
+            yield
+        finally:
+            for name, old in previous.items():
+                signal.signal(getattr(signal, name), old)
+
+    def _stop_agreed(self) -> bool:
+        """True on every rank as soon as any rank has received a stop signal."""
+        local = np.asarray([1.0 if self._stop_signal else 0.0])
+        if not self.env.is_distributed:
+            return bool(local[0])
+        return bool(self.adapter.allreduce(local, "sum")[0] > 0)
 
     _last_saved = -1
 

@@ -1,0 +1,100 @@
+"""Native models through the same Trainer, and the bad input each backend must refuse."""
+
+import numpy as np
+import pytest
+
+import adapters
+import toolkit
+from toolkit import MLP, SGD, LaunchEnv, ToolkitError
+from toolkit.datasets import load_digits
+
+ENV = LaunchEnv()
+
+
+def train(adapter, model, steps=30):
+    (x, y), val = load_digits()
+    trainer = toolkit.Trainer(adapter, model, SGD(lr=0.1, momentum=0.9), global_batch_size=32,
+                              max_steps=steps, progress=False, env=ENV)
+    history = trainer.fit(x, y)
+    return history, trainer
+
+
+def spec_losses(backend):
+    history, _ = train(adapters.get(backend), MLP((64, 32, 10)))
+    return history.losses
+
+
+def test_torch_module_trains_like_the_spec():
+    import torch
+
+    spec = MLP((64, 32, 10))
+    params = spec.init(0)
+    net = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.ReLU(), torch.nn.Linear(32, 10))
+    with torch.no_grad():
+        for i, layer in enumerate((net[0], net[2])):
+            layer.weight.copy_(torch.from_numpy(params[f"layers.{i}.kernel"].T.copy()))
+            layer.bias.copy_(torch.from_numpy(params[f"layers.{i}.bias"]))
+    history, trainer = train(adapters.get("horovod-torch"), net)
+    np.testing.assert_allclose(history.losses, spec_losses("horovod-torch"), rtol=1e-6)
+    assert "params/0.weight" in trainer.adapter.state_dict()
+
+
+def test_keras_dense_model_maps_onto_the_spec():
+    import keras
+
+    spec = MLP((64, 32, 10))
+    params = spec.init(0)
+    model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(32, activation="relu"),
+                              keras.layers.Dense(10)])
+    for i, layer in enumerate(model.layers):
+        layer.set_weights([params[f"layers.{i}.kernel"], params[f"layers.{i}.bias"]])
+    history, _ = train(adapters.get("horovod-tf"), model)
+    np.testing.assert_allclose(history.losses, spec_losses("horovod-tf"), rtol=1e-6)
+
+
+def test_keras_layers_without_a_mapping_are_refused():
+    import keras
+
+    adapter = adapters.get("horovod-tf")
+    adapter.setup(ENV)
+    model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(32),
+                              keras.layers.Dropout(0.5), keras.layers.Dense(10)])
+    with pytest.raises(ToolkitError) as err:
+        adapter.build(model, SGD(lr=0.1), "cross_entropy")
+    assert "(Dropout) has no mapping" in str(err.value) and "HINT:" in str(err.value)
+
+
+@pytest.mark.parametrize("backend", ["jax-pmap", "jax-pjit"])
+def test_flax_module_trains_like_the_spec(backend):
+    import flax.linen as nn
+    import jax
+
+    class Net(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return nn.Dense(10, name="out")(nn.relu(nn.Dense(32, name="hidden")(x)))
+
+    spec_params = MLP((64, 32, 10)).init(0)
+    variables = {"params": {
+        "hidden": {"kernel": spec_params["layers.0.kernel"], "bias": spec_params["layers.0.bias"]},
+        "out": {"kernel": spec_params["layers.1.kernel"], "bias": spec_params["layers.1.bias"]}}}
+    history, trainer = train(adapters.get(backend), (Net(), variables))
+    np.testing.assert_allclose(history.losses, spec_losses(backend), rtol=1e-5)
+    assert "params/hidden.kernel" in trainer.adapter.state_dict()
+    assert jax.local_device_count() == 2  # conftest: both devices really took part
+
+
+@pytest.mark.parametrize("backend", ["jax-pmap", "jax-pjit"])
+def test_jax_device_count_that_does_not_divide_the_batch(backend):
+    adapter = adapters.get(backend)
+    adapter.setup(ENV)
+    adapter.build(MLP((4, 3)), SGD(lr=0.1), "cross_entropy")
+    with pytest.raises(ToolkitError) as err:
+        adapter.train_step(np.zeros((3, 4), np.float32), np.zeros(3, np.int64), 0.1)
+    assert "local batch of 3 samples does not split over 2 local devices" in str(err.value)
+
+
+def test_dtype_a_backend_cannot_run():
+    with pytest.raises(ToolkitError, match="unknown dtype 'bfloat16'") as err:
+        adapters.get("jax-pjit", dtype="bfloat16")
+    assert "float32, float64" in str(err.value)

@@ -1,0 +1,99 @@
+"""The equivalence command end to end: every backend, several world sizes, real launchers."""
+
+import json
+
+import numpy as np
+import pytest
+
+from toolkit import ToolkitError
+from toolkit.equivalence import LOSS_TOLERANCE, compare, parse_args
+
+BACKENDS = ["horovod-torch", "horovod-tf", "jax-pmap", "jax-pjit"]
+
+
+def run_equivalence(launch, tmp_path, *args):
+    out = tmp_path / "eq.json"
+    job = launch("python", 1, ["-m", "toolkit.equivalence", "--json", str(out), *args],
+                 timeout=900)
+    return job, (json.loads(out.read_text()) if out.exists() else None)
+
+
+def check_all_pass(job, report, world_sizes, tolerance):
+    assert job.returncode == 0, job
+    rows = report["results"]
+    assert sorted((r["backend"], r["world_size"]) for r in rows) == sorted(
+        (b, w) for b in BACKENDS for w in world_sizes)
+    for r in rows:
+        assert r["status"] == "pass", r
+        assert r["max_rel_loss_dev"] <= tolerance, r
+    # Whatever the backend and world size, the per-step losses agree with each other too.
+    losses = np.array([r["losses"] for r in rows])
+    spread = np.max(np.abs(losses - losses[0]) / np.abs(losses[0]))
+    assert spread <= 2 * tolerance, spread
+    for backend in BACKENDS:
+        assert f"{backend}" in job.stdout and "PASS" in job.stdout
+
+
+@pytest.mark.slow
+def test_float32_every_backend_at_world_size_2_with_plot(launch, tmp_path):
+    job, report = run_equivalence(launch, tmp_path, "--world-sizes", "2", "--steps", "50",
+                                  "--plot", str(tmp_path / "curves.png"))
+    check_all_pass(job, report, [2], LOSS_TOLERANCE["float32"])
+    assert {r["launcher"] for r in report["results"]} == {"horovodrun"}
+    assert (tmp_path / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.slow
+def test_float64_at_world_sizes_1_and_2(launch, tmp_path):
+    job, report = run_equivalence(launch, tmp_path, "--world-sizes", "1,2", "--steps", "50",
+                                  "--dtype", "float64", "--optimizer", "adamw")
+    check_all_pass(job, report, [1, 2], LOSS_TOLERANCE["float64"])
+
+
+@pytest.mark.slow
+def test_cnn_with_adam_at_world_size_4(launch, tmp_path):
+    job, report = run_equivalence(launch, tmp_path, "--world-sizes", "4", "--steps", "50",
+                                  "--model", "cnn", "--optimizer", "adam")
+    check_all_pass(job, report, [4], LOSS_TOLERANCE["float32"])
+
+
+@pytest.mark.slow
+def test_missing_framework_is_skipped_never_passed(launch, tmp_path):
+    # A real missing package: sitecustomize makes 'import tensorflow' fail in the worker.
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text("import sys\nsys.modules['tensorflow'] = None\n")
+    out = tmp_path / "eq.json"
+    job = launch("python", 1, ["-m", "toolkit.equivalence", "--backends", "horovod-tf",
+                               "--world-sizes", "1", "--steps", "5", "--json", str(out)],
+                 env={"PYTHONPATH": str(site)})
+    assert job.returncode == 0, job
+    (row,) = json.loads(out.read_text())["results"]
+    assert row["status"] == "skipped" and "TensorFlow" in row["reason"], row
+    assert "SKIPPED" in job.stdout and "PASS" not in job.stdout
+
+
+def test_a_deviating_run_fails():
+    ref = [2.0, 1.0]
+    ok = {"status": "ok", "losses": [2.0, 1.0 + 5e-6], "params": {"w": np.ones(2)}}
+    assert compare(dict(ok), ref, {"w": np.ones(2)}, "float32")["status"] == "pass"
+    bad = {**ok, "losses": [2.0, 1.0 + 5e-5]}
+    assert compare(dict(bad), ref, {"w": np.ones(2)}, "float32")["status"] == "fail"
+    assert compare(dict(ok), ref, {"w": np.ones(2)}, "float64")["status"] == "fail"
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["--backends", "horovod-caffe"], "unknown backend 'horovod-caffe'"),
+    (["--world-sizes", "3"], "world size 3 does not divide the global batch 64"),
+    (["--world-sizes", "two"], "is not a list of integers"),
+    (["--model", "resnet"], "unknown model preset 'resnet'"),
+    (["--optimizer", "lion"], "unknown optimizer preset 'lion'"),
+])
+def test_bad_options_are_clear_errors(argv, match):
+    with pytest.raises(ToolkitError, match=match):
+        parse_args(argv)
+
+
+def test_bad_dtype_exits_non_zero(launch):
+    job = launch("python", 1, ["-m", "toolkit.equivalence", "--dtype", "float16"])
+    assert job.returncode == 2 and "invalid choice: 'float16'" in job.stderr
