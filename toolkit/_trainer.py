@@ -210,12 +210,14 @@ class Trainer:
                    env=self.env)
             return
         expected = self.adapter.state_dict()
-        missing = sorted(set(expected) - set(ckpt.tensors))
-        extra = sorted(set(ckpt.tensors) - set(expected))
-        wrong = sorted(n for n in set(expected) & set(ckpt.tensors)
-                       if expected[n].shape != ckpt.tensors[n].shape)
+        order = lambda n: (not n.startswith("params/"), n)  # noqa: E731  parameters first
+        missing = sorted(set(expected) - set(ckpt.tensors), key=order)
+        extra = sorted(set(ckpt.tensors) - set(expected), key=order)
+        wrong = sorted((n for n in set(expected) & set(ckpt.tensors)
+                        if expected[n].shape != ckpt.tensors[n].shape), key=order)
         if missing or extra or wrong:
-            details = "; ".join(f"{what}: {', '.join(names[:5])}" for what, names in
+            details = "; ".join(f"{what}: {', '.join(names[:5])}" + (
+                f" and {len(names) - 5} more" if len(names) > 5 else "") for what, names in
                                 (("missing", missing), ("unexpected", extra),
                                  ("wrong shape", wrong)) if names)
             raise CheckpointError(f"checkpoint {ckpt.path} does not fit this model ({details})",
@@ -355,7 +357,9 @@ class Trainer:
             "world_size": self.env.world_size,
             "backend": self.adapter.name,
             "layout": "data_parallel",
-            "rng": {"seed": self.seed},
+            "rng": {"seed": self.seed},  # all randomness (init, shuffling) derives from it
+            "model": _describe(self.model),
+            "optimizer": _describe(self.optimizer),
         }
         self._last_saved = self.global_step
         return self.store.save(self.global_step, self.adapter.state_dict(), meta,
@@ -398,6 +402,13 @@ class Trainer:
         with open(self.metrics_log, "a") as f:
             for record in records:
                 f.write(json.dumps({"time": round(time.time(), 3), **record}) + "\n")
+
+
+def _describe(spec: Any) -> dict[str, Any] | None:
+    """A spec as JSON (``{"type": "MLP", "sizes": [...], ...}``); None for native objects."""
+    if not dataclasses.is_dataclass(spec):
+        return None
+    return {"type": type(spec).__name__, **json.loads(json.dumps(dataclasses.asdict(spec)))}
 
 
 def _is_native(optimizer: Any) -> bool:

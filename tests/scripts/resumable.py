@@ -1,0 +1,56 @@
+"""Digits training that can kill itself (for the kill-and-resume tests).
+
+--kill-after N: once the checkpoint of step N is written and every rank has reached it, every
+rank SIGKILLs itself, as a node failure would. Rerun with --resume latest to continue.
+"""
+
+import argparse
+import os
+import signal
+
+import numpy as np
+
+import adapters
+import toolkit
+from toolkit.datasets import load_digits
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--backend", default="horovod-torch")
+    p.add_argument("--steps", type=int, default=100)
+    p.add_argument("--checkpoint-dir", required=True)
+    p.add_argument("--checkpoint-every", type=int, default=10)
+    p.add_argument("--resume", default=None)
+    p.add_argument("--kill-after", type=int, default=None)
+    p.add_argument("--async-checkpoint", action="store_true")
+    p.add_argument("--save-model", required=True)
+    p.add_argument("--metrics-log", required=True)
+    args = p.parse_args()
+
+    (x, y), _ = load_digits()
+    adapter = adapters.get(args.backend)
+    trainer = toolkit.Trainer(
+        adapter, toolkit.MLP((64, 32, 10)), toolkit.Adam(lr=3e-3), global_batch_size=64,
+        max_steps=args.steps, checkpoint_dir=args.checkpoint_dir,
+        checkpoint_every=args.checkpoint_every, resume=args.resume,
+        async_checkpoint=args.async_checkpoint, metrics_log=args.metrics_log, progress=False)
+    if args.kill_after is not None:
+        real_save = trainer.save_checkpoint
+
+        def save_then_maybe_die():
+            path = real_save()
+            if trainer.global_step == args.kill_after:
+                trainer.store.wait()
+                adapter.barrier()  # the checkpoint is complete before anyone dies
+                os.kill(os.getpid(), signal.SIGKILL)
+            return path
+
+        trainer.save_checkpoint = save_then_maybe_die
+    trainer.fit(x, y)
+    state = adapter.state_dict()
+    toolkit.save0(args.save_model, lambda f: np.savez(f, **state))
+
+
+if __name__ == "__main__":
+    toolkit.run(main)
