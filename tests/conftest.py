@@ -109,15 +109,89 @@ def read_metrics():
 
 
 @pytest.fixture
-def sbatch(slurm_cluster, tmp_path):
-    """``sbatch(script, args, ntasks=2) -> (returncode, job output)``: submits and waits."""
+def start():
+    """``start(launcher, nproc, argv, env=...) -> Popen``: a job left running (killed after)."""
+    procs = []
+
+    def spawn(launcher: str, nproc: int, argv: list[str], env: dict | None = None):
+        proc = subprocess.Popen(launch_command(launcher, nproc, argv), cwd=ROOT,
+                                env=child_env(env), stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True, start_new_session=True)
+        procs.append(proc)
+        return proc
+
+    yield spawn
+    for proc in procs:
+        if proc.poll() is None:
+            os.killpg(proc.pid, 9)
+            proc.wait()
+
+
+class SlurmJobs:
+    """Submit, signal and wait for batch jobs on the local cluster (real sbatch/scancel)."""
+
+    def __init__(self, cluster_env: dict, tmp_path: Path):
+        self.env = child_env({**cluster_env, "TOOLKIT_VENV": str(BIN.parent)})
+        self.output = tmp_path / "slurm-job.out"
+
+    def _run(self, *cmd: str, **kw) -> subprocess.CompletedProcess:
+        return subprocess.run(cmd, cwd=ROOT, env={**self.env, **kw.pop("env", {})},
+                              capture_output=True, text=True, timeout=60, **kw)
+
+    def submit(self, script: str, args: list[str], ntasks: int = 2, env: dict | None = None):
+        proc = self._run("sbatch", "--parsable", f"--ntasks={ntasks}", f"--output={self.output}",
+                         script, *args, env=env or {})
+        assert proc.returncode == 0, proc.stderr
+        return proc.stdout.strip().split(";")[0]
+
+    def state(self, job: str) -> str:
+        out = self._run("scontrol", "show", "job", job).stdout
+        return out.split("JobState=")[1].split()[0] if "JobState=" in out else "GONE"
+
+    def wait(self, job: str, timeout: float = 300) -> str:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            state = self.state(job)
+            if state in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "GONE"):
+                return state
+            time.sleep(0.5)
+        self._run("scancel", job)
+        return "STILL RUNNING: cancelled by the test"
+
+    def signal(self, job: str, name: str, batch_shell: bool = False) -> None:
+        extra = ["--batch"] if batch_shell else []
+        proc = self._run("scancel", f"--signal={name}", *extra, job)
+        assert proc.returncode == 0, proc.stderr
+
+    def start_requeued_now(self, job: str, timeout: float = 120) -> None:
+        """Slurm holds a requeued batch job for about two minutes (BeginTime); lift that."""
+        deadline = time.monotonic() + timeout
+        while self.state(job) != "PENDING":
+            assert time.monotonic() < deadline, f"job {job} was not requeued: {self.log()}"
+            time.sleep(0.2)
+        # ...but only once the node has let go of the previous run (as the delay intends).
+        while self._run("sinfo", "-h", "-o", "%t").stdout.strip() != "idle":
+            assert time.monotonic() < deadline, "the node never became idle"
+            time.sleep(0.5)
+        time.sleep(3)
+        proc = self._run("scontrol", "update", f"JobId={job}", "StartTime=now")
+        assert proc.returncode == 0, proc.stderr
+
+    def log(self) -> str:
+        return self.output.read_text() if self.output.exists() else ""
+
+
+@pytest.fixture
+def slurm_jobs(slurm_cluster, tmp_path):
+    return SlurmJobs(slurm_cluster, tmp_path)
+
+
+@pytest.fixture
+def sbatch(slurm_jobs):
+    """``sbatch(script, args, ntasks=2) -> (final job state, job output)``: submits and waits."""
 
     def submit(script: str, args: list[str], ntasks: int = 2, timeout: float = 300):
-        out = tmp_path / "slurm-job.out"
-        env = child_env({**slurm_cluster, "TOOLKIT_VENV": str(BIN.parent)})
-        proc = subprocess.run(["sbatch", "--wait", f"--ntasks={ntasks}", f"--output={out}",
-                               script, *args], cwd=ROOT, env=env, capture_output=True,
-                              text=True, timeout=timeout)
-        return proc.returncode, (out.read_text() if out.exists() else "") + proc.stderr
+        job = slurm_jobs.submit(script, args, ntasks)
+        return slurm_jobs.wait(job, timeout), slurm_jobs.log()
 
     return submit

@@ -2,6 +2,8 @@
 
 import pytest
 
+import toolkit
+
 EXAMPLE = "examples/train_digits.py"
 
 
@@ -38,13 +40,25 @@ def test_batch_not_divisible_by_world_size(launch):
     assert "such as 62 or 64" in job.stderr
 
 
+# How each launcher names the rank that failed first.
+FAILED_RANK_1 = {
+    ("horovodrun-gloo", "raise"): "Process name: 1", ("horovodrun-gloo", "kill"): "Process name: 1",
+    ("mpirun", "raise"): "[rank 1/2]", ("mpirun", "kill"): "process rank 1 ",
+    ("srun", "raise"): "task 1: Exited with exit code 1", ("srun", "kill"): "task 1: Killed",
+}
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("launcher", ["horovodrun-gloo", "mpirun", "srun"])
 @pytest.mark.parametrize("mode", ["raise", "kill"])
-def test_a_failing_rank_ends_the_whole_job(launch, launcher, mode):
+def test_a_failing_rank_ends_the_whole_job(launch, launcher, mode, tmp_path):
     job = launch(launcher, 2, ["tests/scripts/crash_rank.py"], timeout=90,
-                 env={"CRASH_RANK": "1", "CRASH_STEP": "5", "CRASH_MODE": mode})
+                 env={"CRASH_RANK": "1", "CRASH_STEP": "5", "CRASH_MODE": mode,
+                      "CHECKPOINT_DIR": str(tmp_path / "ckpt")})
     assert job.returncode != 0, job
     assert job.seconds < 60, job
+    assert FAILED_RANK_1[launcher, mode] in job.stdout + job.stderr, job
     if mode == "raise":
         assert "[rank 1/2]" in job.stderr and "injected failure on rank 1" in job.stderr, job
+    # The last good checkpoint (step 4, before rank 1's fifth step) is intact.
+    assert toolkit.CheckpointStore(tmp_path / "ckpt").load("latest").step == 4

@@ -219,6 +219,18 @@ class CNN:
 ModelSpec = MLP | CNN
 
 
+def spec_from_dict(described: dict | None) -> ModelSpec | None:
+    """The model spec a checkpoint's manifest describes (``{"type": "MLP", ...}``), if any."""
+    if not described:
+        return None
+    kinds = {"MLP": MLP, "CNN": CNN}
+    fields = {k: v for k, v in described.items() if k != "type"}
+    if described.get("type") not in kinds:
+        raise ToolkitError(f"unknown model type {described.get('type')!r} in the manifest",
+                           f"this toolkit knows: {', '.join(kinds)}")
+    return kinds[described["type"]](**fields)
+
+
 @dataclasses.dataclass(frozen=True)
 class WarmupCosine:
     """Linear warm-up from 0 to ``peak`` over ``warmup_steps``, then cosine decay to ``end``.

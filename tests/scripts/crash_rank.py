@@ -2,7 +2,8 @@
 
 CRASH_RANK: the rank that fails; CRASH_STEP: at which of its steps; CRASH_MODE: ``raise``
 (an exception) or ``kill`` (SIGKILL, as a dying node would). The other ranks are then waiting in
-an allreduce: the job must still end, non-zero, instead of hanging.
+an allreduce: the job must still end, non-zero, instead of hanging. CHECKPOINT_DIR: where
+checkpoints go every 2 steps (the last good one must survive the crash).
 """
 
 import os
@@ -32,7 +33,8 @@ def main() -> None:
 
     adapter.train_step = train_step
     toolkit.Trainer(adapter, toolkit.MLP((64, 32, 10)), toolkit.SGD(lr=0.1),
-                    global_batch_size=32, max_steps=10_000).fit(x, y)
+                    global_batch_size=32, max_steps=10_000,
+                    checkpoint_dir=os.environ.get("CHECKPOINT_DIR"), checkpoint_every=2).fit(x, y)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,99 @@
+"""Export a checkpoint's weights to a framework's native form.
+
+    python -m adapters.export CHECKPOINT --format torch --out model.pt
+    python -m adapters.export CHECKPOINT --format tf    --out tf_ckpt/model
+    python -m adapters.export CHECKPOINT --format orbax --out /abs/path/orbax_dir
+
+CHECKPOINT is a ``step_*`` directory or a store directory (its newest intact checkpoint).
+
+- ``torch``: a ``state_dict`` file (``torch.load``); for spec models it is the state_dict of
+  the same ``nn.Module`` the horovod-torch backend builds (``Linear.weight`` as (out, in),
+  ``Conv2d.weight`` as OIHW), so ``module.load_state_dict(torch.load(path))`` works.
+- ``tf``: a TensorFlow checkpoint (``tf.train.Checkpoint(params={name: tf.Variable})``), in
+  the spec's layout (kernels (in, out), HWIO).
+- ``orbax``: an Orbax PyTree checkpoint of the Flax parameter tree the JAX backends use
+  (``{"layers_0": {"kernel", "bias"}, ...}``).
+
+Only parameters are exported (optimizer state stays in the toolkit's own format).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+import numpy as np
+
+import toolkit
+from toolkit._specs import spec_from_dict
+
+FORMATS = ("torch", "tf", "orbax")
+
+
+def load(path: str | os.PathLike) -> toolkit.Checkpoint:
+    path = Path(path)
+    if (path / "manifest.json").exists():
+        return toolkit.read_checkpoint(path)
+    return toolkit.CheckpointStore(path).load("latest")
+
+
+def weights(ckpt: toolkit.Checkpoint) -> dict[str, np.ndarray]:
+    return {k[len("params/"):]: v for k, v in ckpt.tensors.items() if k.startswith("params/")}
+
+
+def to_torch(ckpt: toolkit.Checkpoint, out: Path) -> None:
+    import torch
+
+    from adapters.horovod_torch import _from_spec
+
+    spec = spec_from_dict(ckpt.meta.get("model"))
+    params = weights(ckpt)
+    if spec is None:  # a native torch model: its names are already torch's
+        state = {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in params.items()}
+    else:
+        net, layout = _from_spec(torch, spec)
+        with torch.no_grad():
+            for name, p, to_framework, _ in layout:
+                p.copy_(torch.from_numpy(np.ascontiguousarray(to_framework(params[name]))))
+        state = net.state_dict()
+    torch.save(state, out)
+
+
+def to_tf(ckpt: toolkit.Checkpoint, out: Path) -> None:
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    import tensorflow as tf
+
+    variables = {k: tf.Variable(v, name=k.replace(".", "_")) for k, v in weights(ckpt).items()}
+    tf.train.Checkpoint(params=variables).write(str(out))
+
+
+def to_orbax(ckpt: toolkit.Checkpoint, out: Path) -> None:
+    import orbax.checkpoint as ocp
+
+    tree: dict = {}
+    for name, value in weights(ckpt).items():
+        *module, leaf = name.split(".")
+        tree.setdefault("_".join(module), {})[leaf] = value
+    ocp.PyTreeCheckpointer().save(out.resolve(), tree)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m adapters.export", description=__doc__.split(
+        "\n\n")[0])
+    p.add_argument("checkpoint")
+    p.add_argument("--format", choices=FORMATS, required=True)
+    p.add_argument("--out", required=True)
+    args = p.parse_args(argv)
+    out = Path(args.out)
+    if out.exists() and args.format == "orbax":
+        raise toolkit.ToolkitError(f"{out} exists", "choose a new --out (Orbax never overwrites)")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    ckpt = load(args.checkpoint)
+    {"torch": to_torch, "tf": to_tf, "orbax": to_orbax}[args.format](ckpt, out)
+    print(f"exported step {ckpt.step} of {ckpt.path} to {out} ({args.format})", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    toolkit.run(main)

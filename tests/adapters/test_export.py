@@ -1,0 +1,61 @@
+"""Checkpoints export to each framework's own format, and load back there unchanged."""
+
+import numpy as np
+import pytest
+
+import adapters
+import toolkit
+from adapters import export
+from toolkit.datasets import load_digits
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("export")
+    (x, y), _ = load_digits()
+    toolkit.Trainer(adapters.get("horovod-torch"), toolkit.CNN((8, 8, 1), (4,), 10),
+                    toolkit.SGD(lr=0.1), global_batch_size=32, max_steps=3, progress=False,
+                    checkpoint_dir=tmp / "ckpt", env=toolkit.LaunchEnv()).fit(
+        x.reshape(-1, 8, 8, 1), y)
+    return tmp, toolkit.CheckpointStore(tmp / "ckpt").load("latest")
+
+
+def test_torch_state_dict_loads_into_the_module_and_computes_the_same(checkpoint):
+    import torch
+
+    from adapters.horovod_torch import _from_spec
+
+    tmp, ckpt = checkpoint
+    export.main([str(tmp / "ckpt"), "--format", "torch", "--out", str(tmp / "model.pt")])
+    spec = toolkit.CNN((8, 8, 1), (4,), 10)
+    net, _ = _from_spec(torch, spec)
+    net.load_state_dict(torch.load(tmp / "model.pt"))
+    x = np.random.default_rng(0).normal(size=(5, 8, 8, 1)).astype(np.float32)
+    weights = export.weights(ckpt)
+    with torch.no_grad():
+        np.testing.assert_allclose(net(torch.from_numpy(x)).numpy(), spec.apply(weights, x),
+                                   rtol=1e-5, atol=1e-6)
+
+
+def test_tf_checkpoint_restores_the_weights(checkpoint):
+    import tensorflow as tf
+
+    tmp, ckpt = checkpoint
+    export.main([str(ckpt.path), "--format", "tf", "--out", str(tmp / "tf" / "model")])
+    weights = export.weights(ckpt)
+    restored = {k: tf.Variable(tf.zeros_like(v)) for k, v in weights.items()}
+    tf.train.Checkpoint(params=restored).read(str(tmp / "tf" / "model")).assert_consumed()
+    for k, v in weights.items():
+        np.testing.assert_array_equal(restored[k].numpy(), v)
+
+
+def test_orbax_checkpoint_restores_the_flax_tree(checkpoint):
+    import orbax.checkpoint as ocp
+
+    tmp, ckpt = checkpoint
+    export.main([str(tmp / "ckpt"), "--format", "orbax", "--out", str(tmp / "orbax")])
+    tree = ocp.PyTreeCheckpointer().restore((tmp / "orbax").resolve())
+    weights = export.weights(ckpt)
+    assert sorted(tree) == ["convs_0", "head"]
+    np.testing.assert_array_equal(tree["convs_0"]["kernel"], weights["convs.0.kernel"])
+    np.testing.assert_array_equal(tree["head"]["bias"], weights["head.bias"])

@@ -1,0 +1,71 @@
+"""Preemption: a stop signal checkpoints and exits 75; on Slurm the job requeues itself and
+ends with exactly the parameters of an uninterrupted run."""
+
+import signal
+import time
+
+import numpy as np
+import pytest
+
+import toolkit
+
+EXAMPLE = "examples/train_digits.py"
+
+
+def wait_for_checkpoint(directory, timeout=120):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if toolkit.CheckpointStore(directory).checkpoints():
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"no checkpoint appeared in {directory}")
+
+
+def same_params(a, b):
+    with np.load(a) as fa, np.load(b) as fb:
+        return sorted(fa.files) == sorted(fb.files) and all(
+            np.array_equal(fa[k], fb[k]) for k in fa.files)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("signame", ["SIGUSR1", "SIGTERM"])
+def test_a_stop_signal_checkpoints_and_exits_75(signame, start, launch, tmp_path):
+    ckpt = tmp_path / "ckpt"
+    proc = start("python", 1, [EXAMPLE, "--steps", "1000000", "--checkpoint-dir", str(ckpt),
+                               "--checkpoint-every", "1000"])
+    wait_for_checkpoint(ckpt)
+    proc.send_signal(getattr(signal, signame))
+    _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == toolkit.PREEMPTED_EXIT_CODE == 75, stderr
+    step = toolkit.CheckpointStore(ckpt).load("latest").step
+    assert f"preempted: stopped by {signame} after step {step}" in stderr
+    assert step % 1000 != 0 or step > 1000  # the stop checkpoint, not just an interval one
+    # The same command with --resume latest continues from there.
+    resumed = launch("python", 1, [EXAMPLE, "--steps", str(step + 5), "--checkpoint-dir",
+                                   str(ckpt), "--resume", "latest"])
+    assert resumed.returncode == 0, resumed
+    assert f"resumed from {ckpt / f'step_{step:09d}'}" in resumed.stdout
+    assert f"steps {step + 5} " in resumed.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("target", ["tasks", "batch shell"])
+def test_slurm_preemption_requeues_and_matches_an_uninterrupted_run(
+        target, slurm_jobs, launch, tmp_path):
+    args = ["--steps", "2500", "--checkpoint-every", "100"]
+    reference = launch("srun", 2, [EXAMPLE, *args, "--save-model", str(tmp_path / "ref.npz")])
+    assert reference.returncode == 0, reference
+    ckpt = tmp_path / "ckpt"
+    job = slurm_jobs.submit("slurm/train_preemptible.sbatch",
+                            [*args, "--save-model", str(tmp_path / "final.npz")],
+                            env={"CHECKPOINT_DIR": str(ckpt)})
+    wait_for_checkpoint(ckpt)
+    # 'tasks': what scancel --signal=USR1 does; 'batch shell': what sbatch --signal=B:USR1 does.
+    slurm_jobs.signal(job, "USR1", batch_shell=target == "batch shell")
+    slurm_jobs.start_requeued_now(job)
+    assert slurm_jobs.wait(job, timeout=400) == "COMPLETED", slurm_jobs.log()
+    log = slurm_jobs.log()
+    assert "preempted: stopped by SIGUSR1" in log, log
+    assert f"requeueing job {job}" in log and "(restart count 1)" in log, log
+    assert "resumed from" in log and "training ended with status 0" in log, log
+    assert same_params(tmp_path / "ref.npz", tmp_path / "final.npz")
