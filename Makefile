@@ -25,4 +25,4 @@ install-slurm:
 	bash tools/install.sh --slurm
 
 lint:
-	$(VENV)/bin/ruff check toolkit adapters examples tests
+	$(VENV)/bin/ruff check toolkit adapters examples tests benchmarks

@@ -103,10 +103,11 @@ class CheckpointStore:
         self.wait()
         if self.rank != 0:
             return None
-        host = {name: np.array(value, copy=True) for name, value in tensors.items()}
         meta = json.loads(json.dumps(dict(meta)))  # a private copy, and fail early if not JSON
         if blocking:
-            return self._write(step, host, meta)
+            return self._write(step, {n: np.asarray(v) for n, v in tensors.items()}, meta)
+        # Training goes on and may change the arrays in place: the writer gets copies.
+        host = {name: np.array(value, copy=True) for name, value in tensors.items()}
 
         def work() -> None:
             try:

@@ -123,13 +123,17 @@ class GlobalBatchSampler:
         return self.epoch_order(epoch)[step * b:(step + 1) * b]
 
     def __iter__(self) -> Iterator[np.ndarray]:
-        order = self.epoch_order(self.epoch)
-        b = self.global_batch_size
-        while self.step < len(self):
-            batch = order[self.step * b:(self.step + 1) * b]
-            self.step += 1  # handed out: a checkpoint written after this step resumes past it
-            yield batch[self.rank::self.world_size]
-        self.set_epoch(self.epoch + 1)
+        epoch, b = self.epoch, self.global_batch_size
+        order = self.epoch_order(epoch)
+        for step in range(self.step, len(self)):
+            # The position moves before the batch is handed out, so a checkpoint written after
+            # this step resumes past it; after the last batch it is already the next epoch's
+            # start, even if the caller stops iterating there.
+            if step + 1 == len(self):
+                self.set_epoch(epoch + 1)
+            else:
+                self.step = step + 1
+            yield order[step * b:(step + 1) * b][self.rank::self.world_size]
 
     def state_dict(self) -> dict[str, Any]:
         """The position, independent of world size and rank: plain JSON-able values."""

@@ -54,6 +54,15 @@ def test_iteration_moves_to_the_next_epoch_by_itself():
     assert second == [s.global_batch(1, k).tolist() for k in range(4)]
 
 
+def test_taking_the_last_batch_moves_to_the_next_epoch_without_exhausting():
+    s = GlobalBatchSampler(32, 8, seed=0)
+    it = iter(s)
+    for _ in range(4):
+        next(it)
+    assert (s.epoch, s.step) == (1, 0)  # a loop that stops here still ends the epoch
+    assert s.state_dict()["epoch"] == 1
+
+
 def test_drop_last_drops_the_remainder_and_padding_wraps_around():
     dropped = GlobalBatchSampler(10, 4, shuffle=False, drop_last=True)
     assert len(dropped) == 2 and sorted(np.concatenate(list(dropped))) == list(range(8))

@@ -1,0 +1,79 @@
+"""The Trainer's loop, metrics and options, on a real backend in this process (one rank)."""
+
+import json
+
+import numpy as np
+import pytest
+
+import adapters
+import toolkit
+from toolkit.datasets import load_digits
+
+
+@pytest.fixture(scope="module")
+def digits():
+    return load_digits()
+
+
+def make(**kw):
+    options = dict(global_batch_size=64, progress=False, env=toolkit.LaunchEnv())
+    options.update(kw)
+    return toolkit.Trainer(adapters.get("horovod-torch"), toolkit.MLP((64, 32, 10)),
+                           toolkit.SGD(lr=0.05, momentum=0.9), **options)
+
+
+def test_epochs_validation_and_metrics_log(digits, tmp_path):
+    (x, y), val = digits
+    log = tmp_path / "m.jsonl"
+    history = make(epochs=2, metrics_log=log).fit(x, y, val)
+    steps_per_epoch = len(x) // 64
+    assert len(history.losses) == 2 * steps_per_epoch
+    assert [e["epoch"] for e in history.epochs] == [0, 1]
+    assert history.epochs[1]["step"] == 2 * steps_per_epoch
+    assert 0.5 < history.epochs[1]["val_accuracy"] <= 1.0
+    records = [json.loads(line) for line in log.read_text().splitlines()]
+    assert [r["step"] for r in records if r["event"] == "step"] == list(
+        range(1, 2 * steps_per_epoch + 1))
+    assert [r["loss"] for r in records if r["event"] == "step"] == history.losses
+    assert sum(r["event"] == "epoch" for r in records) == 2
+
+
+def test_validation_is_exact(digits):
+    (x, y), val = digits
+    trainer = make(max_steps=5)
+    trainer.fit(x, y)
+    result = trainer.evaluate(*val)
+    logits = toolkit.MLP((64, 32, 10)).apply(
+        {k[7:]: v for k, v in trainer.adapter.state_dict().items() if k.startswith("params/")},
+        val[0])
+    assert result["val_accuracy"] == pytest.approx(np.mean(logits.argmax(1) == val[1]))
+
+
+def test_accumulation_and_lr_scaling(digits):
+    (x, y), _ = digits
+    plain = make(max_steps=6).fit(x, y).losses
+    accumulated = make(max_steps=6, accumulation_steps=4).fit(x, y).losses
+    np.testing.assert_allclose(accumulated, plain, rtol=1e-5)
+    # One rank: every scaling mode is the identity.
+    np.testing.assert_allclose(make(max_steps=6, lr_scaling="linear").fit(x, y).losses, plain,
+                               rtol=1e-6)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(accumulation_steps=3), "does not split into accumulation_steps=3"),
+    (dict(accumulation_steps=0), "accumulation_steps=0 must be >= 1"),
+    (dict(lr_scaling="cubic"), "unknown lr scaling 'cubic'"),
+    (dict(resume="latest"), "resume='latest' needs a checkpoint directory"),
+    (dict(global_batch_size=5000), "larger than the data set"),
+    (dict(stop_signals=("SIGNOPE",), checkpoint_dir="x"), "unknown signal 'SIGNOPE'"),
+])
+def test_bad_options(digits, kwargs, match):
+    (x, y), _ = digits
+    with pytest.raises(toolkit.ToolkitError, match=match):
+        make(max_steps=2, **kwargs).fit(x, y)
+
+
+def test_mismatched_lengths(digits):
+    (x, y), _ = digits
+    with pytest.raises(toolkit.ToolkitError, match="x has 1438 samples but y has 10"):
+        make(max_steps=1).fit(x, y[:10])
