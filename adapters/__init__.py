@@ -11,12 +11,12 @@ import importlib
 
 from toolkit import Adapter, ToolkitError
 
-# name -> module implementing it (None: reserved, not implemented yet)
-_REGISTRY: dict[str, str | None] = {
-    "horovod-torch": "adapters.horovod_torch",
-    "horovod-tf": "adapters.horovod_tf",
-    "jax-pmap": "adapters.jax_pmap",
-    "jax-pjit": "adapters.jax_pjit",
+# name -> (module, class) implementing it; the module is imported only when chosen
+_REGISTRY: dict[str, tuple[str, str] | None] = {
+    "horovod-torch": ("adapters.horovod_torch", "HorovodTorchAdapter"),
+    "horovod-tf": ("adapters.horovod_tf", "HorovodTFAdapter"),
+    "jax-pmap": ("adapters.jax_pmap", "JaxPmapAdapter"),
+    "jax-pjit": ("adapters.jax_pjit", "JaxPjitAdapter"),
 }
 BACKENDS = tuple(_REGISTRY)
 IMPLEMENTED = tuple(name for name, module in _REGISTRY.items() if module)
@@ -37,12 +37,13 @@ def get(name: str, *, dtype: str = "float32", local_devices: int | None = None) 
     if name not in _REGISTRY:
         raise ToolkitError(f"unknown backend {name!r}",
                            f"valid backends: {', '.join(BACKENDS)}")
-    module = _REGISTRY[name]
-    if module is None:
+    entry = _REGISTRY[name]
+    if entry is None:
         raise ToolkitError(f"backend {name!r} is not implemented yet",
                            f"implemented backends: {', '.join(IMPLEMENTED)}")
     options = {} if local_devices is None else {"local_devices": local_devices}
     if options and not name.startswith("jax-"):
         raise ToolkitError(f"local_devices={local_devices} applies to the JAX backends only",
                            f"drop it for {name!r} (one device per process)")
-    return importlib.import_module(module).make_adapter(dtype=dtype, **options)
+    module, cls = entry
+    return getattr(importlib.import_module(module), cls)(dtype=dtype, **options)

@@ -3,6 +3,17 @@
 from __future__ import annotations
 
 from toolkit import ToolkitError
+from toolkit._specs import DTYPES, check_choice
+
+
+class BackendBase:
+    """What every adapter's constructor does: check and keep the dtype."""
+
+    name = "backend"
+
+    def __init__(self, dtype: str = "float32"):
+        check_choice("dtype", dtype, DTYPES)
+        self.dtype_name = dtype
 
 
 def missing_framework(backend: str, what: str, err: BaseException) -> ToolkitError:

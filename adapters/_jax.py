@@ -8,10 +8,10 @@ from typing import Any
 
 import numpy as np
 
-from adapters._common import check_world, missing_framework
+from adapters._common import BackendBase, check_world, missing_framework
 from toolkit import CNN, MLP, SGD, Adam, LaunchEnv, ToolkitError
 from toolkit._reference import adam_scalars, optimizer_slots
-from toolkit._specs import DTYPES, check_choice
+from toolkit._specs import check_choice
 
 
 def import_jax(backend: str, env: LaunchEnv, dtype: str, local_devices: int | None):
@@ -187,17 +187,15 @@ def apply_optimizer(tx, grads, opt_state, params, scalars):
     return optax.apply_updates(params, updates), opt_state
 
 
-class JaxBackendBase:
+class JaxBackendBase(BackendBase):
     """Host-side pieces common to jax-pmap and jax-pjit."""
 
-    name = "jax"
-
     def __init__(self, dtype: str = "float32", local_devices: int | None = None):
-        check_choice("dtype", dtype, DTYPES)
+        super().__init__(dtype)
         if local_devices is not None and local_devices < 1:
             raise ToolkitError(f"local_devices={local_devices} must be >= 1",
                                "pass the number of CPU devices per process, e.g. 2")
-        self.dtype_name, self.local_devices = dtype, local_devices
+        self.local_devices = local_devices
 
     def setup(self, env: LaunchEnv) -> None:
         os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")

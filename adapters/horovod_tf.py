@@ -13,24 +13,16 @@ from typing import Any
 
 import numpy as np
 
-from adapters._common import check_world, missing_framework
+from adapters._common import BackendBase, check_world, missing_framework
 from toolkit import CNN, MLP, SGD, Adam, LaunchEnv, ToolkitError
 from toolkit._reference import adam_scalars, optimizer_slots
-from toolkit._specs import DTYPES, check_choice
+from toolkit._specs import check_choice
 
 
-def make_adapter(dtype: str = "float32") -> HorovodTFAdapter:
-    return HorovodTFAdapter(dtype=dtype)
-
-
-class HorovodTFAdapter:
+class HorovodTFAdapter(BackendBase):
     """TensorFlow + Horovod. See :class:`toolkit.Adapter` for the contract."""
 
     name = "horovod-tf"
-
-    def __init__(self, dtype: str = "float32"):
-        check_choice("dtype", dtype, DTYPES)
-        self.dtype_name = dtype
 
     def setup(self, env: LaunchEnv) -> None:
         os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")

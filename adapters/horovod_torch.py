@@ -11,26 +11,19 @@ from typing import Any
 
 import numpy as np
 
-from adapters._common import check_world, missing_framework
+from adapters._common import BackendBase, check_world, missing_framework
 from toolkit import CNN, MLP, SGD, Adam, LaunchEnv, ToolkitError
-from toolkit._specs import DTYPES, check_choice
+from toolkit._specs import check_choice
 
 # Neutral optimizer-state names (the checkpoint format's) <-> torch.optim state keys.
 _SLOTS = {"momentum_buffer": "momentum", "exp_avg": "mu", "exp_avg_sq": "nu"}
 
 
-def make_adapter(dtype: str = "float32") -> HorovodTorchAdapter:
-    return HorovodTorchAdapter(dtype=dtype)
 
-
-class HorovodTorchAdapter:
+class HorovodTorchAdapter(BackendBase):
     """PyTorch + Horovod. See :class:`toolkit.Adapter` for the contract."""
 
     name = "horovod-torch"
-
-    def __init__(self, dtype: str = "float32"):
-        check_choice("dtype", dtype, DTYPES)
-        self.dtype_name = dtype
 
     # -------------------------------------------------------------------------- set-up
     def setup(self, env: LaunchEnv) -> None:

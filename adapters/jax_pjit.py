@@ -16,10 +16,6 @@ from adapters._jax import JaxBackendBase, apply_optimizer, per_sample_loss
 from toolkit import ToolkitError
 
 
-def make_adapter(dtype: str = "float32", local_devices: int | None = None) -> JaxPjitAdapter:
-    return JaxPjitAdapter(dtype=dtype, local_devices=local_devices)
-
-
 class JaxPjitAdapter(JaxBackendBase):
     """JAX with jit over a device mesh. See :class:`toolkit.Adapter` for the contract."""
 

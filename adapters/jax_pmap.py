@@ -16,10 +16,6 @@ from adapters._jax import JaxBackendBase, apply_optimizer
 from toolkit import ToolkitError
 
 
-def make_adapter(dtype: str = "float32", local_devices: int | None = None) -> JaxPmapAdapter:
-    return JaxPmapAdapter(dtype=dtype, local_devices=local_devices)
-
-
 class JaxPmapAdapter(JaxBackendBase):
     """JAX with pmap. See :class:`toolkit.Adapter` for the contract."""
 
