@@ -35,11 +35,14 @@ def check_all_pass(job, report, world_sizes, tolerance):
 
 
 @pytest.mark.slow
-def test_float32_every_backend_at_world_size_2_with_plot(launch, tmp_path):
-    job, report = run_equivalence(launch, tmp_path, "--world-sizes", "2", "--steps", "50",
+def test_float32_every_backend_at_world_sizes_1_and_2_with_plot(launch, tmp_path):
+    # Warm-up + cosine schedule, Nesterov momentum and L2 decay: the host-side schedule and
+    # every SGD branch in every backend.
+    job, report = run_equivalence(launch, tmp_path, "--world-sizes", "1,2", "--steps", "50",
+                                  "--optimizer", "sgd-cosine",
                                   "--plot", str(tmp_path / "curves.png"))
-    check_all_pass(job, report, [2], LOSS_TOLERANCE["float32"])
-    assert {r["launcher"] for r in report["results"]} == {"horovodrun"}
+    check_all_pass(job, report, [1, 2], LOSS_TOLERANCE["float32"])
+    assert {r["launcher"] for r in report["results"]} == {"python", "horovodrun"}
     assert (tmp_path / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 

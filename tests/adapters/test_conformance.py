@@ -80,6 +80,27 @@ def test_steps_match_the_numpy_reference(backend, opt_name, spec):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("spec", [SPEC, CNN_SPEC], ids=["mlp", "cnn"])
+def test_mse_loss_matches_the_numpy_reference(backend, spec):
+    opt = SGD(lr=0.05, momentum=0.9)
+    adapter = adapters.get(backend, dtype="float64")
+    adapter.setup(ENV)
+    adapter.build(spec, opt, "mse", seed=3)
+    params = spec.init(3, "float64")
+    state = init_state(opt, params)
+    for step in range(3):
+        x, _ = data(seed=step, spec=spec)
+        y = np.random.default_rng(step).normal(size=(len(x), 4))
+        loss, grads = spec.loss_and_grads(params, x, y, "mse")
+        assert adapter.train_step(x, y, 0.05) == pytest.approx(loss, rel=1e-12)
+        params, state = apply_update(opt, params, grads, state, 0.05)
+    result = adapter.evaluate(x, y)
+    assert "correct" not in result
+    assert result["loss_sum"] == pytest.approx(
+        len(x) * np.mean((spec.apply(params, x) - y) ** 2), rel=1e-10)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_gradient_accumulation_equals_one_big_batch(backend):
     whole = built(backend, SGD(lr=0.1, momentum=0.9))
     split = built(backend, SGD(lr=0.1, momentum=0.9), accumulation_steps=4)

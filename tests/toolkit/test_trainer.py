@@ -77,3 +77,12 @@ def test_mismatched_lengths(digits):
     (x, y), _ = digits
     with pytest.raises(toolkit.ToolkitError, match="x has 1438 samples but y has 10"):
         make(max_steps=1).fit(x, y[:10])
+
+
+def test_checkpoint_every_seconds_and_keep(digits, tmp_path):
+    (x, y), _ = digits
+    trainer = make(max_steps=40, checkpoint_dir=tmp_path, checkpoint_every_seconds=0.0,
+                   keep=2)
+    trainer.fit(x, y)
+    steps = [int(p.name.split("_")[1]) for p in toolkit.CheckpointStore(tmp_path).checkpoints()]
+    assert steps == [39, 40]  # one after every step, the last two kept
