@@ -9,6 +9,8 @@ Layout of a store directory::
                                shape, dtype, crc32
         00000.npy 00001.npy .. the tensors, numpy's documented .npy format (no pickle: loading
                                a checkpoint never runs code)
+        shard-r00001-00000.npy per-rank pieces of sharded tensors: each rank writes its own;
+                               the manifest entry says which piece (index) along which axis
 
 A checkpoint is written into a hidden temporary directory, every file flushed and fsynced, then
 renamed into place; ``latest`` is replaced atomically last. A crash at any instant leaves the old
@@ -23,7 +25,7 @@ import os
 import shutil
 import threading
 import zlib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -87,7 +89,8 @@ class CheckpointStore:
 
     # ----------------------------------------------------------------------------- writing
     def save(self, step: int, tensors: Mapping[str, np.ndarray], meta: Mapping[str, Any], *,
-             blocking: bool = True) -> Path | None:
+             blocking: bool = True, shards: Mapping[str, tuple[np.ndarray, int]] | None = None,
+             barrier: Callable[[], None] | None = None) -> Path | None:
         """Writes checkpoint ``step`` (rank 0 only; other ranks return None at once).
 
         Args:
@@ -96,11 +99,21 @@ class CheckpointStore:
             meta: JSON-serialisable metadata (epoch, sampler state, backend, ...).
             blocking: False writes in a background thread so training continues; the next
                 save (or :meth:`wait`) waits for it and re-raises its error, if any.
+            shards: this rank's pieces of sharded tensors, ``name -> (piece, axis)``. Every
+                rank calls ``save`` with its own pieces and writes its own files; loading
+                concatenates the pieces in rank order along ``axis``, so the full tensor can be
+                re-split onto any number of ranks. Needs ``barrier`` and ``blocking=True``.
+            barrier: returns once every rank has called it (e.g. ``adapter.barrier``).
 
         Returns:
             The checkpoint's final path on rank 0.
         """
         self.wait()
+        if shards is not None:
+            if barrier is None or not blocking:
+                raise CheckpointError("sharded saves need a barrier and blocking=True",
+                                      "pass barrier=adapter.barrier")
+            return self._write_sharded(step, tensors, meta, shards, barrier)
         if self.rank != 0:
             return None
         meta = json.loads(json.dumps(dict(meta)))  # a private copy, and fail early if not JSON
@@ -128,25 +141,17 @@ class CheckpointStore:
             err, self._error = self._error, None
             raise err
 
-    def _write(self, step: int, tensors: dict[str, np.ndarray], meta: dict[str, Any]) -> Path:
+    def _write(self, step: int, tensors: dict[str, np.ndarray], meta: dict[str, Any],
+               tmp: Path | None = None, shard_entries: list[dict] | None = None) -> Path:
         final = self.directory / _step_dir_name(step)
-        tmp = self.directory / f".tmp.{final.name}.{os.getpid()}"
+        shared_tmp = tmp is not None
+        tmp = tmp or self.directory / f".tmp.{final.name}.{os.getpid()}"
         try:
-            self.directory.mkdir(parents=True, exist_ok=True)
-            shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir()
-            entries = []
-            for i, (name, array) in enumerate(tensors.items()):
-                if array.dtype.hasobject:
-                    raise CheckpointError(f"tensor {name!r} has dtype object, which .npy can only "
-                                          "store with pickle", "store numeric arrays only")
-                file = f"{i:05d}.npy"
-                with open(tmp / file, "wb") as f:
-                    np.lib.format.write_array(f, array, allow_pickle=False)
-                    f.flush()
-                    os.fsync(f.fileno())
-                entries.append({"name": name, "file": file, "shape": list(array.shape),
-                                "dtype": array.dtype.str, "crc32": _crc32(array)})
+            if not shared_tmp:
+                self.directory.mkdir(parents=True, exist_ok=True)
+                shutil.rmtree(tmp, ignore_errors=True)
+                tmp.mkdir()
+            entries = _write_arrays(tmp, tensors, "{i:05d}.npy") + (shard_entries or [])
             manifest = {"format": FORMAT, "format_version": FORMAT_VERSION, "step": step,
                         **meta, "tensors": entries}
             with open(tmp / "manifest.json", "w") as f:
@@ -176,6 +181,48 @@ class CheckpointStore:
             raise
         self._prune(keep_also=final)
         return final
+
+    def _write_sharded(self, step, tensors, meta, shards, barrier) -> Path | None:
+        """Every rank writes its pieces into one shared temporary directory; rank 0 then
+        writes the replicated tensors and the manifest naming every piece, and renames."""
+        tmp = self.directory / f".tmp.{_step_dir_name(step)}.shared"
+        error: BaseException | None = None
+        if self.rank == 0:
+            try:
+                self.directory.mkdir(parents=True, exist_ok=True)
+                shutil.rmtree(tmp, ignore_errors=True)
+                tmp.mkdir()
+            except OSError as err:
+                error = err
+        barrier()
+        try:
+            if error is None:
+                pieces = {name: array for name, (array, _) in shards.items()}
+                mine = _write_arrays(tmp, pieces, f"shard-r{self.rank:05d}-{{i:05d}}.npy")
+                for entry in mine:
+                    entry["shard"] = {"index": self.rank, "axis": int(shards[entry["name"]][1])}
+                with open(tmp / f"shards-r{self.rank:05d}.json", "w") as f:
+                    json.dump(mine, f)
+                    f.flush()
+                    os.fsync(f.fileno())
+        except OSError as err:
+            error = err
+        barrier()  # every rank's pieces are on disk
+        path = None
+        if self.rank == 0 and error is None:
+            listed = sorted(tmp.glob("shards-r*.json"))
+            entries = [e for file in listed for e in json.loads(file.read_text())]
+            meta = {**json.loads(json.dumps(dict(meta))), "shard_ranks": len(listed)}
+            path = self._write(step, {n: np.asarray(v) for n, v in tensors.items()}, meta,
+                               tmp=tmp, shard_entries=entries)
+        barrier()  # nobody moves on before the checkpoint is complete
+        if error is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise CheckpointError(f"could not write the shards of checkpoint step {step} in "
+                                  f"{self.directory}: {error}", "check that the directory "
+                                  "is writable and has free space (the previous checkpoint "
+                                  "is untouched)") from error
+        return path
 
     def _prune(self, keep_also: Path) -> None:
         paths = self.checkpoints()
@@ -231,6 +278,23 @@ class CheckpointStore:
                               "resume from an earlier copy, or start without --resume")
 
 
+def _write_arrays(folder: Path, tensors: Mapping[str, np.ndarray], pattern: str) -> list[dict]:
+    """Writes each array as an fsynced .npy file; returns their manifest entries."""
+    entries = []
+    for i, (name, array) in enumerate(tensors.items()):
+        if array.dtype.hasobject:
+            raise CheckpointError(f"tensor {name!r} has dtype object, which .npy can only "
+                                  "store with pickle", "store numeric arrays only")
+        file = pattern.format(i=i)
+        with open(folder / file, "wb") as f:
+            np.lib.format.write_array(f, array, allow_pickle=False)
+            f.flush()
+            os.fsync(f.fileno())
+        entries.append({"name": name, "file": file, "shape": list(array.shape),
+                        "dtype": array.dtype.str, "crc32": _crc32(array)})
+    return entries
+
+
 def read_checkpoint(path: Path) -> Checkpoint:
     """Reads one checkpoint directory, verifying format, version, shapes, dtypes and checksums."""
     manifest_path = path / "manifest.json"
@@ -250,7 +314,8 @@ def read_checkpoint(path: Path) -> Checkpoint:
         raise CheckpointError(
             f"{manifest_path} has format version {version!r}; this toolkit reads version "
             f"{FORMAT_VERSION}", "load it with the toolkit version that wrote it")
-    tensors = {}
+    tensors: dict[str, np.ndarray] = {}
+    pieces: dict[str, list] = {}
     for entry in manifest["tensors"]:
         file = path / entry["file"]
         try:
@@ -266,6 +331,18 @@ def read_checkpoint(path: Path) -> Checkpoint:
         if _crc32(array) != entry["crc32"]:
             raise CheckpointError(f"{file} (tensor {entry['name']!r}) fails its checksum",
                                   "the file is corrupted; resume from another checkpoint")
-        tensors[entry["name"]] = array
+        if "shard" in entry:
+            pieces.setdefault(entry["name"], []).append((entry["shard"], array))
+        else:
+            tensors[entry["name"]] = array
+    expected_pieces = manifest.get("shard_ranks", 0)
+    for name, parts in pieces.items():
+        parts.sort(key=lambda part: part[0]["index"])
+        if [p[0]["index"] for p in parts] != list(range(expected_pieces)):
+            raise CheckpointError(
+                f"{path}: tensor {name!r} has pieces {[p[0]['index'] for p in parts]}, "
+                f"expected one from each of {expected_pieces} ranks",
+                "the checkpoint is incomplete; resume from another checkpoint")
+        tensors[name] = np.concatenate([a for _, a in parts], axis=parts[0][0]["axis"])
     meta = {k: v for k, v in manifest.items() if k != "tensors"}
     return Checkpoint(path, tensors, meta)

@@ -155,3 +155,57 @@ def test_object_arrays_are_refused(tmp_path):
         CheckpointStore(tmp_path).save(1, {"o": np.array([{}], dtype=object)}, {})
     assert not any(p.name.startswith("step_") for p in tmp_path.iterdir())
     assert os.listdir(tmp_path) == []
+
+
+def save_sharded_from_ranks(tmp_path, world, step=5):
+    """``world`` ranks (threads with their own store, a real barrier) save one checkpoint."""
+    import threading
+
+    barrier = threading.Barrier(world)
+    full = np.arange(world * 6, dtype=np.float32).reshape(world * 2, 3)
+    errors = []
+
+    def rank(r):
+        try:
+            CheckpointStore(tmp_path, rank=r).save(
+                step, {"params/replicated": np.ones(4)}, {"epoch": 0},
+                shards={"params/sharded": (full[2 * r:2 * r + 2], 0)}, barrier=barrier.wait)
+        except BaseException as err:  # surfaced below
+            errors.append(err)
+            barrier.abort()
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    return full
+
+
+@pytest.mark.parametrize("world", [1, 3])
+def test_sharded_tensors_each_rank_writes_its_piece_and_load_reassembles(tmp_path, world):
+    full = save_sharded_from_ranks(tmp_path, world)
+    path = tmp_path / "step_000000005"
+    assert sorted(p.name for p in path.glob("shard-r*.npy")) == [
+        f"shard-r{r:05d}-00000.npy" for r in range(world)]
+    ckpt = CheckpointStore(tmp_path).load("latest")  # any number of ranks can read it
+    assert np.array_equal(ckpt.tensors["params/sharded"], full)
+    assert np.array_equal(ckpt.tensors["params/replicated"], np.ones(4))
+    assert ckpt.meta["shard_ranks"] == world
+    assert not list(tmp_path.glob(".tmp*"))
+
+
+def test_a_missing_shard_is_detected(tmp_path):
+    save_sharded_from_ranks(tmp_path, 3)
+    path = tmp_path / "step_000000005"
+    manifest = json.loads((path / "manifest.json").read_text())
+    manifest["tensors"] = [e for e in manifest["tensors"] if e.get("shard", {}).get("index") != 1]
+    (path / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(CheckpointError, match=r"has pieces \[0, 2\], expected one from each"):
+        read_checkpoint(path)
+
+
+def test_sharded_save_needs_a_barrier(tmp_path):
+    with pytest.raises(CheckpointError, match="need a barrier"):
+        CheckpointStore(tmp_path).save(1, {}, {}, shards={"x": (np.ones(2), 0)})
