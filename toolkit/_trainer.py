@@ -180,6 +180,7 @@ class Trainer:
         self.env = env or current_env()
         lr_scale(lr_scaling, 1)  # validates the name before any process group exists
         self.global_step = 0
+        self._last_saved = -1  # the step of the newest checkpoint this run wrote
         self._setup_done = False
 
     # ------------------------------------------------------------------------ set-up
@@ -332,8 +333,6 @@ class Trainer:
         if not self.env.is_distributed:
             return bool(local[0])
         return bool(self.adapter.allreduce(local, "sum")[0] > 0)
-
-    _last_saved = -1
 
     def _checkpoint_due(self, last_time: float) -> bool:
         if self.store is None:
