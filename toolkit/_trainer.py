@@ -117,8 +117,11 @@ class Trainer:
         stop_signals: with a checkpoint directory, these signals (what ``sbatch --signal``,
             ``srun --signal``, ``scancel --signal`` and a time limit send) make every rank
             finish its current step, write a checkpoint and raise :class:`TrainingPreempted`.
-            Ranks agree on stopping through one tiny allreduce per step while handlers are
-            installed; pass ``()`` to install none.
+            Pass ``()`` to install none.
+        stop_check_every: in multi-process jobs, ranks agree on stopping through one tiny
+            allreduce every this many steps (a signal may reach ranks at different steps), so
+            a job stops within that many steps of the signal. Every step costs one allreduce's
+            latency (measured 1.3-1.8x on a 7 ms step); the default of 10 costs a tenth of it.
         env: the launch environment; detected when omitted.
     """
 
@@ -147,6 +150,7 @@ class Trainer:
         log_every: int = 0,
         progress: bool = True,
         stop_signals: tuple[str, ...] = ("SIGUSR1", "SIGTERM"),
+        stop_check_every: int = 10,
         env: LaunchEnv | None = None,
     ):
         check_choice("loss", loss, LOSSES)
@@ -175,7 +179,11 @@ class Trainer:
             if not isinstance(getattr(signal, str(name), None), signal.Signals):
                 raise ToolkitError(f"unknown signal {name!r} in stop_signals",
                                    "use names such as 'SIGUSR1' and 'SIGTERM'")
+        if stop_check_every < 1:
+            raise ToolkitError(f"stop_check_every={stop_check_every} must be >= 1",
+                               "use 1 to agree after every step")
         self.stop_signals = tuple(stop_signals) if checkpoint_dir is not None else ()
+        self.stop_check_every = stop_check_every
         self._stop_signal: str | None = None
         self.env = env or current_env()
         lr_scale(lr_scaling, 1)  # validates the name before any process group exists
@@ -332,6 +340,8 @@ class Trainer:
         local = np.asarray([1.0 if self._stop_signal else 0.0])
         if not self.env.is_distributed:
             return bool(local[0])
+        if self.global_step % self.stop_check_every:  # the same steps on every rank
+            return False
         return bool(self.adapter.allreduce(local, "sum")[0] > 0)
 
     def _checkpoint_due(self, last_time: float) -> bool:
