@@ -8,7 +8,7 @@ PYTEST_ARGS ?=
 
 ## make example: install, then train the digits MLP with horovod-torch on $(NP) processes
 example: install
-	$(VENV)/bin/horovodrun -np $(NP) --gloo $(PY) examples/train_digits.py
+	TF_CPP_MIN_LOG_LEVEL=2 $(VENV)/bin/horovodrun -np $(NP) --gloo $(PY) examples/train_digits.py
 
 ## make test: install (with the Slurm daemons), then run the whole test suite
 test: install-slurm
