@@ -236,9 +236,24 @@ class JaxBackendBase(BackendBase):
     def _labels(self, y: np.ndarray) -> np.ndarray:
         return np.asarray(y, np.int32 if self.loss_name == "cross_entropy" else self.dtype_name)
 
-    def _loss_fn(self, params, x, y):
-        return self.jnp.mean(per_sample_loss(self.jnp, self.loss_name,
-                                             self.model.apply(params, x), y))
+    def _accumulated_grads(self, params, x, y):
+        """Gradients of the batch mean over ``accumulation_steps`` micro-batches (unrolled:
+        the count is static), and every sample's loss in batch order."""
+        jax, jnp, k = self.jax, self.jnp, self.accumulation_steps
+
+        def loss_fn(params, xb, yb):  # the mean for the gradient, per-sample for the report
+            losses = per_sample_loss(jnp, self.loss_name, self.model.apply(params, xb), yb)
+            return jnp.mean(losses), losses
+
+        xs = x.reshape((k, -1) + x.shape[1:])
+        ys = y.reshape((k, -1) + y.shape[1:])
+        grads = jax.tree_util.tree_map(jnp.zeros_like, params)
+        per_sample = []
+        for i in range(k):
+            (_, losses), g = jax.value_and_grad(loss_fn, has_aux=True)(params, xs[i], ys[i])
+            grads = jax.tree_util.tree_map(lambda a, b: a + b / k, grads, g)
+            per_sample.append(losses)
+        return grads, jnp.concatenate(per_sample)
 
     def _eval_fn(self, params, x, y):
         jnp = self.jnp

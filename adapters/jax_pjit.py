@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from adapters._jax import JaxBackendBase, apply_optimizer, per_sample_loss
+from adapters._jax import JaxBackendBase, apply_optimizer
 from toolkit import ToolkitError
 
 
@@ -45,22 +45,9 @@ class JaxPjitAdapter(JaxBackendBase):
             tree)
 
     def _global_step(self, params, opt_state, x, y, scalars):
-        jax, jnp, k = self.jax, self.jnp, self.accumulation_steps
-        xs = x.reshape((k, -1) + x.shape[1:])
-        ys = y.reshape((k, -1) + y.shape[1:])
-
-        def loss_fn(params, xb, yb):  # mean for the gradient, per-sample for the report
-            per_sample = per_sample_loss(jnp, self.loss_name, self.model.apply(params, xb), yb)
-            return jnp.mean(per_sample), per_sample
-
-        grads = jax.tree_util.tree_map(jnp.zeros_like, params)
-        per_sample = []
-        for i in range(k):
-            (_, losses), g = jax.value_and_grad(loss_fn, has_aux=True)(params, xs[i], ys[i])
-            grads = jax.tree_util.tree_map(lambda a, b: a + b / k, grads, g)
-            per_sample.append(losses)
+        grads, losses = self._accumulated_grads(params, x, y)
         params, opt_state = apply_optimizer(self.tx, grads, opt_state, params, scalars)
-        return params, opt_state, jnp.concatenate(per_sample)
+        return params, opt_state, losses
 
     def _global(self, local: np.ndarray):
         return self.jax.make_array_from_process_local_data(self.batch, local)

@@ -37,16 +37,9 @@ class JaxPmapAdapter(JaxBackendBase):
         self._jeval = jax.jit(self._eval_fn)
 
     def _device_step(self, params, opt_state, x, y, scalars):
-        jax, k = self.jax, self.accumulation_steps
-        xs = x.reshape((k, -1) + x.shape[1:])
-        ys = y.reshape((k, -1) + y.shape[1:])
-        grads = jax.tree_util.tree_map(self.jnp.zeros_like, params)
-        total = 0.0
-        for i in range(k):  # k is static: unrolled micro-batches, summed gradients
-            loss, g = jax.value_and_grad(self._loss_fn)(params, xs[i], ys[i])
-            grads = jax.tree_util.tree_map(lambda a, b: a + b / k, grads, g)
-            total = total + loss / k
-        grads = jax.lax.pmean(grads, axis_name="batch")
+        grads, losses = self._accumulated_grads(params, x, y)
+        total = self.jnp.mean(losses)
+        grads = self.jax.lax.pmean(grads, axis_name="batch")
         params, opt_state = apply_optimizer(self.tx, grads, opt_state, params, scalars)
         return params, opt_state, total
 
