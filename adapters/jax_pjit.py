@@ -35,8 +35,9 @@ class JaxPjitAdapter(JaxBackendBase):
         repl, batch = self.replicated, self.batch
         self._jstep = jax.jit(self._global_step, in_shardings=(repl, repl, batch, batch, repl),
                               out_shardings=(repl, repl, batch), donate_argnums=(0, 1))
-        self._jeval = jax.jit(self._eval_fn, in_shardings=(repl, batch, batch),
-                              out_shardings=(repl, repl))
+        # Evaluation shares may be uneven across ranks, so each rank evaluates its own samples
+        # on its first local device with the (replicated) parameters.
+        self._jeval = jax.jit(self._eval_fn)
 
     def _replicate(self, tree):
         jax = self.jax
@@ -70,12 +71,8 @@ class JaxPjitAdapter(JaxBackendBase):
         return float(np.mean(np.concatenate(mine)))
 
     def evaluate(self, x: np.ndarray, y: np.ndarray) -> dict[str, float]:
-        # Evaluation shares may be uneven across ranks, so each rank evaluates its own
-        # samples on its first local device with the (replicated) parameters.
-        local = self.jax.tree_util.tree_map(lambda a: np.asarray(a.addressable_data(0)),
-                                            self.params)
-        loss_sum, correct = self.jax.jit(self._eval_fn)(
-            local, np.asarray(x, self.dtype_name), self._labels(y))
+        loss_sum, correct = self._jeval(self._host(self.params),
+                                        np.asarray(x, self.dtype_name), self._labels(y))
         return self._eval_result(loss_sum, correct, len(x))
 
     def _host(self, tree):
