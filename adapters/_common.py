@@ -15,6 +15,9 @@ class BackendBase:
         check_choice("dtype", dtype, DTYPES)
         self.dtype_name = dtype
 
+    def sync_state(self) -> None:
+        """Nothing to do for models without non-trained state (see toolkit.Adapter)."""
+
 
 def missing_framework(backend: str, what: str, err: BaseException) -> ToolkitError:
     """The error for a backend whose framework (or Horovod build) is not installed."""
@@ -33,3 +36,33 @@ def check_world(backend: str, env, size: int, rank: int) -> None:
             f"({env.launcher}) started rank {env.rank} of {env.world_size}",
             "launch with horovodrun -np N, mpirun -np N or srun -n N --mpi=pmix",
         )
+
+
+def step_seed(seed: int, step: int, rank: int) -> int:
+    """A 32-bit seed for the randomness (dropout) of one step on one rank.
+
+    Derived from (seed, step, rank) alone, so a resumed run draws exactly what an uninterrupted
+    one would have drawn: the checkpoint only needs the step.
+    """
+    import numpy as np
+
+    return int(np.random.SeedSequence([seed, step, rank]).generate_state(1)[0])
+
+
+def loss_name(loss) -> str:
+    """``cross_entropy``/``mse`` as given, ``custom`` for a callable; anything else an error."""
+    from toolkit._specs import LOSSES, check_choice
+
+    if callable(loss):
+        return "custom"
+    check_choice("loss", loss, LOSSES)
+    return loss
+
+
+def check_per_sample(shape: tuple, batch: int) -> None:
+    """A custom loss must return one value per sample: shape ``(batch,)``."""
+    if tuple(shape) != (batch,):
+        raise ToolkitError(
+            f"the loss function returned shape {tuple(shape)} for a batch of {batch} samples",
+            f"return one loss per sample, shape ({batch},): e.g. reduction='none', then a "
+            "mean over every axis but the first")

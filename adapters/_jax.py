@@ -8,8 +8,9 @@ from typing import Any
 
 import numpy as np
 
-from adapters._common import BackendBase, check_world, missing_framework
-from toolkit import CNN, MLP, SGD, Adam, LaunchEnv, ToolkitError
+from adapters._common import BackendBase, check_world, loss_name, missing_framework, step_seed
+from adapters._flax_models import JaxModel, correct_per_sample, per_sample_loss
+from toolkit import SGD, Adam, LaunchEnv, ToolkitError
 from toolkit._reference import adam_scalars, optimizer_slots
 from toolkit._specs import check_choice
 
@@ -42,91 +43,6 @@ def import_jax(backend: str, env: LaunchEnv, dtype: str, local_devices: int | No
                            "set JAX_ENABLE_X64=1, or create the adapter before using JAX")
     check_world(backend, env, jax.process_count(), jax.process_index())
     return jax
-
-
-class JaxModel:
-    """The model as a Flax module plus neutral-name mapping of its parameter tree."""
-
-    def __init__(self, model: Any, seed: int, dtype: str, backend: str):
-        import flax.linen as nn
-        from flax import traverse_util
-
-        self.traverse = traverse_util
-        if isinstance(model, MLP | CNN):
-            self.module = _flax_module(nn, model)
-            self.spec_names = True
-            self.params = traverse_util.unflatten_dict(
-                {self.path_of(k): v for k, v in model.init(seed, dtype).items()})
-        elif isinstance(model, tuple) and len(model) == 2 and isinstance(model[0], nn.Module):
-            self.module, variables = model
-            self.params = variables["params"] if "params" in variables else variables
-            self.spec_names = False
-        else:
-            raise ToolkitError(f"{backend} cannot build a model from {type(model).__name__}",
-                               "pass a toolkit.MLP/CNN spec or a (flax module, variables) pair")
-
-    def apply(self, params, x):
-        return self.module.apply({"params": params}, x)
-
-    # Flax names submodules "layers_0", "convs_1", "head"; the spec says "layers.0", ...
-    def name_of(self, path: tuple[str, ...]) -> str:
-        if self.spec_names:
-            module, leaf = path
-            return ".".join(module.split("_")) + "." + leaf
-        return ".".join(path)
-
-    def path_of(self, name: str) -> tuple[str, ...]:
-        *module, leaf = name.split(".")
-        return ("_".join(module), leaf)
-
-    def flat(self, tree) -> dict[str, Any]:
-        """Neutral name -> leaf."""
-        return {self.name_of(k): v for k, v in self.traverse.flatten_dict(tree).items()}
-
-    def unflat(self, flat: dict[str, Any], like) -> Any:
-        paths = {self.name_of(k): k for k in self.traverse.flatten_dict(like)}
-        return self.traverse.unflatten_dict({paths[n]: v for n, v in flat.items()})
-
-
-def _flax_module(nn, spec):
-    if isinstance(spec, CNN):
-        k = spec.kernel_size
-
-        class FlaxCNN(nn.Module):
-            @nn.compact
-            def __call__(self, x):
-                for i, width in enumerate(spec.channels):
-                    x = nn.relu(nn.Conv(width, (k, k), padding="SAME", name=f"convs_{i}",
-                                        param_dtype=x.dtype, dtype=x.dtype)(x))
-                x = x.reshape((x.shape[0], -1))  # NHWC flattened as (h, w, c), as the spec
-                return nn.Dense(spec.classes, name="head", param_dtype=x.dtype, dtype=x.dtype)(x)
-
-        return FlaxCNN()
-
-    act = nn.relu if spec.activation == "relu" else nn.tanh
-
-    class FlaxMLP(nn.Module):
-        @nn.compact
-        def __call__(self, x):
-            for i, width in enumerate(spec.sizes[1:]):
-                x = nn.Dense(width, name=f"layers_{i}", param_dtype=x.dtype, dtype=x.dtype)(x)
-                if i < spec.num_layers - 1:
-                    x = act(x)
-            return x
-
-    return FlaxMLP()
-
-
-def per_sample_loss(jnp, loss: str, out, y):
-    if loss == "cross_entropy":
-        logp = out - jax_logsumexp(jnp, out)
-        return -jnp.take_along_axis(logp, y[:, None], axis=1)[:, 0]
-    return jnp.mean((out - y.reshape(out.shape)) ** 2, axis=tuple(range(1, out.ndim)))
-
-
-def jax_logsumexp(jnp, out):
-    m = jnp.max(out, axis=1, keepdims=True)
-    return m + jnp.log(jnp.sum(jnp.exp(out - m), axis=1, keepdims=True))
 
 
 def make_optimizer(spec: Any, backend: str):
@@ -198,6 +114,8 @@ class JaxBackendBase(BackendBase):
         self.local_devices = local_devices
 
     def setup(self, env: LaunchEnv) -> None:
+        if getattr(self, "env", None) == env:  # set up already (e.g. before a Flax init)
+            return
         os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
         self.env = env
         self.jax = import_jax(self.name, env, self.dtype_name, self.local_devices)
@@ -207,19 +125,28 @@ class JaxBackendBase(BackendBase):
         self.dtype = jnp.dtype(self.dtype_name)
 
     def _build_common(self, model, optimizer, loss, seed, accumulation_steps):
-        self.loss_name, self.accumulation_steps = loss, accumulation_steps
+        """Initial ``(params, opt_state, model_state)`` as host trees, rank 0's everywhere."""
+        self.loss_name, self.loss_fn = loss_name(loss), loss
+        self.accumulation_steps, self.seed = accumulation_steps, seed
         self.model = JaxModel(model, seed, self.dtype_name, self.name)
         self.tx = make_optimizer(optimizer, self.name)
         self.opt_spec = optimizer if isinstance(optimizer, SGD | Adam) else None
-        self.count = 0
-        params = self.jax.tree_util.tree_map(lambda a: np.asarray(a, self.dtype_name),
-                                             self.model.params)
-        opt_state = self.jax.tree_util.tree_map(np.asarray, self.tx.init(params))
+        self.count = 0  # optimizer steps of a spec optimizer (Adam's t)
+        self.steps = 0  # training steps taken: the next step's dropout key derives from it
+        tmap = self.jax.tree_util.tree_map
+        params = tmap(self._cast, self.model.params)
+        model_state = tmap(self._cast, self.model.state)
+        opt_state = tmap(np.asarray, self.tx.init(params))
         if self.env.world_size > 1:  # rank 0's initial state becomes everyone's
             from jax.experimental import multihost_utils
 
-            params, opt_state = multihost_utils.broadcast_one_to_all((params, opt_state))
-        return params, opt_state
+            params, opt_state, model_state = multihost_utils.broadcast_one_to_all(
+                (params, opt_state, model_state))
+        return params, opt_state, model_state
+
+    def _cast(self, a) -> np.ndarray:
+        a = np.asarray(a)
+        return a.astype(self.dtype_name) if np.issubdtype(a.dtype, np.floating) else a
 
     def _scalars(self, lr: float | None) -> dict[str, Any]:
         if self.opt_spec is None:
@@ -233,34 +160,48 @@ class JaxBackendBase(BackendBase):
         return {k: np.asarray(v, self.dtype_name) for k, v in
                 (("lr", lr), ("step_size", step_size), ("c2_sqrt", c2_sqrt))}
 
-    def _labels(self, y: np.ndarray) -> np.ndarray:
-        return np.asarray(y, np.int32 if self.loss_name == "cross_entropy" else self.dtype_name)
+    def _step_seed(self) -> np.ndarray:
+        """The seed of this step's dropout key, from (seed, step): a resume draws the same."""
+        self.steps += 1
+        return np.asarray(step_seed(self.seed, self.steps - 1, 0), np.uint32)
 
-    def _accumulated_grads(self, params, x, y):
+    def _inputs(self, x: np.ndarray) -> np.ndarray:
+        x = np.asarray(x)
+        return x.astype(self.dtype_name) if np.issubdtype(x.dtype, np.floating) \
+            else x.astype(np.int32)
+
+    def _labels(self, y: np.ndarray) -> np.ndarray:
+        if self.loss_name == "cross_entropy":
+            return np.asarray(y, np.int32)
+        return self._inputs(y)
+
+    def _accumulated_grads(self, params, model_state, x, y, key):
         """Gradients of the batch mean over ``accumulation_steps`` micro-batches (unrolled:
-        the count is static), and every sample's loss in batch order."""
+        the count is static), every sample's loss in batch order, and the new model state."""
         jax, jnp, k = self.jax, self.jnp, self.accumulation_steps
 
-        def loss_fn(params, xb, yb):  # the mean for the gradient, per-sample for the report
-            losses = per_sample_loss(jnp, self.loss_name, self.model.apply(params, xb), yb)
-            return jnp.mean(losses), losses
+        def loss_fn(params, model_state, xb, yb, rng):  # mean for the gradient, per sample too
+            out, model_state = self.model.apply(params, model_state, xb, train=True, rng=rng)
+            losses = per_sample_loss(jnp, self.loss_fn, out, yb)
+            return jnp.mean(losses), (losses, model_state)
 
         xs = x.reshape((k, -1) + x.shape[1:])
         ys = y.reshape((k, -1) + y.shape[1:])
         grads = jax.tree_util.tree_map(jnp.zeros_like, params)
         per_sample = []
         for i in range(k):
-            (_, losses), g = jax.value_and_grad(loss_fn, has_aux=True)(params, xs[i], ys[i])
+            (_, (losses, model_state)), g = jax.value_and_grad(loss_fn, has_aux=True)(
+                params, model_state, xs[i], ys[i], jax.random.fold_in(key, i))
             grads = jax.tree_util.tree_map(lambda a, b: a + b / k, grads, g)
             per_sample.append(losses)
-        return grads, jnp.concatenate(per_sample)
+        return grads, jnp.concatenate(per_sample), model_state
 
-    def _eval_fn(self, params, x, y):
+    def _eval_fn(self, params, model_state, x, y):
         jnp = self.jnp
-        out = self.model.apply(params, x)
-        loss_sum = jnp.sum(per_sample_loss(jnp, self.loss_name, out, y))
-        correct = jnp.sum(jnp.argmax(out, axis=1) == y) if self.loss_name == "cross_entropy" \
-            else jnp.zeros((), jnp.int32)
+        out, _ = self.model.apply(params, model_state, x, train=False)
+        loss_sum = jnp.sum(per_sample_loss(jnp, self.loss_fn, out, y))
+        correct = correct_per_sample(jnp, out, y) if self.loss_name == "cross_entropy" \
+            else jnp.zeros((), jnp.float32)
         return loss_sum, correct
 
     def _eval_result(self, loss_sum, correct, n: int) -> dict[str, float]:
@@ -302,7 +243,7 @@ class JaxBackendBase(BackendBase):
             multihost_utils.sync_global_devices("toolkit-barrier")
 
     # ------------------------------------------------------------------ state
-    def _export(self, params, opt_state) -> dict[str, np.ndarray]:
+    def _export(self, params, opt_state, model_state) -> dict[str, np.ndarray]:
         out = {f"params/{n}": np.array(v) for n, v in self.model.flat(params).items()}
         if self.opt_spec is not None:
             for slot, tree in opt_state.items():
@@ -310,9 +251,12 @@ class JaxBackendBase(BackendBase):
                             for n, v in self.model.flat(tree).items()})
             if isinstance(self.opt_spec, Adam):
                 out["opt/count"] = np.asarray(self.count, np.int64)
+        out.update({n: np.array(v) for n, v in self.model.flat_state(model_state).items()})
+        if self.model.native:
+            out["rng/step"] = np.asarray(self.steps, np.int64)
         return out
 
-    def _import(self, state: dict[str, np.ndarray], params_like, opt_like):
+    def _import(self, state: dict[str, np.ndarray], params_like, opt_like, model_state_like):
         def take(prefix, like):
             names = self.model.flat(like)
             return self.model.unflat(
@@ -321,9 +265,15 @@ class JaxBackendBase(BackendBase):
         params = take("params", params_like)
         opt_state = ({slot: take(f"opt/{slot}", tree) for slot, tree in opt_like.items()}
                      if self.opt_spec is not None else opt_like)
+        like = self.model.flat_state(model_state_like)
+        model_state = self.model.unflat_state(
+            {n: np.asarray(state[n], np.asarray(v).dtype) for n, v in like.items()},
+            model_state_like)
         if "opt/count" in state:
             self.count = int(state["opt/count"])
-        return params, opt_state
+        if self.model.native:
+            self.steps = int(state["rng/step"])
+        return params, opt_state, model_state
 
     def shutdown(self) -> None:
         if self.env.world_size > 1:

@@ -14,7 +14,8 @@ CHECKPOINT is a ``step_*`` directory or a store directory (its newest intact che
 - ``orbax``: an Orbax PyTree checkpoint of the Flax parameter tree the JAX backends use
   (``{"layers_0": {"kernel", "bias"}, ...}``).
 
-Only parameters are exported (optimizer state stays in the toolkit's own format).
+Parameters are exported, and for native torch models their buffers (BatchNorm statistics) too;
+optimizer state stays in the toolkit's own format.
 """
 
 from __future__ import annotations
@@ -46,14 +47,16 @@ def weights(ckpt: toolkit.Checkpoint) -> dict[str, np.ndarray]:
 def to_torch(ckpt: toolkit.Checkpoint, out: Path) -> None:
     import torch
 
-    from adapters.horovod_torch import _from_spec
+    from adapters._torch_models import build_spec_model
 
     spec = spec_from_dict(ckpt.meta.get("model"))
     params = weights(ckpt)
-    if spec is None:  # a native torch model: its names are already torch's
+    if spec is None:  # a native torch model: its names are already torch's, buffers included
         state = {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in params.items()}
+        state.update({k[len("buffers/"):]: torch.from_numpy(np.ascontiguousarray(v))
+                      for k, v in ckpt.tensors.items() if k.startswith("buffers/")})
     else:
-        net, layout = _from_spec(torch, spec)
+        net, layout = build_spec_model(torch, spec)
         with torch.no_grad():
             for name, p, to_framework, _ in layout:
                 p.copy_(torch.from_numpy(np.ascontiguousarray(to_framework(params[name]))))

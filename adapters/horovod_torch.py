@@ -2,6 +2,14 @@
 
 One step is forward, backward, Horovod's gradient allreduce (averaged; hooks fire as each
 gradient is ready and ``DistributedOptimizer.step`` waits for them), then the optimizer update.
+
+A native ``nn.Module`` brings all of its state: parameters under ``params/<torch name>``,
+registered buffers (BatchNorm running statistics and counters) under ``buffers/<torch name>``.
+Buffers are broadcast from rank 0 at the start, and again before every evaluation and
+checkpoint (``sync_state``), unless ``sync_batchnorm`` keeps them equal on every rank by
+computing BatchNorm statistics over the global batch (Horovod's ``SyncBatchNorm``). Dropout and
+other torch randomness is seeded per step from (seed, step, rank), so a resumed run draws
+what an uninterrupted one would have.
 """
 
 from __future__ import annotations
@@ -11,13 +19,15 @@ from typing import Any
 
 import numpy as np
 
-from adapters._common import BackendBase, check_world, missing_framework
+from adapters._common import (BackendBase, check_per_sample, check_world, loss_name,
+                              missing_framework, step_seed)
+from adapters._torch_models import build_spec_model, same, to_host
+from adapters._torch_sync_bn import convert_sync_batchnorm
 from toolkit import CNN, MLP, SGD, Adam, LaunchEnv, ToolkitError
 from toolkit._specs import check_choice
 
 # Neutral optimizer-state names (the checkpoint format's) <-> torch.optim state keys.
 _SLOTS = {"momentum_buffer": "momentum", "exp_avg": "mu", "exp_avg_sq": "nu"}
-
 
 
 class HorovodTorchAdapter(BackendBase):
@@ -42,46 +52,60 @@ class HorovodTorchAdapter(BackendBase):
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // env.local_size))
         self.dtype = {"float32": torch.float32, "float64": torch.float64}[self.dtype_name]
 
-    def build(self, model: Any, optimizer: Any, loss: str, *, seed: int = 0,
-              accumulation_steps: int = 1) -> None:
+    def build(self, model: Any, optimizer: Any, loss: Any, *, seed: int = 0,
+              accumulation_steps: int = 1, sync_batchnorm: bool = False) -> None:
         torch, hvd = self.torch, self.hvd
-        self.loss_name, self.accumulation_steps = loss, accumulation_steps
-        if isinstance(model, MLP | CNN):
-            self.net, self.layout = _from_spec(torch, model)
+        self.loss_name, self.loss_fn = loss_name(loss), loss
+        self.accumulation_steps, self.seed = accumulation_steps, seed
+        self.native = not isinstance(model, MLP | CNN)
+        if not self.native:
+            self.net, self.layout = build_spec_model(torch, model)
             self.net.to(self.dtype)
             self._load_params(model.init(seed, self.dtype_name))
         elif isinstance(model, torch.nn.Module):
             self.net = model.to(self.dtype)
-            self.layout = [(n, p, _SAME, _SAME) for n, p in self.net.named_parameters()]
+            if sync_batchnorm:
+                convert_sync_batchnorm(torch, hvd, self.net)
+            self.layout = [(n, p, same, same) for n, p in self.net.named_parameters()]
         else:
             raise ToolkitError(f"horovod-torch cannot build a model from {type(model).__name__}",
                                "pass a toolkit.MLP/CNN spec or a torch.nn.Module")
+        self.sync_batchnorm = sync_batchnorm
+        self.buffers = [(n, b) for n, b in self.net.named_buffers() if b is not None]
+        self.steps = 0  # optimizer steps taken: the randomness of the next one derives from it
         # DistributedOptimizer builds a new optimizer over the same param groups (with empty
         # state), so slots are filled in after wrapping, before the state is broadcast.
         self.opt = hvd.DistributedOptimizer(
             self._optimizer(optimizer), named_parameters=self.net.named_parameters(),
             op=hvd.Average, backward_passes_per_step=accumulation_steps)
         self._zero_slots(optimizer)
-        hvd.broadcast_parameters(self.net.state_dict(), root_rank=0)
+        hvd.broadcast_parameters(self.net.state_dict(), root_rank=0)  # parameters and buffers
         hvd.broadcast_optimizer_state(self.opt, root_rank=0)
 
     def _optimizer(self, spec: Any):
         torch = self.torch
         params = list(self.net.parameters())
         if isinstance(spec, SGD):
-            opt = torch.optim.SGD(params, lr=0.0, momentum=spec.momentum, nesterov=spec.nesterov,
-                                  weight_decay=spec.weight_decay)
-        elif isinstance(spec, Adam):
+            return torch.optim.SGD(params, lr=0.0, momentum=spec.momentum,
+                                   nesterov=spec.nesterov, weight_decay=spec.weight_decay)
+        if isinstance(spec, Adam):
             cls = torch.optim.AdamW if spec.decoupled else torch.optim.Adam
-            opt = cls(params, lr=0.0, betas=(spec.b1, spec.b2), eps=spec.eps,
-                      weight_decay=spec.weight_decay)
-        elif isinstance(spec, torch.optim.Optimizer):
+            return cls(params, lr=0.0, betas=(spec.b1, spec.b2), eps=spec.eps,
+                       weight_decay=spec.weight_decay)
+        if isinstance(spec, torch.optim.Optimizer):
+            mine = {id(p) for p in params}
+            foreign = [i for i, g in enumerate(spec.param_groups)
+                       for p in g["params"] if id(p) not in mine]
+            if foreign:
+                raise ToolkitError(
+                    f"the torch optimizer holds {len(foreign)} tensors that are not the model's "
+                    f"parameters (param group {foreign[0]})",
+                    "build the optimizer over model.parameters() of the model you pass (after "
+                    "moving it to its device and dtype)")
             return spec
-        else:
-            raise ToolkitError(f"horovod-torch cannot build an optimizer from {spec!r}",
-                               "pass toolkit.SGD(...)/toolkit.Adam(...) or a torch.optim "
-                               "optimizer over the model's parameters")
-        return opt
+        raise ToolkitError(f"horovod-torch cannot build an optimizer from {spec!r}",
+                           "pass toolkit.SGD(...)/toolkit.Adam(...) or a torch.optim "
+                           "optimizer over the model's parameters")
 
     def _zero_slots(self, spec: Any) -> None:
         """Explicit zero optimizer state, so that state_dict() names every slot from step 0.
@@ -101,32 +125,45 @@ class HorovodTorchAdapter(BackendBase):
     # -------------------------------------------------------------------------- steps
     def _tensors(self, x: np.ndarray, y: np.ndarray):
         torch = self.torch
-        xt = torch.as_tensor(x, dtype=self.dtype)
-        yt = torch.as_tensor(y, dtype=torch.long if self.loss_name == "cross_entropy"
-                             else self.dtype)
+        xt = torch.as_tensor(x)
+        if xt.is_floating_point():
+            xt = xt.to(self.dtype)
+        ydtype = torch.long if self.loss_name == "cross_entropy" else None
+        yt = torch.as_tensor(y, dtype=ydtype)
+        if yt.is_floating_point():
+            yt = yt.to(self.dtype)
         return xt, yt
 
-    def _loss(self, out, y, reduction: str = "mean"):
+    def _per_sample(self, out, y):
+        """One loss per sample: a token-level loss is averaged over the sample's tokens."""
         f = self.torch.nn.functional
+        if self.loss_name == "custom":
+            losses = self.loss_fn(out, y)
+            check_per_sample(losses.shape, len(out))
+            return losses
         if self.loss_name == "cross_entropy":
-            return f.cross_entropy(out, y, reduction=reduction)
-        per_sample = ((out - y.reshape(out.shape)) ** 2).mean(dim=tuple(range(1, out.ndim)))
-        return per_sample.mean() if reduction == "mean" else per_sample.sum()
+            tokens = f.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1),
+                                     reduction="none")
+            return tokens.reshape(len(out), -1).mean(dim=1)
+        return ((out - y.reshape(out.shape)) ** 2).reshape(len(out), -1).mean(dim=1)
 
     def train_step(self, x: np.ndarray, y: np.ndarray, lr: float | None) -> float:
         if lr is not None:
             for group in self.opt.param_groups:
                 group["lr"] = lr
+        if self.native:
+            self.torch.manual_seed(step_seed(self.seed, self.steps, self.env.rank))
         self.net.train()
         xt, yt = self._tensors(x, y)
         k = self.accumulation_steps
         self.opt.zero_grad()
         total = 0.0
         for xc, yc in zip(xt.chunk(k), yt.chunk(k), strict=True):
-            loss = self._loss(self.net(xc), yc) / k
+            loss = self._per_sample(self.net(xc), yc).mean() / k
             loss.backward()
             total += loss.item()
         self.opt.step()
+        self.steps += 1
         return total
 
     def evaluate(self, x: np.ndarray, y: np.ndarray) -> dict[str, float]:
@@ -135,9 +172,10 @@ class HorovodTorchAdapter(BackendBase):
         xt, yt = self._tensors(x, y)
         with torch.no_grad():
             out = self.net(xt)
-            result = {"loss_sum": float(self._loss(out, yt, "sum")), "count": float(len(x))}
+            result = {"loss_sum": float(self._per_sample(out, yt).sum()), "count": float(len(x))}
             if self.loss_name == "cross_entropy":
-                result["correct"] = float((out.argmax(dim=1) == yt).sum())
+                hits = (out.argmax(dim=-1) == yt).to(torch.float64).reshape(len(x), -1)
+                result["correct"] = float(hits.mean(dim=1).sum())
         return result
 
     # -------------------------------------------------------------------------- collectives
@@ -154,6 +192,11 @@ class HorovodTorchAdapter(BackendBase):
     def barrier(self) -> None:
         self.hvd.barrier()
 
+    def sync_state(self) -> None:
+        """Rank 0's buffers (BatchNorm statistics) become every rank's."""
+        if self.env.world_size > 1 and self.buffers and not self.sync_batchnorm:
+            self.hvd.broadcast_parameters(self.buffers, root_rank=0)
+
     # -------------------------------------------------------------------------- state
     def _load_params(self, params: dict[str, np.ndarray]) -> None:
         self.load_state_dict({f"params/{k}": v for k, v in params.items()}, params_only=True)
@@ -161,21 +204,24 @@ class HorovodTorchAdapter(BackendBase):
     def state_dict(self) -> dict[str, np.ndarray]:
         out, step = {}, None
         for name, p, _, from_torch in self.layout:
-            out[f"params/{name}"] = _host(p, from_torch)
+            out[f"params/{name}"] = to_host(p, from_torch)
             for key, value in self.opt.state.get(p, {}).items():
                 if key == "step":
                     step = int(value)
                 else:
-                    out[f"opt/{_SLOTS.get(key, key)}/{name}"] = _host(value, from_torch)
+                    out[f"opt/{_SLOTS.get(key, key)}/{name}"] = to_host(value, from_torch)
         if step is not None:
             out["opt/count"] = np.asarray(step, np.int64)
+        out.update({f"buffers/{name}": to_host(b, same) for name, b in self.buffers})
+        if self.native:
+            out["rng/step"] = np.asarray(self.steps, np.int64)
         return out
 
     def load_state_dict(self, state: dict[str, np.ndarray], params_only: bool = False) -> None:
         torch = self.torch
 
-        def tensor(a, to_torch):  # a copy: never alias the caller's array
-            return torch.tensor(np.asarray(to_torch(np.asarray(a))), dtype=self.dtype)
+        def tensor(a, to_torch, dtype=self.dtype):  # a copy: never alias the caller's array
+            return torch.tensor(np.asarray(to_torch(np.asarray(a))), dtype=dtype)
 
         with torch.no_grad():
             for name, p, to_torch, _ in self.layout:
@@ -188,80 +234,13 @@ class HorovodTorchAdapter(BackendBase):
                         slots["step"] = torch.tensor(float(state["opt/count"]))
                     else:
                         slots[key] = tensor(state[f"opt/{_SLOTS.get(key, key)}/{name}"], to_torch)
+            if params_only:
+                return
+            for name, b in self.buffers:
+                b.copy_(tensor(state[f"buffers/{name}"], same, b.dtype))
+        if self.native:
+            self.steps = int(state["rng/step"])
 
     def shutdown(self) -> None:
         self.hvd.shutdown()
 
-
-def _SAME(a):
-    return a
-
-
-def _T(a):
-    return a.T
-
-
-def _hwio_to_oihw(a):
-    return a.transpose(3, 2, 0, 1)
-
-
-def _oihw_to_hwio(a):
-    return a.transpose(2, 3, 1, 0)
-
-
-def _host(t, from_torch) -> np.ndarray:
-    # .numpy() shares the tensor's memory: always copy.
-    return np.array(from_torch(t.detach().cpu().numpy()), order="C", copy=True)
-
-
-def _from_spec(torch, spec):
-    """A torch module for a spec, and the (neutral name, parameter, to torch, from torch)
-    layout that maps between the spec's arrays and torch's own layouts."""
-    nn = torch.nn
-    if isinstance(spec, MLP):
-        act = torch.relu if spec.activation == "relu" else torch.tanh
-
-        class TorchMLP(nn.Module):
-            def __init__(self):
-                super().__init__()
-                self.layers = nn.ModuleList(
-                    nn.Linear(a, b) for a, b in zip(spec.sizes[:-1], spec.sizes[1:], strict=True))
-
-            def forward(self, x):
-                for i, layer in enumerate(self.layers):
-                    x = layer(x)
-                    if i < len(self.layers) - 1:
-                        x = act(x)
-                return x
-
-        net = TorchMLP()
-        layout = []
-        for i, layer in enumerate(net.layers):
-            layout += [(f"layers.{i}.kernel", layer.weight, _T, _T),
-                       (f"layers.{i}.bias", layer.bias, _SAME, _SAME)]
-        return net, layout
-
-    h, w, c = spec.image_shape
-    widths = (c, *spec.channels)
-
-    class TorchCNN(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.convs = nn.ModuleList(
-                nn.Conv2d(a, b, spec.kernel_size, padding=spec.kernel_size // 2)
-                for a, b in zip(widths[:-1], widths[1:], strict=True))
-            self.head = nn.Linear(h * w * widths[-1], spec.classes)
-
-        def forward(self, x):
-            x = x.permute(0, 3, 1, 2)  # the spec's NHWC -> torch's NCHW
-            for conv in self.convs:
-                x = torch.relu(conv(x))
-            return self.head(x.permute(0, 2, 3, 1).reshape(len(x), -1))  # flatten as (h, w, c)
-
-    net = TorchCNN()
-    layout = []
-    for i, conv in enumerate(net.convs):
-        layout += [(f"convs.{i}.kernel", conv.weight, _hwio_to_oihw, _oihw_to_hwio),
-                   (f"convs.{i}.bias", conv.bias, _SAME, _SAME)]
-    layout += [("head.kernel", net.head.weight, _T, _T), ("head.bias", net.head.bias, _SAME, _SAME)]
-    return net, layout

@@ -21,20 +21,23 @@ class JaxPjitAdapter(JaxBackendBase):
 
     name = "jax-pjit"
 
-    def build(self, model: Any, optimizer: Any, loss: str, *, seed: int = 0,
-              accumulation_steps: int = 1) -> None:
+    def build(self, model: Any, optimizer: Any, loss: Any, *, seed: int = 0,
+              accumulation_steps: int = 1, sync_batchnorm: bool = False) -> None:
         jax = self.jax
         from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-        params, opt_state = self._build_common(model, optimizer, loss, seed, accumulation_steps)
+        params, opt_state, model_state = self._build_common(model, optimizer, loss, seed,
+                                                            accumulation_steps)
         self.mesh = Mesh(np.asarray(jax.devices()), ("data",))
         self.replicated = NamedSharding(self.mesh, PartitionSpec())
         self.batch = NamedSharding(self.mesh, PartitionSpec("data"))
         self.params = self._replicate(params)
         self.opt_state = self._replicate(opt_state)
+        self.model_state = self._replicate(model_state)
         repl, batch = self.replicated, self.batch
-        self._jstep = jax.jit(self._global_step, in_shardings=(repl, repl, batch, batch, repl),
-                              out_shardings=(repl, repl, batch), donate_argnums=(0, 1))
+        self._jstep = jax.jit(self._global_step,
+                              in_shardings=(repl, repl, repl, batch, batch, repl, repl),
+                              out_shardings=(repl, repl, repl, batch), donate_argnums=(0, 1, 2))
         # Evaluation shares may be uneven across ranks, so each rank evaluates its own samples
         # on its first local device with the (replicated) parameters.
         self._jeval = jax.jit(self._eval_fn)
@@ -45,10 +48,13 @@ class JaxPjitAdapter(JaxBackendBase):
             lambda a: jax.make_array_from_process_local_data(self.replicated, np.asarray(a)),
             tree)
 
-    def _global_step(self, params, opt_state, x, y, scalars):
-        grads, losses = self._accumulated_grads(params, x, y)
+    def _global_step(self, params, opt_state, model_state, x, y, scalars, seed):
+        # One program over the global batch: BatchNorm statistics span every rank's samples
+        # (synchronised by construction) and dropout masks do not depend on the world size.
+        key = self.jax.random.PRNGKey(seed)
+        grads, losses, model_state = self._accumulated_grads(params, model_state, x, y, key)
         params, opt_state = apply_optimizer(self.tx, grads, opt_state, params, scalars)
-        return params, opt_state, losses
+        return params, opt_state, model_state, losses
 
     def _global(self, local: np.ndarray):
         return self.jax.make_array_from_process_local_data(self.batch, local)
@@ -61,27 +67,30 @@ class JaxPjitAdapter(JaxBackendBase):
                 f"local devices x {self.accumulation_steps} accumulation steps",
                 f"use a global batch divisible by world size x "
                 f"{devices * self.accumulation_steps}, or change --local-devices")
-        scalars = self._replicate(self._scalars(lr))
-        xg = self._global(np.asarray(x, self.dtype_name))
+        scalars, seed = self._replicate((self._scalars(lr), self._step_seed()))
+        xg = self._global(self._inputs(x))
         yg = self._global(self._labels(y))
-        self.params, self.opt_state, losses = self._jstep(self.params, self.opt_state, xg, yg,
-                                                          scalars)
+        self.params, self.opt_state, self.model_state, losses = self._jstep(
+            self.params, self.opt_state, self.model_state, xg, yg, scalars, seed)
         # Per-sample losses stay sharded like the batch: this process's shards are its samples.
         mine = [np.asarray(shard.data) for shard in losses.addressable_shards]
         return float(np.mean(np.concatenate(mine)))
 
     def evaluate(self, x: np.ndarray, y: np.ndarray) -> dict[str, float]:
-        loss_sum, correct = self._jeval(self._host(self.params),
-                                        np.asarray(x, self.dtype_name), self._labels(y))
+        loss_sum, correct = self._jeval(self._host(self.params), self._host(self.model_state),
+                                        self._inputs(x), self._labels(y))
         return self._eval_result(loss_sum, correct, len(x))
 
     def _host(self, tree):
         return self.jax.tree_util.tree_map(lambda a: np.asarray(a.addressable_data(0)), tree)
 
     def state_dict(self) -> dict[str, np.ndarray]:
-        return self._export(self._host(self.params), self._host(self.opt_state))
+        return self._export(self._host(self.params), self._host(self.opt_state),
+                            self._host(self.model_state))
 
     def load_state_dict(self, state: dict[str, np.ndarray]) -> None:
-        params, opt_state = self._import(state, self._host(self.params),
-                                         self._host(self.opt_state))
+        params, opt_state, model_state = self._import(
+            state, self._host(self.params), self._host(self.opt_state),
+            self._host(self.model_state))
         self.params, self.opt_state = self._replicate(params), self._replicate(opt_state)
+        self.model_state = self._replicate(model_state)

@@ -21,10 +21,11 @@ class JaxPmapAdapter(JaxBackendBase):
 
     name = "jax-pmap"
 
-    def build(self, model: Any, optimizer: Any, loss: str, *, seed: int = 0,
-              accumulation_steps: int = 1) -> None:
+    def build(self, model: Any, optimizer: Any, loss: Any, *, seed: int = 0,
+              accumulation_steps: int = 1, sync_batchnorm: bool = False) -> None:
         jax = self.jax
-        params, opt_state = self._build_common(model, optimizer, loss, seed, accumulation_steps)
+        params, opt_state, model_state = self._build_common(model, optimizer, loss, seed,
+                                                            accumulation_steps)
         from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
         self.devices = jax.local_devices()
@@ -32,16 +33,24 @@ class JaxPmapAdapter(JaxBackendBase):
         self.stacked = NamedSharding(Mesh(np.asarray(self.devices), ("local",)),
                                      PartitionSpec("local"))
         self.params, self.opt_state = self._replicate(params), self._replicate(opt_state)
+        self.model_state = self._replicate(model_state)
         self._pstep = jax.pmap(self._device_step, axis_name="batch",
-                               in_axes=(0, 0, 0, 0, None), donate_argnums=(0, 1))
+                               in_axes=(0, 0, 0, 0, 0, None, None), donate_argnums=(0, 1, 2))
         self._jeval = jax.jit(self._eval_fn)
 
-    def _device_step(self, params, opt_state, x, y, scalars):
-        grads, losses = self._accumulated_grads(params, x, y)
+    def _device_step(self, params, opt_state, model_state, x, y, scalars, seed):
+        lax = self.jax.lax
+        # Each device draws its own dropout masks: the key folds in the device's index.
+        key = self.jax.random.fold_in(self.jax.random.PRNGKey(seed), lax.axis_index("batch"))
+        grads, losses, model_state = self._accumulated_grads(params, model_state, x, y, key)
         total = self.jnp.mean(losses)
-        grads = self.jax.lax.pmean(grads, axis_name="batch")
+        grads = lax.pmean(grads, axis_name="batch")
+        # BatchNorm statistics are averaged over every device (of every process) each step, so
+        # the replicas never drift apart (a module built with axis_name="batch" syncs them in
+        # the forward pass already; then this changes nothing).
+        model_state = lax.pmean(model_state, axis_name="batch")
         params, opt_state = apply_optimizer(self.tx, grads, opt_state, params, scalars)
-        return params, opt_state, total
+        return params, opt_state, model_state, total
 
     def train_step(self, x: np.ndarray, y: np.ndarray, lr: float | None) -> float:
         d, k = len(self.devices), self.accumulation_steps
@@ -52,10 +61,10 @@ class JaxPmapAdapter(JaxBackendBase):
                 f"use a global batch divisible by world size x {d * k}, or change "
                 "--local-devices / --accumulation-steps")
         scalars = self._scalars(lr)
-        xs = np.asarray(x, self.dtype_name).reshape((d, -1) + x.shape[1:])
+        xs = self._inputs(x).reshape((d, -1) + x.shape[1:])
         ys = self._labels(y).reshape((d, -1) + y.shape[1:])
-        self.params, self.opt_state, losses = self._pstep(self.params, self.opt_state, xs, ys,
-                                                          scalars)
+        self.params, self.opt_state, self.model_state, losses = self._pstep(
+            self.params, self.opt_state, self.model_state, xs, ys, scalars, self._step_seed())
         return float(np.mean(np.asarray(losses)))
 
     def _replicate(self, tree):
@@ -67,14 +76,17 @@ class JaxPmapAdapter(JaxBackendBase):
         return self.jax.tree_util.tree_map(lambda a: np.asarray(a[0]), tree)
 
     def evaluate(self, x: np.ndarray, y: np.ndarray) -> dict[str, float]:
-        loss_sum, correct = self._jeval(self._local(self.params),
-                                        np.asarray(x, self.dtype_name), self._labels(y))
+        loss_sum, correct = self._jeval(self._local(self.params), self._local(self.model_state),
+                                        self._inputs(x), self._labels(y))
         return self._eval_result(loss_sum, correct, len(x))
 
     def state_dict(self) -> dict[str, np.ndarray]:
-        return self._export(self._local(self.params), self._local(self.opt_state))
+        return self._export(self._local(self.params), self._local(self.opt_state),
+                            self._local(self.model_state))
 
     def load_state_dict(self, state: dict[str, np.ndarray]) -> None:
-        params, opt_state = self._import(state, self._local(self.params),
-                                         self._local(self.opt_state))
+        params, opt_state, model_state = self._import(
+            state, self._local(self.params), self._local(self.opt_state),
+            self._local(self.model_state))
         self.params, self.opt_state = self._replicate(params), self._replicate(opt_state)
+        self.model_state = self._replicate(model_state)

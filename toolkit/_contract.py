@@ -30,18 +30,20 @@ class Adapter(Protocol):
     def setup(self, env: LaunchEnv) -> None:
         """Initialises the framework's communicator for ``env``; checks it agrees with ``env``."""
 
-    def build(self, model: Any, optimizer: OptimizerSpec | Any, loss: str, *,
-              seed: int = 0, accumulation_steps: int = 1) -> None:
+    def build(self, model: Any, optimizer: OptimizerSpec | Any, loss: Any, *,
+              seed: int = 0, accumulation_steps: int = 1, sync_batchnorm: bool = False) -> None:
         """Builds the model and optimizer and makes rank 0's initial state everyone's.
 
         Args:
             model: a spec (e.g. :class:`toolkit.MLP`, initialised from ``seed``) or the
                 framework's native model.
             optimizer: an optimizer spec, or the framework's native optimizer.
-            loss: ``cross_entropy`` or ``mse``.
+            loss: ``cross_entropy``, ``mse`` or a callable of the framework,
+                ``loss(outputs, labels) -> per-sample losses`` (shape ``(batch,)``).
             seed: seeds the spec's numpy initialisation.
             accumulation_steps: micro-batches each local batch is split into; gradients are
                 summed over them and averaged across ranks once per step.
+            sync_batchnorm: BatchNorm statistics over the global batch (see Trainer).
         """
 
     def train_step(self, x: np.ndarray, y: np.ndarray, lr: float) -> float:
@@ -63,8 +65,17 @@ class Adapter(Protocol):
     def barrier(self) -> None:
         """Returns once every rank has called it."""
 
+    def sync_state(self) -> None:
+        """Makes rank 0's non-trained model state (BatchNorm statistics) every rank's.
+
+        Called by the Trainer on every rank before it evaluates and before it checkpoints, so
+        results and checkpoints never depend on which rank evaluated what. A no-op for models
+        without such state (and when synchronised batch norm keeps the ranks equal anyway).
+        """
+
     def state_dict(self) -> dict[str, np.ndarray]:
-        """Model and optimizer state as named host arrays (``params/...``, ``opt/...``)."""
+        """Model and optimizer state as named host arrays (``params/...``, ``opt/...``,
+        ``buffers/...`` for non-trained model state such as BatchNorm statistics)."""
 
     def load_state_dict(self, state: dict[str, np.ndarray]) -> None:
         """Replaces model and optimizer state with ``state`` (from :meth:`state_dict`)."""

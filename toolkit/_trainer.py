@@ -94,7 +94,15 @@ class Trainer:
         adapter: a backend, from ``adapters.get(name)``.
         model: a model spec (``toolkit.MLP``) or the backend's native model.
         optimizer: an optimizer spec (``toolkit.SGD``/``toolkit.Adam``) or a native one.
-        loss: ``cross_entropy`` (integer labels) or ``mse``.
+        loss: ``cross_entropy`` (integer labels; for outputs with a sequence axis, the mean
+            over tokens), ``mse``, or a callable in the backend's framework,
+            ``loss(outputs, labels) -> per-sample losses`` of shape ``(batch,)``; the Trainer
+            averages them over the batch and across ranks exactly as the built-in losses.
+        sync_batchnorm: compute BatchNorm statistics over the global batch (torch: the model's
+            BatchNorm layers become a synchronised BatchNorm; jax-pjit always does; jax-pmap
+            averages the statistics every step). Without it, each rank normalises with its own
+            samples' statistics and rank 0's running statistics are used for evaluation and
+            checkpoints.
         global_batch_size: samples per step over all ranks; the world size must divide it.
         epochs: passes over the training data (ignored when ``max_steps`` is given).
         max_steps: stop after this many global steps instead.
@@ -131,7 +139,8 @@ class Trainer:
         model: Any,
         optimizer: OptimizerSpec | Any,
         *,
-        loss: str = "cross_entropy",
+        loss: Any = "cross_entropy",
+        sync_batchnorm: bool = False,
         global_batch_size: int,
         epochs: int = 1,
         max_steps: int | None = None,
@@ -153,7 +162,8 @@ class Trainer:
         stop_check_every: int = 10,
         env: LaunchEnv | None = None,
     ):
-        check_choice("loss", loss, LOSSES)
+        if not callable(loss):
+            check_choice("loss", loss, LOSSES)
         if not isinstance(adapter, Adapter):
             raise ToolkitError(f"{adapter!r} is not a backend adapter",
                                "pass adapters.get('horovod-torch') (or another backend name)")
@@ -165,6 +175,7 @@ class Trainer:
                                "pass --checkpoint-dir DIR together with --resume latest")
         self.adapter = adapter
         self.model, self.optimizer, self.loss = model, optimizer, loss
+        self.sync_batchnorm = sync_batchnorm
         self.global_batch_size = global_batch_size
         self.epochs, self.max_steps = epochs, max_steps
         self.seed, self.shuffle, self.drop_last = seed, shuffle, drop_last
@@ -205,7 +216,8 @@ class Trainer:
                 "choose a global batch divisible by world size x accumulation steps")
         self.adapter.setup(env)
         self.adapter.build(self.model, self.optimizer, self.loss, seed=self.seed,
-                           accumulation_steps=self.accumulation_steps)
+                           accumulation_steps=self.accumulation_steps,
+                           sync_batchnorm=self.sync_batchnorm)
         self.store = (CheckpointStore(self.checkpoint_dir, keep=self.keep, rank=env.rank)
                       if self.checkpoint_dir is not None else None)
         if self.resume is not None:
@@ -371,6 +383,7 @@ class Trainer:
             "optimizer": _describe(self.optimizer),
         }
         self._last_saved = self.global_step
+        self.adapter.sync_state()
         return self.store.save(self.global_step, self.adapter.state_dict(), meta,
                                blocking=not self.async_checkpoint)
 
@@ -395,6 +408,7 @@ class Trainer:
         Each rank evaluates its strided share; sums are added across ranks, so the result is
         exactly that of one process evaluating everything.
         """
+        self.adapter.sync_state()  # every rank evaluates with rank 0's BatchNorm statistics
         idx = shard_indices(len(x), self.env.world_size, self.env.rank)
         local = self.adapter.evaluate(x[idx], y[idx]) if len(idx) else {}
         keys = ("loss_sum", "correct", "count")

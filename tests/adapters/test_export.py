@@ -23,12 +23,12 @@ def checkpoint(tmp_path_factory):
 def test_torch_state_dict_loads_into_the_module_and_computes_the_same(checkpoint):
     import torch
 
-    from adapters.horovod_torch import _from_spec
+    from adapters._torch_models import build_spec_model
 
     tmp, ckpt = checkpoint
     export.main([str(tmp / "ckpt"), "--format", "torch", "--out", str(tmp / "model.pt")])
     spec = toolkit.CNN((8, 8, 1), (4,), 10)
-    net, _ = _from_spec(torch, spec)
+    net, _ = build_spec_model(torch, spec)
     net.load_state_dict(torch.load(tmp / "model.pt"))
     x = np.random.default_rng(0).normal(size=(5, 8, 8, 1)).astype(np.float32)
     weights = export.weights(ckpt)

@@ -1,0 +1,150 @@
+"""The Flax side of the JAX backends: spec models as Flax modules, native modules with all
+their variables, neutral names, and the per-sample losses.
+
+A native model is a ``(module, variables)`` pair, ``variables = module.init(key, x)``. Every
+collection besides ``params`` (``batch_stats`` of BatchNorm, any other mutable collection) is
+model state: carried through each step (``mutable=``), checkpointed under
+``buffers/<collection>/<path>``, and made rank 0's before evaluating and saving. When the
+module's ``__call__`` takes ``train`` (or ``deterministic``), the backends pass
+``train=True`` for training steps and ``False`` for evaluation, with a ``dropout`` key derived
+from (seed, step) for training.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+from toolkit import CNN, MLP, ToolkitError
+
+
+class JaxModel:
+    """A Flax module, its initial parameters and state, and the neutral names of both."""
+
+    def __init__(self, model: Any, seed: int, dtype: str, backend: str):
+        import flax.linen as nn
+        from flax import traverse_util
+
+        self.traverse = traverse_util
+        self.native = not isinstance(model, MLP | CNN)
+        self.flag: str | None = None
+        self.state: dict[str, Any] = {}
+        if not self.native:
+            self.module = _flax_module(nn, model)
+            self.params = traverse_util.unflatten_dict(
+                {self.path_of(k): v for k, v in model.init(seed, dtype).items()})
+            return
+        if isinstance(model, nn.Module):
+            raise ToolkitError(
+                f"{backend} got the Flax module {type(model).__name__} without its variables",
+                "pass (module, variables) with variables = module.init(jax.random.key(0), x)")
+        if not (isinstance(model, tuple) and len(model) == 2 and isinstance(model[0], nn.Module)):
+            raise ToolkitError(f"{backend} cannot build a model from {type(model).__name__}",
+                               "pass a toolkit.MLP/CNN spec or a (flax module, variables) pair")
+        self.module, variables = model
+        variables = dict(variables or {})
+        if not variables:
+            raise ToolkitError(f"{backend}: the Flax module {type(self.module).__name__} came "
+                               "with no variables", "pass variables = module.init(key, x)")
+        if "params" in variables:
+            self.params = variables.pop("params")
+            self.state = variables
+        else:  # a bare parameter tree
+            self.params = variables
+        arguments = inspect.signature(type(self.module).__call__).parameters
+        self.flag = next((f for f in ("train", "deterministic") if f in arguments), None)
+
+    def apply(self, params, state, x, *, train: bool = False, rng=None):
+        """``(outputs, new state)``; state collections are updated only when training."""
+        kwargs = {}
+        if self.flag == "train":
+            kwargs["train"] = train
+        elif self.flag == "deterministic":
+            kwargs["deterministic"] = not train
+        if self.native and train and rng is not None:
+            kwargs["rngs"] = {"dropout": rng}
+        variables = {"params": params, **state}
+        if train and state:
+            out, new_state = self.module.apply(variables, x, mutable=list(state), **kwargs)
+            return out, dict(new_state)
+        return self.module.apply(variables, x, **kwargs), state
+
+    # Flax names submodules "layers_0", "convs_1", "head"; the spec says "layers.0", ...
+    def name_of(self, path: tuple[str, ...]) -> str:
+        if not self.native:
+            module, leaf = path
+            return ".".join(module.split("_")) + "." + leaf
+        return ".".join(path)
+
+    def path_of(self, name: str) -> tuple[str, ...]:
+        *module, leaf = name.split(".")
+        return ("_".join(module), leaf)
+
+    def flat(self, tree) -> dict[str, Any]:
+        """Neutral name -> leaf."""
+        return {self.name_of(k): v for k, v in self.traverse.flatten_dict(tree).items()}
+
+    def unflat(self, flat: dict[str, Any], like) -> Any:
+        paths = {self.name_of(k): k for k in self.traverse.flatten_dict(like)}
+        return self.traverse.unflatten_dict({paths[n]: v for n, v in flat.items()})
+
+    def flat_state(self, state) -> dict[str, Any]:
+        """``buffers/<collection>/<path>`` -> leaf, for every non-parameter collection."""
+        return {f"buffers/{c}/{'.'.join(k)}": v for c, tree in state.items()
+                for k, v in self.traverse.flatten_dict(tree).items()}
+
+    def unflat_state(self, flat: dict[str, Any], like) -> dict[str, Any]:
+        return {c: self.traverse.unflatten_dict(
+            {k: flat[f"buffers/{c}/{'.'.join(k)}"] for k in self.traverse.flatten_dict(tree)})
+            for c, tree in like.items()}
+
+
+def _flax_module(nn, spec):
+    if isinstance(spec, CNN):
+        k = spec.kernel_size
+
+        class FlaxCNN(nn.Module):
+            @nn.compact
+            def __call__(self, x):
+                for i, width in enumerate(spec.channels):
+                    x = nn.relu(nn.Conv(width, (k, k), padding="SAME", name=f"convs_{i}",
+                                        param_dtype=x.dtype, dtype=x.dtype)(x))
+                x = x.reshape((x.shape[0], -1))  # NHWC flattened as (h, w, c), as the spec
+                return nn.Dense(spec.classes, name="head", param_dtype=x.dtype, dtype=x.dtype)(x)
+
+        return FlaxCNN()
+
+    act = nn.relu if spec.activation == "relu" else nn.tanh
+
+    class FlaxMLP(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            for i, width in enumerate(spec.sizes[1:]):
+                x = nn.Dense(width, name=f"layers_{i}", param_dtype=x.dtype, dtype=x.dtype)(x)
+                if i < spec.num_layers - 1:
+                    x = act(x)
+            return x
+
+    return FlaxMLP()
+
+
+def per_sample_loss(jnp, loss: Any, out, y):
+    """One loss per sample; a token-level loss is averaged over the sample's tokens."""
+    from adapters._common import check_per_sample
+
+    if callable(loss):
+        losses = loss(out, y)
+        check_per_sample(losses.shape, out.shape[0])
+        return losses
+    if loss == "cross_entropy":
+        m = jnp.max(out, axis=-1, keepdims=True)
+        logp = out - (m + jnp.log(jnp.sum(jnp.exp(out - m), axis=-1, keepdims=True)))
+        tokens = -jnp.take_along_axis(logp, y[..., None], axis=-1)[..., 0]
+        return tokens.reshape(out.shape[0], -1).mean(axis=1)
+    return jnp.mean((out - y.reshape(out.shape)).reshape(out.shape[0], -1) ** 2, axis=1)
+
+
+def correct_per_sample(jnp, out, y):
+    """The fraction of each sample's positions whose arg-max is the label, summed."""
+    hits = (jnp.argmax(out, axis=-1) == y).astype(jnp.float32)
+    return jnp.sum(hits.reshape(out.shape[0], -1).mean(axis=1))

@@ -1,0 +1,82 @@
+"""Torch modules for the framework-neutral specs, and the layouts that map between the spec's
+arrays and torch's own (``Linear.weight`` is (out, in), ``Conv2d.weight`` OIHW)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from toolkit import MLP
+
+
+def same(a):
+    return a
+
+
+def _T(a):
+    return a.T
+
+
+def _hwio_to_oihw(a):
+    return a.transpose(3, 2, 0, 1)
+
+
+def _oihw_to_hwio(a):
+    return a.transpose(2, 3, 1, 0)
+
+
+def to_host(t, from_torch) -> np.ndarray:
+    # .numpy() shares the tensor's memory: always copy.
+    return np.array(from_torch(t.detach().cpu().numpy()), order="C", copy=True)
+
+
+def build_spec_model(torch, spec):
+    """A torch module for a spec, and the (neutral name, parameter, to torch, from torch)
+    layout that maps between the spec's arrays and torch's own layouts."""
+    nn = torch.nn
+    if isinstance(spec, MLP):
+        act = torch.relu if spec.activation == "relu" else torch.tanh
+
+        class TorchMLP(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.layers = nn.ModuleList(
+                    nn.Linear(a, b) for a, b in zip(spec.sizes[:-1], spec.sizes[1:], strict=True))
+
+            def forward(self, x):
+                for i, layer in enumerate(self.layers):
+                    x = layer(x)
+                    if i < len(self.layers) - 1:
+                        x = act(x)
+                return x
+
+        net = TorchMLP()
+        layout = []
+        for i, layer in enumerate(net.layers):
+            layout += [(f"layers.{i}.kernel", layer.weight, _T, _T),
+                       (f"layers.{i}.bias", layer.bias, same, same)]
+        return net, layout
+
+    h, w, c = spec.image_shape
+    widths = (c, *spec.channels)
+
+    class TorchCNN(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.convs = nn.ModuleList(
+                nn.Conv2d(a, b, spec.kernel_size, padding=spec.kernel_size // 2)
+                for a, b in zip(widths[:-1], widths[1:], strict=True))
+            self.head = nn.Linear(h * w * widths[-1], spec.classes)
+
+        def forward(self, x):
+            x = x.permute(0, 3, 1, 2)  # the spec's NHWC -> torch's NCHW
+            for conv in self.convs:
+                x = torch.relu(conv(x))
+            return self.head(x.permute(0, 2, 3, 1).reshape(len(x), -1))  # flatten as (h, w, c)
+
+    net = TorchCNN()
+    layout = []
+    for i, conv in enumerate(net.convs):
+        layout += [(f"convs.{i}.kernel", conv.weight, _hwio_to_oihw, _oihw_to_hwio),
+                   (f"convs.{i}.bias", conv.bias, same, same)]
+    layout += [("head.kernel", net.head.weight, _T, _T), ("head.bias", net.head.bias, same, same)]
+    return net, layout

@@ -1,0 +1,205 @@
+"""All of a native model's state, not only its parameters: BatchNorm statistics, dropout
+randomness, custom losses (torch and JAX here; TensorFlow in test_keras_native.py)."""
+
+import json
+import re
+
+import numpy as np
+import pytest
+
+import adapters
+import toolkit
+from toolkit import SGD, LaunchEnv, ToolkitError
+from toolkit.datasets import load_digits
+
+ENV = LaunchEnv()
+
+
+def torch_net(dropout=0.3):
+    import torch
+
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.BatchNorm1d(32),
+                               torch.nn.ReLU(), torch.nn.Dropout(dropout),
+                               torch.nn.Linear(32, 10))
+
+
+def flax_net(dropout=0.3):
+    import flax.linen as nn
+    import jax
+
+    class Net(nn.Module):
+        @nn.compact
+        def __call__(self, x, train: bool = False):
+            x = nn.BatchNorm(use_running_average=not train, momentum=0.9)(nn.Dense(32)(x))
+            x = nn.Dropout(dropout, deterministic=not train)(nn.relu(x))
+            return nn.Dense(10)(x)
+
+    net = Net()
+    return net, net.init(jax.random.PRNGKey(0), np.zeros((1, 64), np.float32))
+
+
+def make(backend, **kw):
+    adapter = adapters.get(backend)
+    adapter.setup(ENV)  # JAX is configured before the Flax model is initialised
+    model = torch_net(**kw) if backend == "horovod-torch" else flax_net(**kw)
+    return adapter, model
+
+
+def trainer(adapter, model, steps, **kw):
+    return toolkit.Trainer(adapter, model, SGD(lr=0.1, momentum=0.9), global_batch_size=32,
+                           max_steps=steps, progress=False, env=ENV, **kw)
+
+
+NATIVE = ["horovod-torch", "jax-pmap", "jax-pjit"]
+
+
+@pytest.mark.parametrize("backend", NATIVE)
+def test_batchnorm_statistics_are_state_and_change_with_training(backend):
+    initial, model = make(backend)
+    initial.build(model, SGD(lr=0.1), "cross_entropy")
+    before = {k: v for k, v in initial.state_dict().items() if k.startswith("buffers/")}
+    adapter, model = make(backend)
+    (x, y), val = load_digits()
+    t = trainer(adapter, model, 15)
+    names = sorted(before)
+    assert any("mean" in n for n in names) and any("var" in n for n in names), names
+    t.fit(x, y)
+    after = adapter.state_dict()
+    for name in names:
+        if "num_batches_tracked" in name:
+            assert int(after[name]) == 15
+        else:
+            assert not np.array_equal(after[name], before[name]), name
+    assert after["rng/step"] == 15
+    # Evaluation uses the running statistics (eval mode), so it is a function of the state:
+    # loading the state into a fresh model gives the same validation loss exactly.
+    fresh, model2 = make(backend)
+    fresh.build(model2, SGD(lr=0.1, momentum=0.9), "cross_entropy")
+    fresh.load_state_dict(after)
+    assert fresh.evaluate(*val) == adapter.evaluate(*val)
+
+
+@pytest.mark.parametrize("backend", NATIVE)
+def test_kill_and_resume_is_bit_for_bit_with_batchnorm_and_dropout(backend, tmp_path):
+    (x, y), _ = load_digits()
+    straight, model = make(backend)
+    trainer(straight, model, 20).fit(x, y)
+    first, model = make(backend)
+    trainer(first, model, 10, checkpoint_dir=tmp_path, checkpoint_every=10).fit(x, y)
+    second, model = make(backend)
+    history = trainer(second, model, 20, checkpoint_dir=tmp_path, resume="latest").fit(x, y)
+    assert history.first_step == 10
+    want, got = straight.state_dict(), second.state_dict()
+    assert got.keys() == want.keys()
+    assert any(k.startswith("buffers/") for k in got)
+    for name in want:
+        np.testing.assert_array_equal(got[name], want[name], err_msg=name)
+
+
+def test_dropout_draws_differ_between_steps_but_not_between_runs():
+    """The per-step seed really reaches torch's dropout (else resume equality is vacuous)."""
+    (x, y), _ = load_digits()
+    losses = []
+    for _ in range(2):
+        adapter, model = make("horovod-torch", dropout=0.5)
+        losses.append(trainer(adapter, model, 5).fit(x, y).losses)
+    assert losses[0] == losses[1]
+    adapter, model = make("horovod-torch", dropout=0.0)
+    assert trainer(adapter, model, 5).fit(x, y).losses != losses[0]
+
+
+@pytest.mark.parametrize("backend", NATIVE)
+def test_a_custom_loss_equals_the_builtin_one_it_reimplements(backend):
+    if backend == "horovod-torch":
+        import torch
+
+        def loss(out, labels):
+            return torch.nn.functional.cross_entropy(out, labels, reduction="none")
+    else:
+        import jax
+        import jax.numpy as jnp
+
+        def loss(out, labels):
+            logp = jax.nn.log_softmax(out)
+            return -jnp.take_along_axis(logp, labels[:, None], axis=1)[:, 0]
+    (x, y), _ = load_digits()
+    a, model = make(backend, dropout=0.0)
+    builtin = trainer(a, model, 8).fit(x, y).losses
+    b, model = make(backend, dropout=0.0)
+    custom = trainer(b, model, 8, loss=loss).fit(x, y).losses
+    np.testing.assert_allclose(custom, builtin, rtol=1e-6)
+
+
+@pytest.mark.parametrize("backend", NATIVE)
+def test_a_loss_with_the_wrong_shape_is_a_clear_error(backend):
+    adapter, model = make(backend, dropout=0.0)
+    (x, y), _ = load_digits()
+    with pytest.raises(ToolkitError) as err:
+        trainer(adapter, model, 2, loss=lambda out, labels: out.mean()).fit(x, y)
+    assert re.search(r"returned shape \(\) for a batch of (32|16) samples", str(err.value))
+    assert "HINT" in str(err.value)
+
+
+def test_a_torch_optimizer_over_other_parameters_is_refused():
+    import torch
+
+    adapter, model = make("horovod-torch")
+    stranger = torch.optim.SGD(torch.nn.Linear(3, 3).parameters(), lr=0.1)
+    with pytest.raises(ToolkitError, match="not the model's parameters") as err:
+        adapter.build(model, stranger, "cross_entropy")
+    assert "model.parameters()" in str(err.value)
+
+
+@pytest.mark.parametrize("backend", ["jax-pmap", "jax-pjit"])
+def test_a_flax_module_without_its_variables_is_refused(backend):
+    adapter, (module, _) = make(backend)
+    with pytest.raises(ToolkitError, match="without its variables") as err:
+        adapter.build(module, SGD(lr=0.1), "cross_entropy")
+    assert "module.init" in str(err.value)
+
+
+def test_exported_torch_state_dict_carries_the_batchnorm_statistics(tmp_path):
+    import torch
+
+    from adapters import export
+
+    adapter, model = make("horovod-torch")
+    (x, y), _ = load_digits()
+    trainer(adapter, model, 6, checkpoint_dir=tmp_path / "ckpt").fit(x, y)
+    export.main([str(tmp_path / "ckpt"), "--format", "torch", "--out", str(tmp_path / "m.pt")])
+    fresh = torch_net()
+    fresh.load_state_dict(torch.load(tmp_path / "m.pt"), strict=True)
+    np.testing.assert_array_equal(fresh[1].running_mean.numpy(), model[1].running_mean.numpy())
+
+
+def results(job):
+    return sorted((json.loads(line.split("RESULT ", 1)[1]) for line in job.stdout.splitlines()
+                   if "RESULT " in line), key=lambda r: r["rank"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", NATIVE)
+def test_sync_batchnorm_on_two_ranks_equals_one_process(backend, launch):
+    script = "tests/scripts/batchnorm_worker.py"
+    one = launch("python", 1, [script, backend, "1", "8"])
+    two = launch("horovodrun-gloo", 2, [script, backend, "1", "8"])
+    assert one.returncode == 0 and two.returncode == 0, (one, two)
+    (single,), (r0, r1) = results(one), results(two)
+    np.testing.assert_allclose(r0["losses"], single["losses"], rtol=1e-5)
+    assert r0["losses"] == r1["losses"]
+    for name, value in single["buffers"].items():
+        assert r0["buffers"][name] == pytest.approx(value, rel=1e-5), name
+    assert r0["val"]["val_loss"] == pytest.approx(single["val"]["val_loss"], rel=1e-5)
+
+
+@pytest.mark.slow
+def test_without_sync_every_rank_evaluates_and_saves_rank_zeros_statistics(launch):
+    job = launch("horovodrun-gloo", 2, ["tests/scripts/batchnorm_worker.py", "horovod-torch",
+                                        "0", "8"])
+    assert job.returncode == 0, job
+    r0, r1 = results(job)
+    # Each rank normalised with its own samples (different local statistics), but after
+    # sync_state (run by evaluate) both hold rank 0's statistics.
+    assert r0["buffers"] == r1["buffers"]
+    assert r0["val"] == r1["val"]
