@@ -15,7 +15,8 @@ from __future__ import annotations
 import inspect
 from typing import Any
 
-from toolkit import CNN, MLP, ToolkitError
+from toolkit import CNN, ToolkitError
+from toolkit._specs import ModelSpec
 
 
 class JaxModel:
@@ -26,11 +27,19 @@ class JaxModel:
         from flax import traverse_util
 
         self.traverse = traverse_util
-        self.native = not isinstance(model, MLP | CNN)
+        self.native = not isinstance(model, ModelSpec)
         self.flag: str | None = None
         self.state: dict[str, Any] = {}
+        self.gpt = None
         if not self.native:
-            self.module = _flax_module(nn, model)
+            from toolkit._gpt import GPT
+
+            if isinstance(model, GPT):
+                from adapters import _gpt_flax
+
+                self.gpt, self.module = _gpt_flax, _gpt_flax.FlaxGPT(model)
+            else:
+                self.module = _flax_module(nn, model)
             self.params = traverse_util.unflatten_dict(
                 {self.path_of(k): v for k, v in model.init(seed, dtype).items()})
             return
@@ -40,7 +49,7 @@ class JaxModel:
                 "pass (module, variables) with variables = module.init(jax.random.key(0), x)")
         if not (isinstance(model, tuple) and len(model) == 2 and isinstance(model[0], nn.Module)):
             raise ToolkitError(f"{backend} cannot build a model from {type(model).__name__}",
-                               "pass a toolkit.MLP/CNN spec or a (flax module, variables) pair")
+                               "pass a toolkit.MLP/CNN/GPT spec or a (flax module, variables) pair")
         self.module, variables = model
         variables = dict(variables or {})
         if not variables:
@@ -71,12 +80,16 @@ class JaxModel:
 
     # Flax names submodules "layers_0", "convs_1", "head"; the spec says "layers.0", ...
     def name_of(self, path: tuple[str, ...]) -> str:
+        if self.gpt is not None:
+            return self.gpt.name_of(path)
         if not self.native:
             module, leaf = path
             return ".".join(module.split("_")) + "." + leaf
         return ".".join(path)
 
     def path_of(self, name: str) -> tuple[str, ...]:
+        if self.gpt is not None:
+            return self.gpt.path_of(name)
         *module, leaf = name.split(".")
         return ("_".join(module), leaf)
 

@@ -32,6 +32,12 @@ def to_host(t, from_torch) -> np.ndarray:
 def build_spec_model(torch, spec):
     """A torch module for a spec, and the (neutral name, parameter, to torch, from torch)
     layout that maps between the spec's arrays and torch's own layouts."""
+    from toolkit._gpt import GPT
+
+    if isinstance(spec, GPT):
+        from adapters._gpt_torch import build_gpt
+
+        return build_gpt(torch, spec)
     nn = torch.nn
     if isinstance(spec, MLP):
         act = torch.relu if spec.activation == "relu" else torch.tanh

@@ -75,10 +75,17 @@ def to_tf(ckpt: toolkit.Checkpoint, out: Path) -> None:
 def to_orbax(ckpt: toolkit.Checkpoint, out: Path) -> None:
     import orbax.checkpoint as ocp
 
-    tree: dict = {}
-    for name, value in weights(ckpt).items():
-        *module, leaf = name.split(".")
-        tree.setdefault("_".join(module), {})[leaf] = value
+    from toolkit._gpt import GPT
+
+    if isinstance(spec_from_dict(ckpt.meta.get("model")), GPT):
+        from adapters._gpt_flax import to_tree
+
+        tree = to_tree(weights(ckpt))
+    else:
+        tree: dict = {}
+        for name, value in weights(ckpt).items():
+            *module, leaf = name.split(".")
+            tree.setdefault("_".join(module), {})[leaf] = value
     ocp.PyTreeCheckpointer().save(out.resolve(), tree)
 
 

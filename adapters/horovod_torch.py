@@ -23,8 +23,8 @@ from adapters._common import (BackendBase, check_per_sample, check_world, loss_n
                               missing_framework, step_seed)
 from adapters._torch_models import build_spec_model, same, to_host
 from adapters._torch_sync_bn import convert_sync_batchnorm
-from toolkit import CNN, MLP, SGD, Adam, LaunchEnv, ToolkitError
-from toolkit._specs import check_choice
+from toolkit import SGD, Adam, LaunchEnv, ToolkitError
+from toolkit._specs import ModelSpec, check_choice
 
 # Neutral optimizer-state names (the checkpoint format's) <-> torch.optim state keys.
 _SLOTS = {"momentum_buffer": "momentum", "exp_avg": "mu", "exp_avg_sq": "nu"}
@@ -57,7 +57,7 @@ class HorovodTorchAdapter(BackendBase):
         torch, hvd = self.torch, self.hvd
         self.loss_name, self.loss_fn = loss_name(loss), loss
         self.accumulation_steps, self.seed = accumulation_steps, seed
-        self.native = not isinstance(model, MLP | CNN)
+        self.native = not isinstance(model, ModelSpec)
         if not self.native:
             self.net, self.layout = build_spec_model(torch, model)
             self.net.to(self.dtype)
@@ -69,7 +69,7 @@ class HorovodTorchAdapter(BackendBase):
             self.layout = [(n, p, same, same) for n, p in self.net.named_parameters()]
         else:
             raise ToolkitError(f"horovod-torch cannot build a model from {type(model).__name__}",
-                               "pass a toolkit.MLP/CNN spec or a torch.nn.Module")
+                               "pass a toolkit.MLP/CNN/GPT spec or a torch.nn.Module")
         self.sync_batchnorm = sync_batchnorm
         self.buffers = [(n, b) for n, b in self.net.named_buffers() if b is not None]
         self.steps = 0  # optimizer steps taken: the randomness of the next one derives from it

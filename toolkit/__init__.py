@@ -9,15 +9,16 @@ from toolkit._cli import run
 from toolkit._contract import Adapter
 from toolkit._env import LaunchEnv, detect_launch_env, expand_nodelist
 from toolkit._errors import ToolkitError
+from toolkit._gpt import GPT
 from toolkit._rank0 import atomic_open, current_env, print0, save0
 from toolkit._sampler import GlobalBatchSampler, shard_indices
 from toolkit._specs import CNN, MLP, SGD, Adam, WarmupCosine, learning_rate, lr_scale
 from toolkit._trainer import PREEMPTED_EXIT_CODE, History, Trainer, TrainingPreempted
 
 __all__ = [
-    "CNN", "MLP", "SGD", "Adam", "WarmupCosine", "Adapter", "Checkpoint", "CheckpointError",
-    "CheckpointStore", "GlobalBatchSampler", "History", "LaunchEnv", "PREEMPTED_EXIT_CODE",
-    "ToolkitError", "Trainer", "TrainingPreempted",
+    "CNN", "GPT", "MLP", "SGD", "Adam", "WarmupCosine", "Adapter", "Checkpoint",
+    "CheckpointError", "CheckpointStore", "GlobalBatchSampler", "History", "LaunchEnv",
+    "PREEMPTED_EXIT_CODE", "ToolkitError", "Trainer", "TrainingPreempted",
     "atomic_open", "current_env", "detect_launch_env", "expand_nodelist", "learning_rate",
     "lr_scale", "print0", "read_checkpoint", "run", "save0", "shard_indices",
 ]

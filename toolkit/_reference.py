@@ -78,7 +78,9 @@ def reference_run(model, optimizer: OptimizerSpec, loss: str, x: np.ndarray, y: 
     params = model.init(seed, dtype)
     state = init_state(optimizer, params)
     sampler = GlobalBatchSampler(len(x), global_batch_size, seed=seed)
-    x = np.asarray(x, dtype)
+    x = np.asarray(x)
+    if np.issubdtype(x.dtype, np.floating):  # token ids stay integers
+        x = x.astype(dtype)
     losses: list[float] = []
     while len(losses) < steps:
         for idx in sampler:

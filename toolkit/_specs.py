@@ -17,6 +17,7 @@ import math
 import numpy as np
 
 from toolkit._errors import ToolkitError
+from toolkit._gpt import GPT  # imports _specs only inside its functions: no cycle
 
 ACTIVATIONS = ("relu", "tanh")
 LOSSES = ("cross_entropy", "mse")
@@ -216,14 +217,14 @@ class CNN:
         return value, grads
 
 
-ModelSpec = MLP | CNN
+ModelSpec = MLP | CNN | GPT
 
 
 def spec_from_dict(described: dict | None) -> ModelSpec | None:
     """The model spec a checkpoint's manifest describes (``{"type": "MLP", ...}``), if any."""
     if not described:
         return None
-    kinds = {"MLP": MLP, "CNN": CNN}
+    kinds = {"MLP": MLP, "CNN": CNN, "GPT": GPT}
     fields = {k: v for k, v in described.items() if k != "type"}
     if described.get("type") not in kinds:
         raise ToolkitError(f"unknown model type {described.get('type')!r} in the manifest",
