@@ -2,21 +2,44 @@
 
 Built on ``horovod.tensorflow`` (allreduce/broadcast ops) and ``tf.GradientTape``, not on
 ``horovod.tensorflow.keras``, which targets Keras 2 and breaks with Keras 3. The step (forward,
-backward, gradient allreduce, update) is one ``tf.function``. The optimizer arithmetic is
-torch.optim's, written in TF ops (see ``toolkit._reference``), so the backends agree to rounding.
+backward, gradient allreduce, update) is one ``tf.function``.
+
+Two kinds of model:
+
+- a spec (``toolkit.MLP``/``CNN``/``GPT``): ``tf.Variable``\\ s under the spec's neutral names,
+  built from its numpy initialisation; with a spec optimizer the arithmetic is torch.optim's
+  in TF ops (see ``toolkit._reference``), so the backends agree to rounding.
+- any built Keras 3 model (Sequential, functional or subclassed), called as
+  ``model(x, training=True)`` in steps and ``training=False`` in evaluation. All of its state
+  is the backend's: trainable variables (``params/...``), non-trainable ones such as
+  BatchNormalization's moving statistics (``buffers/...``, broadcast from rank 0 at build and
+  by ``sync_state`` unless ``sync_batchnorm`` computes the statistics over the global batch),
+  the optimizer's variables (``opt/...``) and the step its randomness derives from
+  (``rng/step``); see ``adapters._keras_native`` for the names and the seeding of Dropout.
+
+Optimizers: ``toolkit.SGD``/``Adam`` (any model) or a Keras 3 optimizer (Keras models only,
+with its own learning rate or schedule: the Trainer passes ``lr=None``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 from typing import Any
 
 import numpy as np
 
-from adapters._common import BackendBase, check_world, missing_framework
-from toolkit import CNN, MLP, SGD, Adam, LaunchEnv, ToolkitError
+from adapters._common import (
+    BackendBase,
+    check_per_sample,
+    check_world,
+    loss_name,
+    missing_framework,
+)
+from adapters._keras_native import KerasNative, assign, is_keras_optimizer, to_host
+from toolkit import CNN, GPT, SGD, Adam, LaunchEnv, ToolkitError
 from toolkit._reference import adam_scalars, optimizer_slots
-from toolkit._specs import check_choice
+from toolkit._specs import ModelSpec, check_choice
 
 
 class HorovodTFAdapter(BackendBase):
@@ -47,36 +70,67 @@ class HorovodTFAdapter(BackendBase):
         self.dtype = {"float32": tf.float32, "float64": tf.float64}[self.dtype_name]
 
     # -------------------------------------------------------------------------- build
-    def build(self, model: Any, optimizer: Any, loss: str, *, seed: int = 0,
-              accumulation_steps: int = 1) -> None:
+    def build(self, model: Any, optimizer: Any, loss: Any, *, seed: int = 0,
+              accumulation_steps: int = 1, sync_batchnorm: bool = False) -> None:
         tf = self.tf
-        self.loss_name, self.accumulation_steps = loss, accumulation_steps
-        spec = model if isinstance(model, MLP | CNN) else _mlp_from_keras(model)
-        params = spec.init(seed, self.dtype_name) if isinstance(model, MLP | CNN) else \
-            _keras_weights(model, self.dtype_name)
-        self.spec = spec
-        self.names = list(params)
-        self.vars = {n: tf.Variable(v, name=n.replace(".", "_")) for n, v in params.items()}
-        if not isinstance(optimizer, SGD | Adam):
+        self.loss_name, self.loss_fn = loss_name(loss), loss
+        self.accumulation_steps, self.seed = accumulation_steps, seed
+        self.native = not isinstance(model, ModelSpec)
+        self.sync_batchnorm = sync_batchnorm and self.native
+        self.keras_model: KerasNative | None = None
+        self.is_gpt = False
+        self.buffers: dict[str, Any] = {}
+        if self.native:
+            self.keras_model = KerasNative(model, self.dtype_name, self.name)
+            if self.sync_batchnorm:
+                from adapters._keras_sync_bn import convert_sync_batchnorm
+
+                convert_sync_batchnorm(self.keras_model.keras, tf, self.hvd, model)
+            self.vars, self.buffers = self.keras_model.params, self.keras_model.buffers
+        else:
+            self.spec = model
+            self.is_gpt = isinstance(model, GPT)
+            self.vars = {n: tf.Variable(v, name=n.replace(".", "_"))
+                         for n, v in model.init(seed, self.dtype_name).items()}
+        self.names = list(self.vars)
+        self.opt_spec, self.keras_opt = None, None
+        self.slots: dict[str, Any] = {}
+        if isinstance(optimizer, SGD | Adam):
+            self.opt_spec = optimizer
+            self.slots = {f"opt/{slot}/{n}": tf.Variable(tf.zeros_like(v))
+                          for slot in optimizer_slots(optimizer) for n, v in self.vars.items()}
+        elif self.native and is_keras_optimizer(optimizer):
+            self.keras_opt = optimizer
+            self.slots = self.keras_model.build_optimizer(optimizer, self.name)
+        elif is_keras_optimizer(optimizer):
+            raise ToolkitError("a Keras optimizer needs a Keras model; this model is a "
+                               f"{type(model).__name__} spec",
+                               "pass toolkit.SGD(...)/toolkit.Adam(...) with a spec")
+        else:
             raise ToolkitError(f"horovod-tf cannot build an optimizer from {optimizer!r}",
-                               "pass toolkit.SGD(...) or toolkit.Adam(...)")
-        self.opt_spec = optimizer
-        self.slots = {f"opt/{slot}/{n}": tf.Variable(tf.zeros_like(v))
-                      for slot in optimizer_slots(optimizer) for n, v in self.vars.items()}
-        self.count = 0  # optimizer steps taken (Adam's t), kept on the host
+                               "pass toolkit.SGD(...)/toolkit.Adam(...) or a Keras 3 optimizer "
+                               "(keras.optimizers.SGD/Adam/AdamW)")
+        self.count = 0  # spec optimizer steps taken (Adam's t), kept on the host
+        self.steps = 0  # steps taken: a native model's randomness of the next one derives from it
         self._broadcast_state()
         self._step = tf.function(self._step_fn, reduce_retracing=True)
         self._eval = tf.function(self._eval_fn, reduce_retracing=True)
 
     def _broadcast_state(self) -> None:
-        hvd = self.hvd
-        for var in [*self.vars.values(), *self.slots.values()]:
-            var.assign(hvd.broadcast(var, root_rank=0))
-        self.count = int(hvd.broadcast(self.tf.constant(self.count, self.tf.int64), 0))
+        hvd, tf = self.hvd, self.tf
+        for var in [*self.vars.values(), *self.buffers.values(), *self.slots.values()]:
+            var.assign(hvd.broadcast(tf.convert_to_tensor(var), root_rank=0))
+        self.count = int(hvd.broadcast(tf.constant(self.count, tf.int64), 0))
 
     # -------------------------------------------------------------------------- math
-    def _forward(self, x):
+    def _forward(self, x, training: bool):
         tf, v = self.tf, self.vars
+        if self.native:
+            return self.keras_model.model(x, training=training)
+        if self.is_gpt:
+            from adapters._gpt_tf import gpt_forward
+
+            return gpt_forward(tf, self.spec, v, x)
         if isinstance(self.spec, CNN):
             for i in range(len(self.spec.channels)):
                 x = tf.nn.relu(tf.nn.conv2d(x, v[f"convs.{i}.kernel"], 1, "SAME")
@@ -90,25 +144,42 @@ class HorovodTFAdapter(BackendBase):
         return x
 
     def _per_sample_loss(self, out, y):
+        """One loss per sample; a token-level loss (outputs with a sequence axis) is averaged
+        over the sample's tokens."""
         tf = self.tf
+        if self.loss_name == "custom":
+            losses = self.loss_fn(out, y)
+            check_per_sample(getattr(losses, "shape", ()), out.shape[0])
+            return losses
         if self.loss_name == "cross_entropy":
-            return tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=out)
+            tokens = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=out)
+            if out.shape.rank == 2:
+                return tokens
+            return tf.reduce_mean(tf.reshape(tokens, [tf.shape(out)[0], -1]), axis=1)
         return tf.reduce_mean(tf.square(out - tf.reshape(y, tf.shape(out))),
                               axis=tf.range(1, tf.rank(out)))
 
-    def _step_fn(self, x, y, lr, step_size, c2_sqrt):
+    def _step_fn(self, x, y, lr, step_size, c2_sqrt, seeds):
         tf, hvd, k = self.tf, self.hvd, self.accumulation_steps
+        if self.native:
+            self.keras_model.reseed(seeds)
         variables = [self.vars[n] for n in self.names]
         grads = [tf.zeros_like(v) for v in variables]
         total = tf.constant(0.0, self.dtype)
         for xc, yc in zip(tf.split(x, k), tf.split(y, k), strict=True):
             with tf.GradientTape() as tape:
-                loss = tf.reduce_mean(self._per_sample_loss(self._forward(xc), yc)) / k
-            grads = [a + b for a, b in zip(grads, tape.gradient(loss, variables), strict=True)]
+                losses = self._per_sample_loss(self._forward(xc, training=True), yc)
+                loss = tf.cast(tf.reduce_mean(losses), self.dtype) / k
+            new = tape.gradient(loss, variables)
+            grads = [a if b is None else a + tf.convert_to_tensor(b)
+                     for a, b in zip(grads, new, strict=True)]
             total += loss
         grads = [hvd.allreduce(g, op=hvd.Average, name=f"grad_{i}")
                  for i, g in enumerate(grads)]
-        self._apply(dict(zip(self.names, grads, strict=True)), lr, step_size, c2_sqrt)
+        if self.keras_opt is not None:
+            self.keras_opt.apply_gradients(zip(grads, variables, strict=True))
+        else:
+            self._apply(dict(zip(self.names, grads, strict=True)), lr, step_size, c2_sqrt)
         return total
 
     def _apply(self, grads, lr, step_size, c2_sqrt) -> None:
@@ -136,32 +207,52 @@ class HorovodTFAdapter(BackendBase):
 
     def _eval_fn(self, x, y):
         tf = self.tf
-        out = self._forward(x)
+        out = self._forward(x, training=False)
         loss_sum = tf.reduce_sum(self._per_sample_loss(out, y))
-        correct = tf.constant(0, tf.int64)
+        correct = tf.constant(0.0, tf.float64)
         if self.loss_name == "cross_entropy":
-            correct = tf.reduce_sum(tf.cast(tf.equal(tf.argmax(out, 1), y), tf.int64))
+            hits = tf.cast(tf.equal(tf.argmax(out, -1), y), tf.float64)
+            correct = tf.reduce_sum(tf.reduce_mean(tf.reshape(hits, [tf.shape(out)[0], -1]), 1))
         return loss_sum, correct
 
     # -------------------------------------------------------------------------- steps
     def _inputs(self, x, y):
+        """Float inputs in the backend's dtype; integer ones (token ids) stay integers, except
+        for the MLP/CNN specs, whose inputs are always floats. Labels: int64 for
+        cross_entropy, else integers stay integers and floats take the backend's dtype."""
         tf = self.tf
-        ydtype = tf.int64 if self.loss_name == "cross_entropy" else self.dtype
-        return tf.convert_to_tensor(x, self.dtype), tf.convert_to_tensor(y, ydtype)
+        x, y = np.asarray(x), np.asarray(y)
+        keep_ints = self.native or self.is_gpt
+        xt = tf.convert_to_tensor(x, None if keep_ints and _is_int(x) else self.dtype)
+        if self.loss_name == "cross_entropy":
+            yt = tf.convert_to_tensor(y, tf.int64)
+        else:
+            yt = tf.convert_to_tensor(y, tf.int64 if _is_int(y) and self.loss_name == "custom"
+                                      else self.dtype)
+        return xt, yt
 
     def train_step(self, x: np.ndarray, y: np.ndarray, lr: float | None) -> float:
-        if lr is None:
+        """One step; ``lr`` is ignored with a Keras optimizer (its own rate or schedule)."""
+        if lr is None and self.opt_spec is not None:
             raise ToolkitError("horovod-tf needs the learning rate of each step",
-                               "pass an optimizer spec (toolkit.SGD/Adam)")
+                               "pass an optimizer spec (toolkit.SGD/Adam) to the Trainer, which "
+                               "evaluates its schedule, or a Keras optimizer")
+        lr = 0.0 if lr is None else lr
         self.count += 1
         step_size, c2_sqrt = (adam_scalars(self.opt_spec, self.count, lr)
                               if isinstance(self.opt_spec, Adam) else (0.0, 1.0))
         c = lambda v: self.tf.constant(v, self.dtype)  # noqa: E731
-        loss = self._step(*self._inputs(x, y), c(lr), c(step_size), c(c2_sqrt))
+        seeds = (self.keras_model.seeds(self.seed, self.steps, self.env.rank) if self.native
+                 else np.zeros((0, 2), np.int64))
+        with _toolkit_errors():
+            loss = self._step(*self._inputs(x, y), c(lr), c(step_size), c(c2_sqrt),
+                              self.tf.constant(seeds))
+        self.steps += 1
         return float(loss)
 
     def evaluate(self, x: np.ndarray, y: np.ndarray) -> dict[str, float]:
-        loss_sum, correct = self._eval(*self._inputs(x, y))
+        with _toolkit_errors():
+            loss_sum, correct = self._eval(*self._inputs(x, y))
         result = {"loss_sum": float(loss_sum), "count": float(len(x))}
         if self.loss_name == "cross_entropy":
             result["correct"] = float(correct)
@@ -181,64 +272,52 @@ class HorovodTFAdapter(BackendBase):
     def barrier(self) -> None:
         self.hvd.allreduce(self.tf.constant(0.0), name="barrier")
 
+    def sync_state(self) -> None:
+        """Rank 0's non-trainable variables (BatchNorm statistics) become every rank's."""
+        if self.env.world_size > 1 and self.buffers and not self.sync_batchnorm:
+            for var in self.buffers.values():
+                var.assign(self.hvd.broadcast(self.tf.convert_to_tensor(var), root_rank=0))
+
     # -------------------------------------------------------------------------- state
     def state_dict(self) -> dict[str, np.ndarray]:
-        out = {f"params/{n}": v.numpy().copy() for n, v in self.vars.items()}
-        out.update({n: v.numpy().copy() for n, v in self.slots.items()})
+        out = {f"params/{n}": to_host(v) for n, v in self.vars.items()}
+        out.update({n: to_host(v) for n, v in self.slots.items()})
         if isinstance(self.opt_spec, Adam):
             out["opt/count"] = np.asarray(self.count, np.int64)
+        out.update({f"buffers/{n}": to_host(v) for n, v in self.buffers.items()})
+        if self.native:
+            out["rng/step"] = np.asarray(self.steps, np.int64)
         return out
 
     def load_state_dict(self, state: dict[str, np.ndarray]) -> None:
         for n, v in self.vars.items():
-            v.assign(np.asarray(state[f"params/{n}"], v.dtype.as_numpy_dtype))
+            assign(v, state[f"params/{n}"])
         for n, v in self.slots.items():
-            v.assign(np.asarray(state[n], v.dtype.as_numpy_dtype))
+            assign(v, state[n])
+        for n, v in self.buffers.items():
+            assign(v, state[f"buffers/{n}"])
         if "opt/count" in state:
             self.count = int(state["opt/count"])
+        if self.native:
+            self.steps = int(state["rng/step"])
 
     def shutdown(self) -> None:
         self.hvd.shutdown()
 
 
-_KERAS_ACTIVATIONS = {"relu": "relu", "tanh": "tanh"}
+@contextlib.contextmanager
+def _toolkit_errors():
+    """Re-raises a ToolkitError raised while tracing a tf.function (autograph wraps it in a
+    StagingError whose message is the whole traceback) as itself."""
+    try:
+        yield
+    except ToolkitError:
+        raise
+    except Exception as err:
+        if isinstance(err.__context__, ToolkitError):
+            raise err.__context__ from None
+        raise
 
 
-def _mlp_from_keras(model: Any) -> MLP:
-    """Maps a built Keras model made of Dense layers onto the MLP spec, or says why not."""
-    import keras
-
-    if not isinstance(model, keras.Model):
-        raise ToolkitError(f"horovod-tf cannot build a model from {type(model).__name__}",
-                           "pass a toolkit.MLP/CNN spec or a built keras.Sequential of Dense "
-                           "layers")
-    dense = []
-    for layer in model.layers:
-        if isinstance(layer, keras.layers.InputLayer):
-            continue
-        if not isinstance(layer, keras.layers.Dense):
-            raise ToolkitError(
-                f"Keras layer {layer.name!r} ({type(layer).__name__}) has no mapping onto the "
-                "toolkit's model specs", "use Dense layers (relu/tanh between them, linear "
-                "last), or describe the model with toolkit.MLP")
-        dense.append(layer)
-    if not dense or not model.built:
-        raise ToolkitError("the Keras model has no built Dense layers",
-                           "build it first, e.g. keras.Sequential([keras.Input((64,)), ...])")
-    acts = [keras.activations.serialize(layer.activation) for layer in dense]
-    acts = [a if isinstance(a, str) else a.get("config", {}).get("name", str(a)) for a in acts]
-    hidden = set(acts[:-1])
-    if acts[-1] != "linear" or len(hidden) > 1 or not hidden <= set(_KERAS_ACTIVATIONS):
-        raise ToolkitError(f"Keras activations {acts} have no mapping onto toolkit.MLP",
-                           "use one of relu/tanh between Dense layers and linear last")
-    sizes = [dense[0].kernel.shape[0]] + [layer.units for layer in dense]
-    return MLP(tuple(sizes), next(iter(hidden)) if hidden else "relu")
-
-
-def _keras_weights(model: Any, dtype: str) -> dict[str, np.ndarray]:
-    layers = [layer for layer in model.layers if hasattr(layer, "kernel")]
-    params = {}
-    for i, layer in enumerate(layers):
-        params[f"layers.{i}.kernel"] = np.asarray(layer.kernel.numpy(), dtype)
-        params[f"layers.{i}.bias"] = np.asarray(layer.bias.numpy(), dtype)
-    return params
+def _is_int(a: np.ndarray) -> bool:
+    return np.issubdtype(a.dtype, np.integer)

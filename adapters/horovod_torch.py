@@ -19,8 +19,14 @@ from typing import Any
 
 import numpy as np
 
-from adapters._common import (BackendBase, check_per_sample, check_world, loss_name,
-                              missing_framework, step_seed)
+from adapters._common import (
+    BackendBase,
+    check_per_sample,
+    check_world,
+    loss_name,
+    missing_framework,
+    step_seed,
+)
 from adapters._torch_models import build_spec_model, same, to_host
 from adapters._torch_sync_bn import convert_sync_batchnorm
 from toolkit import SGD, Adam, LaunchEnv, ToolkitError

@@ -39,7 +39,9 @@ def test_torch_module_trains_like_the_spec():
     assert "params/0.weight" in trainer.adapter.state_dict()
 
 
-def test_keras_dense_model_maps_onto_the_spec():
+def test_keras_dense_model_trains_like_the_spec():
+    """A Keras model is a native model (no mapping onto MLP), but of Dense layers it is the
+    spec's function, so with the spec's weights it trains like the spec."""
     import keras
 
     spec = MLP((64, 32, 10))
@@ -48,20 +50,25 @@ def test_keras_dense_model_maps_onto_the_spec():
                               keras.layers.Dense(10)])
     for i, layer in enumerate(model.layers):
         layer.set_weights([params[f"layers.{i}.kernel"], params[f"layers.{i}.bias"]])
-    history, _ = train(adapters.get("horovod-tf"), model)
+    history, trainer = train(adapters.get("horovod-tf"), model)
     np.testing.assert_allclose(history.losses, spec_losses("horovod-tf"), rtol=1e-6)
+    assert "params/sequential/dense/kernel" in trainer.adapter.state_dict()
 
 
-def test_keras_layers_without_a_mapping_are_refused():
+def test_keras_model_with_conv_batchnorm_and_dropout_trains():
     import keras
 
-    adapter = adapters.get("horovod-tf")
-    adapter.setup(ENV)
-    model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(32),
-                              keras.layers.Dropout(0.5), keras.layers.Dense(10)])
-    with pytest.raises(ToolkitError) as err:
-        adapter.build(model, SGD(lr=0.1), "cross_entropy")
-    assert "(Dropout) has no mapping" in str(err.value) and "HINT:" in str(err.value)
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([
+        keras.Input((8, 8, 1)), keras.layers.Conv2D(8, 3, padding="same", activation="relu"),
+        keras.layers.BatchNormalization(), keras.layers.Dropout(0.3), keras.layers.Flatten(),
+        keras.layers.Dense(10)])
+    (x, y), _ = load_digits()
+    trainer = toolkit.Trainer(adapters.get("horovod-tf"), model, SGD(lr=0.05, momentum=0.9),
+                              global_batch_size=32, max_steps=30, progress=False, env=ENV)
+    history = trainer.fit(x.reshape(-1, 8, 8, 1), y)
+    assert np.mean(history.losses[-5:]) < 0.5 * np.mean(history.losses[:5])
+    assert any(k.startswith("buffers/") for k in trainer.adapter.state_dict())
 
 
 @pytest.mark.parametrize("backend", ["jax-pmap", "jax-pjit"])

@@ -1,0 +1,102 @@
+"""The decoder-only transformer of ``toolkit.GPT`` in plain TensorFlow ops (see the contract in
+``toolkit/_gpt.py``: pre-LayerNorm blocks, tanh GELU, causal attention, optional tied head).
+
+Layout choice: the TF backend keeps its variables in a dict neutral name -> ``tf.Variable`` in
+the neutral layout (kernels (in, out), ``y = x @ kernel + bias``), so the forward pass reads them
+by name and nothing is converted on import or export.
+
+Gradients are dense for every variable. The embedding lookup is a ``tf.gather`` whose gradient
+TF would return as ``tf.IndexedSlices`` (which Horovod allreduces by allgather, and which does
+not add to a dense tensor in the step's accumulation loop); ``_lookup`` instead gives the table a
+dense gradient, summed per row with ``tf.math.unsorted_segment_sum`` (deterministic on CPU). The
+tied head reads the same ``tok_emb`` variable, so the tape sums both uses.
+
+GELU is written out (``_gelu``) rather than ``tf.nn.gelu(approximate=True)``, which is about
+1e-9 off in float64 (its 0.044715 goes through float32); the two agree in float32. Dense layers
+are flattened to 2-D matmuls, about 2x faster on CPU than TF's broadcasting batched matmul.
+
+Works eagerly, inside ``tf.function`` (T may be dynamic: it is read with ``tf.shape``) and under
+``tf.GradientTape``; the arithmetic runs in the variables' dtype (float32 or float64).
+"""
+
+from __future__ import annotations
+
+import math
+
+
+def _lookup(tf, table, ids):
+    """``table[ids]`` whose gradient w.r.t. ``table`` is a dense tensor, not IndexedSlices."""
+
+    @tf.custom_gradient
+    def gather(table):
+        def grad(dy):  # each row's sum over the tokens that looked it up
+            return tf.math.unsorted_segment_sum(tf.reshape(dy, [-1, tf.shape(table)[-1]]),
+                                                tf.reshape(ids, [-1]), tf.shape(table)[0])
+
+        return tf.gather(table, ids), grad
+
+    return gather(tf.convert_to_tensor(table))
+
+
+def _layer_norm(tf, v, name, z):
+    """(z - mean) / sqrt(var + 1e-5) * scale + bias over the last axis (biased variance)."""
+    mean, var = tf.nn.moments(z, axes=[-1], keepdims=True)
+    return (z - mean) * tf.math.rsqrt(var + 1e-5) * v[f"{name}.scale"] + v[f"{name}.bias"]
+
+
+def _gelu(tf, z):
+    """GPT-2's tanh GELU. Not ``tf.nn.gelu(approximate=True)``: that casts its 0.044715 through
+    float32 (``math_ops.cast`` of a Python float), about 1e-9 off in float64; here every
+    constant is made in z's dtype. In float32 the two are the same function."""
+    c = tf.constant(math.sqrt(2.0 / math.pi), z.dtype)
+    k = tf.constant(0.044715, z.dtype)
+    return 0.5 * z * (1.0 + tf.tanh(c * (z + k * z * z * z)))
+
+
+def _dense(tf, v, name, z):
+    """z @ kernel + bias as one 2-D matmul (TF's batched matmul of (B, T, in) by a 2-D kernel
+    runs at about half the speed of the flattened one on CPU)."""
+    kernel = v[f"{name}.kernel"]
+    flat = tf.matmul(tf.reshape(z, [-1, tf.shape(kernel)[0]]), kernel)
+    if f"{name}.bias" in v:
+        flat = flat + v[f"{name}.bias"]
+    return tf.reshape(flat, tf.concat([tf.shape(z)[:-1], tf.shape(kernel)[1:]], 0))
+
+
+def gpt_forward(tf, spec, variables, x):
+    """Logits ``(B, T, vocab)`` of the ``toolkit.GPT`` spec for token ids ``x`` ``(B, T)``.
+
+    Args:
+        tf: the tensorflow module.
+        spec: the ``toolkit.GPT`` spec (its sizes and ``tied``).
+        variables: neutral name -> ``tf.Variable`` (or tensor), in the neutral layout.
+        x: integer token ids, shape ``(B, T)`` with ``T <= spec.context``.
+    """
+    v = variables
+    heads, dh = spec.heads, spec.width // spec.heads
+    x = tf.convert_to_tensor(x)
+    if x.dtype not in (tf.int32, tf.int64):
+        x = tf.cast(x, tf.int64)
+    B, T = tf.shape(x)[0], tf.shape(x)[1]
+    h = _lookup(tf, v["tok_emb"], x) + v["pos_emb"][:T]
+    dtype = h.dtype
+    scale = tf.constant(math.sqrt(dh), dtype)
+    causal = tf.linalg.band_part(tf.ones([T, T], tf.bool), -1, 0)  # key j <= query i
+    neg = tf.constant(float("-inf"), dtype)
+    for i in range(spec.layers):
+        b = f"blocks.{i}"
+        qkv = _dense(tf, v, f"{b}.attn.qkv", _layer_norm(tf, v, f"{b}.ln1", h))
+        # columns [q | k | v], head h at h*dh:(h+1)*dh of each -> 3 x (B, H, T, dh)
+        q, k, val = tf.unstack(tf.transpose(tf.reshape(qkv, [B, T, 3, heads, dh]),
+                                            [2, 0, 3, 1, 4]))
+        s = tf.matmul(q, k, transpose_b=True) / scale
+        p = tf.nn.softmax(tf.where(causal, s, neg), axis=-1)
+        o = tf.reshape(tf.transpose(tf.matmul(p, val), [0, 2, 1, 3]), [B, T, spec.width])
+        h = h + _dense(tf, v, f"{b}.attn.proj", o)
+        m = _dense(tf, v, f"{b}.mlp.fc", _layer_norm(tf, v, f"{b}.ln2", h))
+        h = h + _dense(tf, v, f"{b}.mlp.proj", _gelu(tf, m))
+    f = _layer_norm(tf, v, "ln_f", h)
+    if spec.tied:  # the same variable as the lookup
+        flat = tf.matmul(tf.reshape(f, [-1, spec.width]), v["tok_emb"], transpose_b=True)
+        return tf.reshape(flat, [B, T, spec.vocab])
+    return _dense(tf, v, "head", f)
