@@ -41,10 +41,17 @@ LOSS_TOLERANCE = {"float32": 1e-5, "float64": 1e-10}
 PARAM_TOLERANCE = {"float32": 1e-5, "float64": 1e-10}
 
 
+GPT_WINDOWS = 4096  # the GPT preset trains on the first windows of the text corpus
+
+
 def make_model(name: str):
-    """The model presets: ``mlp`` (64-128-10, relu) and ``cnn`` (conv 3x3x8, relu, dense)."""
+    """The model presets: ``mlp`` (64-128-10, relu), ``cnn`` (conv 3x3x8, relu, dense) and
+    ``gpt`` (2 blocks, width 32, 2 heads, context 16, bytes)."""
+    from toolkit._gpt import GPT
+
     models = {"mlp": lambda: MLP((64, 128, 10)),
-              "cnn": lambda: CNN(image_shape=(8, 8, 1), channels=(8,), classes=10)}
+              "cnn": lambda: CNN(image_shape=(8, 8, 1), channels=(8,), classes=10),
+              "gpt": lambda: GPT(vocab=256, context=16, width=32, layers=2, heads=2)}
     if name not in models:
         raise ToolkitError(f"unknown model preset {name!r}", f"use one of: {', '.join(models)}")
     return models[name]()
@@ -66,12 +73,38 @@ def make_optimizer(name: str, steps: int):
 
 
 def load_data(model_name: str, dtype: str):
+    """The presets' training data as arrays: digits, or for ``gpt`` the first
+    ``GPT_WINDOWS`` non-overlapping 16-byte windows of the standard library's source text
+    (inputs, and labels shifted by one byte; 64 KiB of text, the same on every machine with
+    the same Python version)."""
+    if model_name == "gpt":
+        context = make_model("gpt").context
+        tokens = stdlib_bytes(GPT_WINDOWS * context + 1).astype(np.int64)
+        x = tokens[:-1].reshape(GPT_WINDOWS, context)
+        y = tokens[1:].reshape(GPT_WINDOWS, context)
+        return x, y
     from toolkit.datasets import load_digits
 
     (x, y), _ = load_digits(dtype=dtype)
     if model_name == "cnn":
         x = x.reshape(-1, 8, 8, 1)
     return x, y
+
+
+def stdlib_bytes(n: int) -> np.ndarray:
+    """The first ``n`` bytes of the standard library's ``.py`` sources (sorted paths)."""
+    import sysconfig
+
+    root = Path(sysconfig.get_paths()["stdlib"])
+    chunks, have = [], 0
+    for path in sorted(root.rglob("*.py")):
+        if "site-packages" in path.parts or "dist-packages" in path.parts:
+            continue
+        chunks.append(path.read_bytes())
+        have += len(chunks[-1])
+        if have >= n:
+            break
+    return np.frombuffer(b"".join(chunks)[:n], np.uint8)
 
 
 def reference(args) -> tuple[list[float], dict[str, np.ndarray]]:
@@ -205,7 +238,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=50)
     p.add_argument("--batch-size", type=int, default=64, help="global batch")
     p.add_argument("--dtype", choices=tuple(LOSS_TOLERANCE), default="float32")
-    p.add_argument("--model", default="mlp", help="mlp or cnn")
+    p.add_argument("--model", default="mlp", help="mlp, cnn or gpt")
     p.add_argument("--optimizer", default="sgd", help="sgd, sgd-cosine, adam or adamw")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--launcher", choices=LAUNCHERS, default="auto")
