@@ -100,3 +100,10 @@ def test_bad_options_are_clear_errors(argv, match):
 def test_bad_dtype_exits_non_zero(launch):
     job = launch("python", 1, ["-m", "toolkit.equivalence", "--dtype", "float16"])
     assert job.returncode == 2 and "invalid choice: 'float16'" in job.stderr
+
+
+@pytest.mark.slow
+def test_gpt_every_backend_at_world_sizes_1_and_2(launch, tmp_path):
+    job, report = run_equivalence(launch, tmp_path, "--world-sizes", "1,2", "--steps", "30",
+                                  "--model", "gpt")
+    check_all_pass(job, report, [1, 2], LOSS_TOLERANCE["float32"])
