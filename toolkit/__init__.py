@@ -9,6 +9,7 @@ from toolkit._cli import run
 from toolkit._contract import Adapter
 from toolkit._env import LaunchEnv, detect_launch_env, expand_nodelist
 from toolkit._errors import ToolkitError
+from toolkit._layouts import DataParallel, Pipeline, Sharded, parse_layout
 from toolkit._gpt import GPT
 from toolkit._rank0 import atomic_open, current_env, print0, save0
 from toolkit._sampler import GlobalBatchSampler, shard_indices
@@ -16,7 +17,7 @@ from toolkit._specs import CNN, MLP, SGD, Adam, WarmupCosine, learning_rate, lr_
 from toolkit._trainer import PREEMPTED_EXIT_CODE, History, Trainer, TrainingPreempted
 
 __all__ = [
-    "CNN", "GPT", "MLP", "SGD", "Adam", "WarmupCosine", "Adapter", "Checkpoint",
+    "CNN", "DataParallel", "Pipeline", "Sharded", "parse_layout", "GPT", "MLP", "SGD", "Adam", "WarmupCosine", "Adapter", "Checkpoint",
     "CheckpointError", "CheckpointStore", "GlobalBatchSampler", "History", "LaunchEnv",
     "PREEMPTED_EXIT_CODE", "ToolkitError", "Trainer", "TrainingPreempted",
     "atomic_open", "current_env", "detect_launch_env", "expand_nodelist", "learning_rate",

@@ -1,0 +1,149 @@
+"""Layout specs and the flat-shard arithmetic of ZeRO / FSDP (numpy only)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from toolkit._errors import ToolkitError
+from toolkit._gpt import GPT
+from toolkit._layouts import DataParallel, Pipeline, Sharded, parse_layout
+from toolkit._shards import FlatLayout, unit_layouts, units_of
+from toolkit._specs import MLP
+
+
+def test_names_round_trip_through_parse_layout():
+    layouts = [DataParallel(), Sharded(1), Sharded(2), Sharded(3), Sharded(3, 2),
+               Pipeline(2, 4), Pipeline(4, 8, "gpipe"), Pipeline(4, 8, "interleaved-1f1b", 2)]
+    for layout in layouts:
+        assert parse_layout(layout.name) == layout
+    assert DataParallel().name == "data_parallel"
+    assert Sharded(3).name == "sharded:3"
+    assert Pipeline(2, 4).name == "pipeline:2:4:1f1b"
+    assert parse_layout("data") == DataParallel()
+    assert parse_layout("sharded:2") == Sharded(stage=2)
+    assert parse_layout("pipeline:2:4") == Pipeline(stages=2, micro_batches=4, schedule="1f1b")
+
+
+def test_layouts_are_frozen():
+    with pytest.raises(AttributeError):
+        Sharded(1).stage = 2
+
+
+@pytest.mark.parametrize("make, words", [
+    (lambda: Sharded(4), ["stage=4", "HINT", "1 (optimizer state)"]),
+    (lambda: Sharded(0), ["stage=0"]),
+    (lambda: Sharded(True), ["stage=True"]),
+    (lambda: Sharded(1, tensor_parallel=0), ["tensor_parallel=0"]),
+    (lambda: Pipeline(0, 4), ["stages=0"]),
+    (lambda: Pipeline(2, -1), ["micro_batches=-1"]),
+    (lambda: Pipeline(2, 4, "zb-h1"), ["'zb-h1'", "gpipe, 1f1b, interleaved-1f1b"]),
+    (lambda: Pipeline(2, 4, "1f1b", chunks=2), ["chunks=2", "interleaved-1f1b"]),
+    (lambda: Pipeline(2.5, 4), ["stages=2.5"]),
+])
+def test_invalid_layouts_name_the_value(make, words):
+    with pytest.raises(ToolkitError) as err:
+        make()
+    for word in words:
+        assert word in str(err.value)
+
+
+@pytest.mark.parametrize("text, word", [
+    ("tensor", "unknown layout 'tensor'"), ("sharded:4", "stage=4"),
+    ("sharded:x", "stage 'x' is not an integer"), ("sharded", "unknown layout"),
+    ("pipeline:2", "unknown layout"), ("pipeline:2:0", "micro_batches=0"),
+    ("pipeline:2:4:foo", "'foo'"), ("data:2", "unknown layout"),
+])
+def test_parse_layout_errors(text, word):
+    with pytest.raises(ToolkitError) as err:
+        parse_layout(text)
+    assert word in str(err.value)
+    assert "HINT" in str(err.value)
+
+
+def _random_shapes(rng):
+    shapes = {}
+    for i in range(rng.integers(1, 6)):
+        ndim = rng.integers(0, 4)
+        shapes[f"p{i}"] = tuple(int(d) for d in rng.integers(1, 7, ndim))
+    return shapes
+
+
+@pytest.mark.parametrize("world_size", range(1, 8))
+@pytest.mark.parametrize("seed", range(12))
+def test_shard_gather_round_trip(world_size, seed):
+    rng = np.random.default_rng(seed * 10 + world_size)
+    shapes = _random_shapes(rng)
+    arrays = {k: rng.normal(size=s).astype(np.float32) for k, s in shapes.items()}
+    layout = FlatLayout.from_shapes(shapes, world_size)
+    assert layout.total == sum(a.size for a in arrays.values())
+    assert layout.padded % world_size == 0
+    assert 0 <= layout.padded - layout.total < world_size
+    shards = [layout.shard(arrays, r) for r in range(world_size)]
+    assert {len(s) for s in shards} == {layout.shard_size}
+    back = layout.gather(shards)
+    assert list(back) == list(shapes)
+    for name in shapes:
+        assert back[name].dtype == arrays[name].dtype
+        np.testing.assert_array_equal(back[name], arrays[name])
+    flat = layout.flatten(arrays)
+    np.testing.assert_array_equal(np.concatenate(shards), flat)
+    assert not flat[layout.total:].any()
+    # owned() covers every element of every parameter exactly once, in flat order
+    seen = {name: np.zeros(int(np.prod(s)), int) for name, s in shapes.items()}
+    for r in range(world_size):
+        at = 0
+        for name, a, b, shard_start in layout.owned(r):
+            assert shard_start == at and a < b
+            seen[name][a:b] += 1
+            np.testing.assert_array_equal(shards[r][shard_start:shard_start + b - a],
+                                          arrays[name].reshape(-1)[a:b])
+            at += b - a
+    assert all((count == 1).all() for count in seen.values())
+
+
+def test_flatten_unflatten_and_errors():
+    shapes = {"a": (2, 3), "b": (5,)}
+    layout = FlatLayout.from_shapes(shapes, 3)
+    assert (layout.total, layout.padded, layout.shard_size) == (11, 12, 4)
+    assert layout.owned(1) == [("a", 4, 6, 0), ("b", 0, 2, 2)]
+    assert layout.owned(2) == [("b", 2, 5, 0)]
+    arrays = {"a": np.arange(6.0).reshape(2, 3), "b": np.arange(5.0)}
+    back = layout.unflatten(layout.flatten(arrays))
+    np.testing.assert_array_equal(back["a"], arrays["a"])
+    with pytest.raises(ToolkitError, match="world size 0"):
+        FlatLayout.from_shapes(shapes, 0)
+    with pytest.raises(ToolkitError, match="rank 3"):
+        layout.owned(3)
+    with pytest.raises(ToolkitError, match="gather needs 3 shards"):
+        layout.gather([np.zeros(4)] * 2)
+    with pytest.raises(ToolkitError, match="shape"):
+        layout.flatten({"a": np.zeros((3, 2)), "b": np.zeros(5)})
+    with pytest.raises(ToolkitError, match="lack"):
+        layout.shard({"a": np.zeros((2, 3))}, 0)
+
+
+def test_units_of_gpt_mlp_and_cnn_names():
+    spec = GPT(vocab=16, context=8, width=8, layers=3, heads=2, tied=False)
+    units = units_of(spec.param_shapes())
+    assert list(units) == ["blocks.0", "blocks.1", "blocks.2"]
+    assert units["blocks.0"][:2] == ["tok_emb", "pos_emb"]
+    assert units["blocks.2"][-3:] == ["ln_f.scale", "ln_f.bias", "head.kernel"]
+    assert sum(map(len, units.values())) == len(spec.param_shapes())
+    assert units_of(MLP((4, 5, 3)).init(0)) == {
+        "layers.0": ["layers.0.kernel", "layers.0.bias"],
+        "layers.1": ["layers.1.kernel", "layers.1.bias"]}
+    assert list(units_of(["convs.0.kernel", "convs.0.bias", "head.kernel"])) == ["convs.0"]
+    assert units_of(["w", "b"]) == {"all": ["w", "b"]}
+
+
+def test_unit_layouts_round_trip_a_gpt():
+    spec = GPT(vocab=16, context=8, width=8, layers=2, heads=2)
+    params = spec.init(0)
+    layouts = unit_layouts(spec.param_shapes(), 5)
+    assert sum(layout.total for layout in layouts.values()) == spec.num_params
+    for layout in layouts.values():
+        part = {n: params[n] for n in layout.names}
+        back = layout.gather([layout.shard(part, r) for r in range(5)])
+        for name in layout.names:
+            np.testing.assert_array_equal(back[name], params[name])

@@ -1,0 +1,147 @@
+"""Parallel layouts as plain data: what the Trainer hands to a backend's adapter.
+
+- ``DataParallel()``: every rank holds the whole model and optimizer state (the default).
+- ``Sharded(stage)``: ZeRO stage 1 shards the optimizer state over the ranks, stage 2 also the
+  gradients, stage 3 also the parameters (= FSDP's full sharding).
+- ``Pipeline(stages, micro_batches, schedule, chunks)``: the model cut into ``stages`` pieces;
+  ``S x D`` ranks are ``D`` data-parallel replicas of an ``S``-stage pipeline.
+
+``parse_layout`` reads the command-line form (``data``, ``sharded:3``, ``pipeline:4:8:1f1b``)
+and every layout's ``name`` writes it back (``data_parallel`` for data parallel), so a manifest
+records the layout a run used.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import numbers
+
+from toolkit._errors import ToolkitError
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
+LAYOUT_FORMS = "data, sharded:1|2|3, pipeline:STAGES:MICRO_BATCHES[:gpipe|1f1b|interleaved-1f1b]"
+
+
+def _positive_int(owner: str, field: str, value: object, example: str) -> int:
+    """``value`` as an int when it is a positive integer (not a bool), else a ToolkitError."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+        raise ToolkitError(f"{owner} {field}={value!r} must be a positive integer",
+                           f"e.g. {example}")
+    return int(value)
+
+
+@dataclasses.dataclass(frozen=True)
+class DataParallel:
+    """Every rank holds the whole model; gradients are averaged with an all-reduce."""
+
+    @property
+    def name(self) -> str:
+        return "data_parallel"
+
+
+@dataclasses.dataclass(frozen=True)
+class Sharded:
+    """ZeRO / FSDP: state sharded over the data-parallel ranks.
+
+    Args:
+        stage: 1 shards the optimizer state, 2 also the gradients, 3 also the parameters.
+        tensor_parallel: ranks that split each layer's matrices (1: none).
+    """
+
+    stage: int
+    tensor_parallel: int = 1
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stage, bool) or self.stage not in (1, 2, 3):
+            raise ToolkitError(
+                f"Sharded stage={self.stage!r} is not a ZeRO stage",
+                "use 1 (optimizer state), 2 (+ gradients) or 3 (+ parameters, = FSDP)")
+        object.__setattr__(self, "stage", int(self.stage))
+        object.__setattr__(self, "tensor_parallel", _positive_int(
+            "Sharded", "tensor_parallel", self.tensor_parallel, "Sharded(stage=3)"))
+
+    @property
+    def name(self) -> str:
+        tp = f":tp{self.tensor_parallel}" if self.tensor_parallel > 1 else ""
+        return f"sharded:{self.stage}{tp}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Pipeline:
+    """The model cut into ``stages`` consecutive pieces, fed ``micro_batches`` per step.
+
+    Args:
+        stages: pipeline stages ``S``.
+        micro_batches: micro-batches ``M`` each step's batch is cut into.
+        schedule: ``gpipe`` (all forwards, then all backwards), ``1f1b`` (one forward, one
+            backward in the steady state) or ``interleaved-1f1b`` (``chunks`` model pieces per
+            rank).
+        chunks: model chunks per rank; more than 1 only with ``interleaved-1f1b``.
+    """
+
+    stages: int
+    micro_batches: int
+    schedule: str = "1f1b"
+    chunks: int = 1
+
+    def __post_init__(self) -> None:
+        example = "Pipeline(stages=4, micro_batches=8)"
+        for field in ("stages", "micro_batches", "chunks"):
+            object.__setattr__(self, field,
+                               _positive_int("Pipeline", field, getattr(self, field), example))
+        if self.schedule not in SCHEDULES:
+            raise ToolkitError(f"unknown pipeline schedule {self.schedule!r}",
+                               f"use one of: {', '.join(SCHEDULES)}")
+        if self.chunks > 1 and self.schedule != "interleaved-1f1b":
+            raise ToolkitError(
+                f"Pipeline chunks={self.chunks} needs the interleaved-1f1b schedule, "
+                f"not {self.schedule!r}",
+                "use schedule='interleaved-1f1b' or chunks=1")
+
+    @property
+    def name(self) -> str:
+        chunks = f":{self.chunks}" if self.chunks > 1 else ""
+        return f"pipeline:{self.stages}:{self.micro_batches}:{self.schedule}{chunks}"
+
+
+Layout = DataParallel | Sharded | Pipeline
+
+
+def _int_field(text: str, part: str, what: str) -> int:
+    try:
+        return int(part)
+    except ValueError:
+        raise ToolkitError(f"layout {text!r}: {what} {part!r} is not an integer",
+                           f"write one of: {LAYOUT_FORMS}") from None
+
+
+def parse_layout(text: str) -> Layout:
+    """The layout the command-line form ``text`` names.
+
+    ``data`` (or ``data_parallel``), ``sharded:S``, ``pipeline:S:M``, ``pipeline:S:M:SCHEDULE``
+    and, for the interleaved schedule, ``pipeline:S:M:interleaved-1f1b:CHUNKS``. A layout's
+    ``name`` parses back to an equal layout.
+
+    Example:
+        >>> parse_layout("pipeline:2:4")
+        Pipeline(stages=2, micro_batches=4, schedule='1f1b', chunks=1)
+    """
+    parts = str(text).strip().lower().split(":")
+    kind = parts[0]
+    if kind in ("data", "data_parallel", "dp") and len(parts) == 1:
+        return DataParallel()
+    if kind == "sharded" and len(parts) in (2, 3):
+        tp = 1
+        if len(parts) == 3:
+            if not parts[2].startswith("tp"):
+                raise ToolkitError(f"layout {text!r}: expected tpN after the stage",
+                                   "e.g. sharded:3 or sharded:3:tp2")
+            tp = _int_field(text, parts[2][2:], "tensor-parallel size")
+        return Sharded(_int_field(text, parts[1], "stage"), tp)
+    if kind == "pipeline" and len(parts) in (3, 4, 5):
+        stages = _int_field(text, parts[1], "stages")
+        micro = _int_field(text, parts[2], "micro-batches")
+        schedule = parts[3] if len(parts) > 3 else "1f1b"
+        chunks = _int_field(text, parts[4], "chunks") if len(parts) > 4 else 1
+        return Pipeline(stages, micro, schedule, chunks)
+    raise ToolkitError(f"unknown layout {text!r}", f"write one of: {LAYOUT_FORMS}")
