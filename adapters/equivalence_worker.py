@@ -21,7 +21,7 @@ from toolkit.equivalence import load_data, make_model, make_optimizer
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    for name in ("--backend", "--model", "--optimizer", "--dtype", "--out"):
+    for name in ("--backend", "--model", "--optimizer", "--dtype", "--out", "--layout"):
         p.add_argument(name, required=True)
     for name in ("--steps", "--batch-size", "--seed"):
         p.add_argument(name, type=int, required=True)
@@ -30,6 +30,13 @@ def main() -> None:
     out, env = Path(args.out), toolkit.current_env()
 
     adapter = adapters.get(args.backend, dtype=args.dtype, local_devices=args.local_devices)
+    layout = toolkit.parse_layout(args.layout)
+    if not isinstance(layout, toolkit.DataParallel) and not isinstance(adapter,
+                                                                      toolkit.ShardedAdapter):
+        toolkit.save0(out / "result.json", json.dumps({
+            "status": "skipped", "reason": f"{args.backend} cannot run {layout.name} yet"}),
+            env=env)
+        return
     try:
         adapter.setup(env)
     except toolkit.ToolkitError as err:
@@ -52,7 +59,7 @@ def main() -> None:
     trainer = toolkit.Trainer(adapter, make_model(args.model),
                               make_optimizer(args.optimizer, args.steps),
                               global_batch_size=args.batch_size, max_steps=args.steps,
-                              seed=args.seed, progress=False)
+                              seed=args.seed, progress=False, layout=layout)
     history = trainer.fit(x, y)
     params = {k[len("params/"):]: v for k, v in adapter.state_dict().items()
               if k.startswith("params/")}
@@ -60,9 +67,17 @@ def main() -> None:
     median = float(np.median(step_seconds[min(5, len(step_seconds) - 1):]))
     step_time = float(adapter.allreduce(np.asarray([median]), "mean")[0])
     toolkit.save0(out / "params.npz", lambda f: np.savez(f, **params), env=env)
+    if isinstance(adapter, toolkit.ShardedAdapter):
+        held = adapter.memory_bytes()
+    else:  # replicated: every rank holds all parameters, a gradient each, all optimizer state
+        state = adapter.state_dict()
+        params = sum(v.nbytes for k, v in state.items() if k.startswith("params/"))
+        held = {"params": params, "grads": params,
+                "optimizer": sum(v.nbytes for k, v in state.items() if k.startswith("opt/"))}
+    state_bytes = adapter.allreduce(np.asarray([float(sum(held.values()))]), "mean")[0]
     toolkit.save0(out / "result.json", json.dumps({
         "status": "ok", "losses": history.losses, "step_seconds": step_time,
-        "world_size": env.world_size}), env=env)
+        "world_size": env.world_size, "state_bytes_per_rank": float(state_bytes)}), env=env)
 
 
 if __name__ == "__main__":

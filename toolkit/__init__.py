@@ -6,7 +6,7 @@ Backends live in the ``adapters`` package and import their framework when chosen
 
 from toolkit._checkpoint import Checkpoint, CheckpointError, CheckpointStore, read_checkpoint
 from toolkit._cli import run
-from toolkit._contract import Adapter
+from toolkit._contract import Adapter, ShardedAdapter
 from toolkit._env import LaunchEnv, detect_launch_env, expand_nodelist
 from toolkit._errors import ToolkitError
 from toolkit._layouts import DataParallel, Pipeline, Sharded, parse_layout
@@ -17,7 +17,7 @@ from toolkit._specs import CNN, MLP, SGD, Adam, WarmupCosine, learning_rate, lr_
 from toolkit._trainer import PREEMPTED_EXIT_CODE, History, Trainer, TrainingPreempted
 
 __all__ = [
-    "CNN", "DataParallel", "Pipeline", "Sharded", "parse_layout", "GPT", "MLP", "SGD", "Adam", "WarmupCosine", "Adapter", "Checkpoint",
+    "CNN", "DataParallel", "Pipeline", "Sharded", "parse_layout", "GPT", "MLP", "SGD", "Adam", "WarmupCosine", "Adapter", "ShardedAdapter", "Checkpoint",
     "CheckpointError", "CheckpointStore", "GlobalBatchSampler", "History", "LaunchEnv",
     "PREEMPTED_EXIT_CODE", "ToolkitError", "Trainer", "TrainingPreempted",
     "atomic_open", "current_env", "detect_launch_env", "expand_nodelist", "learning_rate",

@@ -99,9 +99,11 @@ class CheckpointStore:
             meta: JSON-serialisable metadata (epoch, sampler state, backend, ...).
             blocking: False writes in a background thread so training continues; the next
                 save (or :meth:`wait`) waits for it and re-raises its error, if any.
-            shards: this rank's pieces of sharded tensors, ``name -> (piece, axis)``. Every
-                rank calls ``save`` with its own pieces and writes its own files; loading
-                concatenates the pieces in rank order along ``axis``, so the full tensor can be
+            shards: this rank's pieces of sharded tensors, ``name -> (piece, axis)`` or
+                ``name -> (piece, axis, full_shape)``. Every rank calls ``save`` with its own
+                pieces and writes its own files; loading concatenates the pieces in rank order
+                along ``axis`` (and reshapes to ``full_shape``: flat pieces of a flattened
+                tensor, possibly empty, as ZeRO/FSDP shards are), so the full tensor can be
                 re-split onto any number of ranks. Needs ``barrier`` and ``blocking=True``.
             barrier: returns once every rank has called it (e.g. ``adapter.barrier``).
 
@@ -197,10 +199,13 @@ class CheckpointStore:
         barrier()
         try:
             if error is None:
-                pieces = {name: array for name, (array, _) in shards.items()}
+                pieces = {name: spec[0] for name, spec in shards.items()}
                 mine = _write_arrays(tmp, pieces, f"shard-r{self.rank:05d}-{{i:05d}}.npy")
                 for entry in mine:
-                    entry["shard"] = {"index": self.rank, "axis": int(shards[entry["name"]][1])}
+                    spec = shards[entry["name"]]
+                    entry["shard"] = {"index": self.rank, "axis": int(spec[1])}
+                    if len(spec) > 2:  # a flat piece: the full tensor's shape to restore
+                        entry["shard"]["shape"] = [int(d) for d in spec[2]]
                 with open(tmp / f"shards-r{self.rank:05d}.json", "w") as f:
                     json.dump(mine, f)
                     f.flush()
@@ -343,6 +348,15 @@ def read_checkpoint(path: Path) -> Checkpoint:
                 f"{path}: tensor {name!r} has pieces {[p[0]['index'] for p in parts]}, "
                 f"expected one from each of {expected_pieces} ranks",
                 "the checkpoint is incomplete; resume from another checkpoint")
-        tensors[name] = np.concatenate([a for _, a in parts], axis=parts[0][0]["axis"])
+        whole = np.concatenate([a for _, a in parts], axis=parts[0][0]["axis"])
+        if "shape" in parts[0][0]:
+            shape = tuple(parts[0][0]["shape"])
+            if whole.size != int(np.prod(shape)):
+                raise CheckpointError(
+                    f"{path}: the pieces of tensor {name!r} hold {whole.size} values, its "
+                    f"shape {list(shape)} needs {int(np.prod(shape))}",
+                    "the checkpoint is incomplete; resume from another checkpoint")
+            whole = whole.reshape(shape)
+        tensors[name] = whole
     meta = {k: v for k, v in manifest.items() if k != "tensors"}
     return Checkpoint(path, tensors, meta)

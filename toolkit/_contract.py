@@ -82,3 +82,31 @@ class Adapter(Protocol):
 
     def shutdown(self) -> None:
         """Releases the communicator."""
+
+
+@runtime_checkable
+class ShardedAdapter(Protocol):
+    """The optional ability to keep the training state sharded over ranks (``toolkit.Sharded``):
+    ZeRO stage 1 shards the optimizer state, stage 2 also the gradients (reduce-scatter instead
+    of allreduce), stage 3 also the parameters (FSDP: gathered just before use, freed after).
+
+    A parameter's shard is a slice of its unit's flat, padded buffer
+    (``toolkit._shards.FlatLayout``): rank r of N owns elements [r*L, (r+1)*L). ``state_dict``
+    and ``load_state_dict`` keep speaking full tensors (gathered on every rank), so any layout
+    loads any checkpoint; checkpoints of a sharded run are written by every rank from
+    :meth:`sharded_state`, never gathered onto rank 0.
+    """
+
+    def set_layout(self, layout: Any) -> None:
+        """Called once before ``build``: the state ``build`` creates is sharded as ``layout``
+        (a ``toolkit.Sharded``) says."""
+
+    def sharded_state(self) -> tuple[dict[str, np.ndarray],
+                                     dict[str, tuple[np.ndarray, int, tuple[int, ...]]]]:
+        """``(replicated, pieces)``: tensors every rank holds whole (written by rank 0) and this
+        rank's flat pieces of sharded tensors, ``name -> (piece, 0, full shape)`` under the full
+        tensors' neutral names (``params/...``, ``opt/<slot>/...``)."""
+
+    def memory_bytes(self) -> dict[str, int]:
+        """Bytes this rank holds between steps for ``params``, ``grads`` and ``optimizer``
+        state, counted from its own tensors' sizes (not from a formula)."""

@@ -17,9 +17,10 @@ from typing import Any
 import numpy as np
 
 from toolkit._checkpoint import Checkpoint, CheckpointError, CheckpointStore, read_checkpoint
-from toolkit._contract import Adapter
+from toolkit._contract import Adapter, ShardedAdapter
 from toolkit._env import LaunchEnv
 from toolkit._errors import ToolkitError
+from toolkit._layouts import DataParallel, Pipeline, Sharded, parse_layout
 from toolkit._rank0 import current_env, print0
 from toolkit._sampler import GlobalBatchSampler, shard_indices
 from toolkit._specs import LOSSES, OptimizerSpec, check_choice, learning_rate, lr_scale
@@ -98,6 +99,8 @@ class Trainer:
             over tokens), ``mse``, or a callable in the backend's framework,
             ``loss(outputs, labels) -> per-sample losses`` of shape ``(batch,)``; the Trainer
             averages them over the batch and across ranks exactly as the built-in losses.
+        layout: ``toolkit.DataParallel()`` (the default), ``toolkit.Sharded(stage=1|2|3)``
+            (ZeRO/FSDP, for backends with that ability) or its text form (``"sharded:3"``).
         sync_batchnorm: compute BatchNorm statistics over the global batch (torch: the model's
             BatchNorm layers become a synchronised BatchNorm; jax-pjit always does; jax-pmap
             averages the statistics every step). Without it, each rank normalises with its own
@@ -141,6 +144,7 @@ class Trainer:
         *,
         loss: Any = "cross_entropy",
         sync_batchnorm: bool = False,
+        layout: Any = None,
         global_batch_size: int,
         epochs: int = 1,
         max_steps: int | None = None,
@@ -176,6 +180,7 @@ class Trainer:
         self.adapter = adapter
         self.model, self.optimizer, self.loss = model, optimizer, loss
         self.sync_batchnorm = sync_batchnorm
+        self.layout = _check_layout(layout, adapter)
         self.global_batch_size = global_batch_size
         self.epochs, self.max_steps = epochs, max_steps
         self.seed, self.shuffle, self.drop_last = seed, shuffle, drop_last
@@ -215,6 +220,8 @@ class Trainer:
                 f"accumulation_steps={self.accumulation_steps} micro-batches",
                 "choose a global batch divisible by world size x accumulation steps")
         self.adapter.setup(env)
+        if isinstance(self.layout, Sharded):
+            self.adapter.set_layout(self.layout)
         self.adapter.build(self.model, self.optimizer, self.loss, seed=self.seed,
                            accumulation_steps=self.accumulation_steps,
                            sync_batchnorm=self.sync_batchnorm)
@@ -377,13 +384,17 @@ class Trainer:
             "sampler": self.sampler.state_dict(),
             "world_size": self.env.world_size,
             "backend": self.adapter.name,
-            "layout": "data_parallel",
+            "layout": self.layout.name,
             "rng": {"seed": self.seed},  # all randomness (init, shuffling) derives from it
             "model": _describe(self.model),
             "optimizer": _describe(self.optimizer),
         }
         self._last_saved = self.global_step
         self.adapter.sync_state()
+        if isinstance(self.layout, Sharded):  # every rank writes its own pieces
+            replicated, pieces = self.adapter.sharded_state()
+            return self.store.save(self.global_step, replicated, meta, shards=pieces,
+                                   barrier=self.adapter.barrier)
         return self.store.save(self.global_step, self.adapter.state_dict(), meta,
                                blocking=not self.async_checkpoint)
 
@@ -432,6 +443,24 @@ def _describe(spec: Any) -> dict[str, Any] | None:
     if not dataclasses.is_dataclass(spec):
         return None
     return {"type": type(spec).__name__, **json.loads(json.dumps(dataclasses.asdict(spec)))}
+
+
+def _check_layout(layout: Any, adapter: Any):
+    """The layout as a spec; a clear error for one this backend cannot run."""
+    layout = DataParallel() if layout is None else (
+        parse_layout(layout) if isinstance(layout, str) else layout)
+    if isinstance(layout, Pipeline):
+        raise ToolkitError(f"layout {layout.name!r}: pipeline stages are not implemented in any "
+                           "backend yet", "use the default data-parallel layout or sharded:1|2|3")
+    if isinstance(layout, Sharded) and not isinstance(adapter, ShardedAdapter):
+        raise ToolkitError(f"backend {adapter.name!r} cannot run layout {layout.name!r} yet",
+                           "use the default data-parallel layout with this backend, or a "
+                           "backend with sharded parameters (see the README's layouts)")
+    if not isinstance(layout, DataParallel | Sharded):
+        raise ToolkitError(f"{layout!r} is not a parallel layout",
+                           "pass toolkit.DataParallel(), toolkit.Sharded(stage=...) or a text "
+                           "form such as 'sharded:3'")
+    return layout
 
 
 def _is_native(optimizer: Any) -> bool:

@@ -127,7 +127,7 @@ def worker_command(args, backend: str, world_size: int, launcher: str, out: Path
     worker = [sys.executable, "-m", "adapters.equivalence_worker", "--backend", backend,
               "--model", args.model, "--optimizer", args.optimizer, "--steps", str(args.steps),
               "--batch-size", str(args.batch_size), "--dtype", args.dtype,
-              "--seed", str(args.seed), "--out", str(out)]
+              "--seed", str(args.seed), "--layout", args.layout, "--out", str(out)]
     if args.local_devices and backend.startswith("jax-"):
         worker += ["--local-devices", str(args.local_devices)]
     if world_size == 1:
@@ -242,6 +242,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--optimizer", default="sgd", help="sgd, sgd-cosine, adam or adamw")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--launcher", choices=LAUNCHERS, default="auto")
+    p.add_argument("--layout", default="data",
+                   help="data, sharded:1|2|3 (every layout is compared with the same "
+                        "one-process reference)")
     p.add_argument("--local-devices", type=int, default=None,
                    help="CPU devices per process for the JAX backends")
     p.add_argument("--timeout", type=float, default=600, help="seconds per run")
@@ -263,6 +266,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                                f"{args.batch_size}", "choose world sizes that divide --batch-size")
     make_model(args.model)
     make_optimizer(args.optimizer, args.steps)
+    from toolkit._layouts import parse_layout
+
+    args.layout = parse_layout(args.layout).name
     return args
 
 
@@ -280,7 +286,8 @@ def main(argv: list[str] | None = None) -> int:
                       flush=True)
     baseline = {r["world_size"]: r["step_seconds"] for r in rows
                 if r["backend"] == "horovod-torch" and "final_loss" in r}
-    print(f"equivalence: {args.model} + {args.optimizer}, {args.steps} steps, global batch "
+    print(f"equivalence: {args.model} + {args.optimizer}, layout {args.layout}, {args.steps} "
+          f"steps, global batch "
           f"{args.batch_size}, {args.dtype}, seed {args.seed}; reference: numpy float64, "
           f"1 process; bounds: loss {LOSS_TOLERANCE[args.dtype]:.0e} relative, params "
           f"{PARAM_TOLERANCE[args.dtype]:.0e} absolute")
