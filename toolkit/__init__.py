@@ -9,18 +9,19 @@ from toolkit._cli import run
 from toolkit._contract import Adapter, ShardedAdapter
 from toolkit._env import LaunchEnv, detect_launch_env, expand_nodelist
 from toolkit._errors import ToolkitError
-from toolkit._layouts import DataParallel, Pipeline, Sharded, parse_layout
 from toolkit._gpt import GPT
+from toolkit._layouts import DataParallel, Pipeline, Sharded, parse_layout
 from toolkit._rank0 import atomic_open, current_env, print0, save0
 from toolkit._sampler import GlobalBatchSampler, shard_indices
 from toolkit._specs import CNN, MLP, SGD, Adam, WarmupCosine, learning_rate, lr_scale
 from toolkit._trainer import PREEMPTED_EXIT_CODE, History, Trainer, TrainingPreempted
 
 __all__ = [
-    "CNN", "DataParallel", "Pipeline", "Sharded", "parse_layout", "GPT", "MLP", "SGD", "Adam", "WarmupCosine", "Adapter", "ShardedAdapter", "Checkpoint",
-    "CheckpointError", "CheckpointStore", "GlobalBatchSampler", "History", "LaunchEnv",
-    "PREEMPTED_EXIT_CODE", "ToolkitError", "Trainer", "TrainingPreempted",
-    "atomic_open", "current_env", "detect_launch_env", "expand_nodelist", "learning_rate",
-    "lr_scale", "print0", "read_checkpoint", "run", "save0", "shard_indices",
+    "Adam", "Adapter", "CNN", "Checkpoint", "CheckpointError", "CheckpointStore", "DataParallel",
+    "GPT", "GlobalBatchSampler", "History", "LaunchEnv", "MLP", "PREEMPTED_EXIT_CODE", "Pipeline",
+    "SGD", "Sharded", "ShardedAdapter", "ToolkitError", "Trainer", "TrainingPreempted",
+    "WarmupCosine", "atomic_open", "current_env", "detect_launch_env", "expand_nodelist",
+    "learning_rate", "lr_scale", "parse_layout", "print0", "read_checkpoint", "run", "save0",
+    "shard_indices",
 ]
 __version__ = "0.1.0"
