@@ -1,4 +1,4 @@
-"""Digits training that can kill itself (for the kill-and-resume tests).
+"""Digits (MLP) or text (tiny GPT) training that can kill itself (kill-and-resume tests).
 
 --kill-after N: once the checkpoint of step N is written and every rank has reached it, every
 rank SIGKILLs itself, as a node failure would. Rerun with --resume latest to continue.
@@ -13,6 +13,7 @@ import numpy as np
 import adapters
 import toolkit
 from toolkit.datasets import load_digits
+from toolkit.equivalence import load_data, make_model
 
 
 def main() -> None:
@@ -26,12 +27,19 @@ def main() -> None:
     p.add_argument("--async-checkpoint", action="store_true")
     p.add_argument("--save-model", required=True)
     p.add_argument("--metrics-log", required=True)
+    p.add_argument("--model", choices=("mlp", "gpt"), default="mlp")
+    p.add_argument("--layout", default="data")
     args = p.parse_args()
 
-    (x, y), _ = load_digits()
+    if args.model == "gpt":  # the equivalence preset: 2 blocks, width 32, 16-byte windows
+        x, y = load_data("gpt", "float32")
+        model = make_model("gpt")
+    else:
+        (x, y), _ = load_digits()
+        model = toolkit.MLP((64, 32, 10))
     adapter = adapters.get(args.backend)
     trainer = toolkit.Trainer(
-        adapter, toolkit.MLP((64, 32, 10)), toolkit.Adam(lr=3e-3), global_batch_size=64,
+        adapter, model, toolkit.Adam(lr=3e-3), global_batch_size=64, layout=args.layout,
         max_steps=args.steps, checkpoint_dir=args.checkpoint_dir,
         checkpoint_every=args.checkpoint_every, resume=args.resume,
         async_checkpoint=args.async_checkpoint, metrics_log=args.metrics_log, progress=False)
