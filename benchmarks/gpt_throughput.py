@@ -1,0 +1,204 @@
+"""Tokens per second of the toolkit's Trainer beside a hand-written loop of the same framework,
+on the same GPT, the same data and the same optimizer, measured alternately in one process.
+
+    .venv/bin/python benchmarks/gpt_throughput.py --backend horovod-torch
+    .venv/bin/horovodrun -np 2 --gloo .venv/bin/python benchmarks/gpt_throughput.py \\
+        --backend jax-pjit
+
+Each window runs ``--steps`` steps of the Trainer, then ``--steps`` steps of the hand-written
+loop (below, one short function per backend: what a user would write without the toolkit);
+rank 0 prints the median tokens/s of each and the median of the per-window ratios
+(toolkit time / hand-written time: the toolkit's overhead; 1.00 means none). The machine is
+noisy, so only ratios taken side by side mean anything.
+"""
+
+import argparse
+import statistics
+import time
+
+import numpy as np
+
+import adapters
+import toolkit
+from toolkit.equivalence import stdlib_bytes
+
+
+def windows(count: int, context: int):
+    tokens = stdlib_bytes(count * context + 1).astype(np.int64)
+    return tokens[:-1].reshape(count, context), tokens[1:].reshape(count, context)
+
+
+def local_batches(x, y, batch: int, env, seed: int = 0):
+    """Rank r's strided part of each global batch of one shuffled pass, forever."""
+    rng = np.random.default_rng(seed)
+    while True:
+        order = rng.permutation(len(x))
+        for start in range(0, len(x) - batch + 1, batch):
+            idx = order[start:start + batch][env.rank::env.world_size]
+            yield x[idx], y[idx]
+
+
+# ------------------------------------------------------------------ hand-written loops
+def torch_loop(spec, params, lr, env):
+    import horovod.torch as hvd
+    import torch
+
+    from adapters._gpt_torch import build_gpt
+
+    hvd.init()
+    net, layout = build_gpt(torch, spec)
+    with torch.no_grad():
+        for name, p, _, _ in layout:
+            p.copy_(torch.from_numpy(params[name]))
+    opt = hvd.DistributedOptimizer(torch.optim.AdamW(net.parameters(), lr=lr, weight_decay=0.1),
+                                   named_parameters=net.named_parameters())
+    hvd.broadcast_parameters(net.state_dict(), root_rank=0)
+
+    def step(x, y):
+        opt.zero_grad()
+        out = net(torch.from_numpy(x))
+        loss = torch.nn.functional.cross_entropy(out.reshape(-1, out.shape[-1]),
+                                                 torch.from_numpy(y).reshape(-1))
+        loss.backward()
+        opt.step()
+        return loss.item()
+
+    return step, lambda: None
+
+
+def tf_loop(spec, params, lr, env):
+    import horovod.tensorflow as hvd
+    import keras
+    import tensorflow as tf
+
+    from adapters._gpt_tf import gpt_forward
+
+    hvd.init()
+    variables = {n: tf.Variable(v) for n, v in params.items()}
+    trainable = list(variables.values())
+    opt = keras.optimizers.AdamW(learning_rate=lr, weight_decay=0.1)
+    opt.build(trainable)
+    for v in trainable:
+        v.assign(hvd.broadcast(v, root_rank=0))
+
+    @tf.function
+    def step(x, y):
+        with tf.GradientTape() as tape:
+            logits = gpt_forward(tf, spec, variables, x)
+            loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(y, logits))
+        grads = [hvd.allreduce(g, op=hvd.Average) for g in tape.gradient(loss, trainable)]
+        opt.apply_gradients(zip(grads, trainable, strict=True))
+        return loss
+
+    return (lambda x, y: float(step(x, y))), lambda: None
+
+
+def jax_loop(spec, params, lr, env, pmap: bool):
+    import jax
+    import jax.numpy as jnp
+    import optax
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    from adapters._gpt_flax import FlaxGPT, to_tree
+
+    module, tx = FlaxGPT(spec), optax.adamw(lr, weight_decay=0.1)
+    tree = to_tree(params)
+
+    def loss_fn(p, x, y):
+        logp = jax.nn.log_softmax(module.apply({"params": p}, x))
+        return -jnp.mean(jnp.take_along_axis(logp, y[..., None], axis=-1))
+
+    def update(p, s, x, y, reduce):
+        loss, grads = jax.value_and_grad(loss_fn)(p, x, y)
+        updates, s = tx.update(reduce(grads), s, p)
+        return optax.apply_updates(p, updates), s, loss
+
+    if pmap:
+        devices = jax.local_devices()
+        stacked = NamedSharding(Mesh(np.asarray(devices), ("d",)), PartitionSpec("d"))
+        put = lambda t: jax.tree_util.tree_map(  # noqa: E731
+            lambda a: jax.device_put(np.stack([np.asarray(a)] * len(devices)), stacked), t)
+        state = [put(tree), put(tx.init(tree))]
+        pstep = jax.pmap(lambda p, s, x, y: update(p, s, x, y,
+                                                   lambda g: jax.lax.pmean(g, "batch")),
+                         axis_name="batch", donate_argnums=(0, 1))
+
+        def step(x, y):
+            d = len(devices)
+            state[0], state[1], loss = pstep(state[0], state[1], x.reshape(d, -1, x.shape[1]),
+                                             y.reshape(d, -1, y.shape[1]))
+            return loss
+    else:
+        mesh = Mesh(np.asarray(jax.devices()), ("data",))
+        repl, batch = NamedSharding(mesh, PartitionSpec()), NamedSharding(mesh,
+                                                                          PartitionSpec("data"))
+        put = lambda t: jax.tree_util.tree_map(  # noqa: E731
+            lambda a: jax.make_array_from_process_local_data(repl, np.asarray(a)), t)
+        state = [put(tree), put(tx.init(tree))]
+        jstep = jax.jit(lambda p, s, x, y: update(p, s, x, y, lambda g: g),
+                        in_shardings=(repl, repl, batch, batch), out_shardings=(repl, repl, repl),
+                        donate_argnums=(0, 1))
+
+        def step(x, y):
+            g = lambda a: jax.make_array_from_process_local_data(batch, a)  # noqa: E731
+            state[0], state[1], loss = jstep(state[0], state[1], g(x.astype(np.int32)),
+                                             g(y.astype(np.int32)))
+            return loss
+
+    return step, lambda: jax.block_until_ready(state)
+
+
+# ------------------------------------------------------------------ the comparison
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--backend", default="horovod-torch", choices=adapters.BACKENDS)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--width", type=int, default=128)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--context", type=int, default=128)
+    p.add_argument("--batch-size", type=int, default=16, help="global, in sequences")
+    p.add_argument("--steps", type=int, default=10, help="steps per window")
+    p.add_argument("--windows", type=int, default=5)
+    args = p.parse_args()
+
+    env = toolkit.current_env()
+    spec = toolkit.GPT(vocab=256, context=args.context, width=args.width, layers=args.layers,
+                       heads=args.heads)
+    x, y = windows(2048, args.context)
+    lr = 1e-3
+    trainer = toolkit.Trainer(adapters.get(args.backend), spec,
+                              toolkit.Adam(lr=lr, weight_decay=0.1, decoupled=True),
+                              global_batch_size=args.batch_size, max_steps=args.steps,
+                              progress=False, stop_signals=())
+    trainer.fit(x, y)  # set-up, compilation, warm-up
+    params = spec.init(0, "float32")
+    name = args.backend
+    hand, sync = (torch_loop(spec, params, lr, env) if name == "horovod-torch" else
+                  tf_loop(spec, params, lr, env) if name == "horovod-tf" else
+                  jax_loop(spec, params, lr, env, pmap=name == "jax-pmap"))
+    batches = local_batches(x, y, args.batch_size, env)
+    for _ in range(3):  # the hand loop's warm-up (compilation)
+        hand(*next(batches))
+    sync()
+    tokens = args.steps * args.batch_size * args.context
+    ours, theirs = [], []
+    for _ in range(args.windows):
+        start = time.perf_counter()
+        trainer.max_steps += args.steps
+        trainer.fit(x, y)
+        ours.append(time.perf_counter() - start)
+        start = time.perf_counter()
+        for _ in range(args.steps):
+            loss = hand(*next(batches))
+        float(np.mean(np.asarray(loss)))  # wait for the last step, as the Trainer does
+        sync()
+        theirs.append(time.perf_counter() - start)
+    ratio = statistics.median(a / b for a, b in zip(ours, theirs, strict=True))
+    toolkit.print0(f"{name:14s} world {env.world_size}  GPT {spec.num_params:,} params, "
+                   f"batch {args.batch_size}x{args.context}:  toolkit "
+                   f"{tokens / statistics.median(ours):,.0f} tokens/s  hand-written "
+                   f"{tokens / statistics.median(theirs):,.0f} tokens/s  ratio {ratio:.3f}")
+
+
+if __name__ == "__main__":
+    toolkit.run(main)
