@@ -7,6 +7,7 @@ Backends live in the ``adapters`` package and import their framework when chosen
 from toolkit._checkpoint import Checkpoint, CheckpointError, CheckpointStore, read_checkpoint
 from toolkit._cli import run
 from toolkit._contract import Adapter, ShardedAdapter
+from toolkit._data import ArrayDataset, Dataset, TokenWindows
 from toolkit._env import LaunchEnv, detect_launch_env, expand_nodelist
 from toolkit._errors import ToolkitError
 from toolkit._gpt import GPT
@@ -17,11 +18,11 @@ from toolkit._specs import CNN, MLP, SGD, Adam, WarmupCosine, learning_rate, lr_
 from toolkit._trainer import PREEMPTED_EXIT_CODE, History, Trainer, TrainingPreempted
 
 __all__ = [
-    "Adam", "Adapter", "CNN", "Checkpoint", "CheckpointError", "CheckpointStore", "DataParallel",
-    "GPT", "GlobalBatchSampler", "History", "LaunchEnv", "MLP", "PREEMPTED_EXIT_CODE", "Pipeline",
-    "SGD", "Sharded", "ShardedAdapter", "ToolkitError", "Trainer", "TrainingPreempted",
-    "WarmupCosine", "atomic_open", "current_env", "detect_launch_env", "expand_nodelist",
-    "learning_rate", "lr_scale", "parse_layout", "print0", "read_checkpoint", "run", "save0",
-    "shard_indices",
+    "Adam", "Adapter", "ArrayDataset", "CNN", "Checkpoint", "CheckpointError", "CheckpointStore",
+    "DataParallel", "Dataset", "GPT", "GlobalBatchSampler", "History", "LaunchEnv", "MLP",
+    "PREEMPTED_EXIT_CODE", "Pipeline", "SGD", "Sharded", "ShardedAdapter", "TokenWindows",
+    "ToolkitError", "Trainer", "TrainingPreempted", "WarmupCosine", "atomic_open", "current_env",
+    "detect_launch_env", "expand_nodelist", "learning_rate", "lr_scale", "parse_layout", "print0",
+    "read_checkpoint", "run", "save0", "shard_indices",
 ]
 __version__ = "0.1.0"

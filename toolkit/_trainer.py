@@ -2,86 +2,32 @@
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
 import json
 import math
 import os
 import signal
-import sys
-import threading
 import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from toolkit._checkpoint import Checkpoint, CheckpointError, CheckpointStore, read_checkpoint
+from toolkit._checkpoint import CheckpointStore
 from toolkit._contract import Adapter, ShardedAdapter
+from toolkit._data import Dataset, as_dataset
 from toolkit._env import LaunchEnv
 from toolkit._errors import ToolkitError
+from toolkit._history import History, ProgressLine
 from toolkit._layouts import DataParallel, Pipeline, Sharded, parse_layout
+from toolkit._preemption import PREEMPTED_EXIT_CODE, TrainingPreempted, noting_signals
+from toolkit._prefetch import BatchPrefetcher, load_batch
 from toolkit._rank0 import current_env, print0
+from toolkit._resume import describe as _describe
+from toolkit._resume import find_checkpoint, restore
 from toolkit._sampler import GlobalBatchSampler, shard_indices
 from toolkit._specs import LOSSES, OptimizerSpec, check_choice, learning_rate, lr_scale
 
-PREEMPTED_EXIT_CODE = 75  # EX_TEMPFAIL: "try again later", what a requeued job should do
-
-
-class TrainingPreempted(Exception):
-    """Raised by :meth:`Trainer.fit` after a stop signal: the state is checkpointed.
-
-    ``toolkit.run`` turns it into exit status 75 (``PREEMPTED_EXIT_CODE``), which
-    ``slurm/train_preemptible.sbatch`` answers with ``scontrol requeue``.
-    """
-
-    def __init__(self, signame: str, step: int, path):
-        self.signame, self.step, self.path = signame, step, path
-        super().__init__(f"stopped by {signame} after step {step}; checkpoint {path}; "
-                         "rerun with --resume latest (a requeued job does so by itself)")
-
-
-@dataclasses.dataclass
-class History:
-    """What :meth:`Trainer.fit` returns, the same on every rank.
-
-    Attributes:
-        losses: the training loss of each step this run made, averaged across ranks.
-        epochs: one dict per finished epoch: ``epoch``, ``step``, ``loss`` (mean over the
-            epoch's steps), ``val_loss``/``val_accuracy`` when validation data was given,
-            ``seconds``.
-        first_step: the global step the run started from (non-zero after a resume).
-        world_size: how many ranks ran it.
-    """
-
-    losses: list[float] = dataclasses.field(default_factory=list)
-    epochs: list[dict[str, float]] = dataclasses.field(default_factory=list)
-    first_step: int = 0
-    world_size: int = 1
-
-    @property
-    def final_loss(self) -> float:
-        return self.losses[-1] if self.losses else math.nan
-
-
-class _Progress:
-    """A one-line progress display on rank 0, only when stderr is a terminal."""
-
-    def __init__(self, enabled: bool):
-        self.enabled = enabled and sys.stderr.isatty()
-        self._last = 0.0
-
-    def update(self, epoch: int, done: int, total: int, loss: float) -> None:
-        now = time.monotonic()
-        if self.enabled and (now - self._last > 0.2 or done == total):
-            self._last = now
-            sys.stderr.write(f"\r  epoch {epoch}  {done}/{total} steps  loss {loss:.4f} ")
-            sys.stderr.flush()
-
-    def clear(self) -> None:
-        if self.enabled:
-            sys.stderr.write("\r\033[K")
-            sys.stderr.flush()
+__all__ = ["PREEMPTED_EXIT_CODE", "History", "Trainer", "TrainingPreempted"]
 
 
 class Trainer:
@@ -133,6 +79,12 @@ class Trainer:
             allreduce every this many steps (a signal may reach ranks at different steps), so
             a job stops within that many steps of the signal. Every step costs one allreduce's
             latency (measured 1.3-1.8x on a 7 ms step); the default of 10 costs a tenth of it.
+        prefetch: load the next local batch (``dataset.batch``) in a background thread while
+            the current step runs; ``False`` loads each batch when its step starts. The batches
+            are the same either way. ``trainer.prefetch_stats`` (and the ``prefetch`` record of
+            the metrics log) say how much of the loading time the thread hid.
+        eval_batch_size: samples per ``adapter.evaluate`` call on each rank, so evaluating a
+            large data set never builds one huge array.
         env: the launch environment; detected when omitted.
     """
 
@@ -164,6 +116,8 @@ class Trainer:
         progress: bool = True,
         stop_signals: tuple[str, ...] = ("SIGUSR1", "SIGTERM"),
         stop_check_every: int = 10,
+        prefetch: bool = True,
+        eval_batch_size: int = 1024,
         env: LaunchEnv | None = None,
     ):
         if not callable(loss):
@@ -198,9 +152,15 @@ class Trainer:
         if stop_check_every < 1:
             raise ToolkitError(f"stop_check_every={stop_check_every} must be >= 1",
                                "use 1 to agree after every step")
+        if eval_batch_size < 1:
+            raise ToolkitError(f"eval_batch_size={eval_batch_size} must be >= 1",
+                               "the default of 1024 samples per call suits most models")
         self.stop_signals = tuple(stop_signals) if checkpoint_dir is not None else ()
         self.stop_check_every = stop_check_every
         self._stop_signal: str | None = None
+        self.prefetch, self.eval_batch_size = prefetch, eval_batch_size
+        self.prefetch_stats: dict[str, Any] | None = None  # of the latest fit
+        self._train_data: Dataset | None = None  # its fingerprint, if any, is checkpointed
         self.env = env or current_env()
         lr_scale(lr_scaling, 1)  # validates the name before any process group exists
         self.global_step = 0
@@ -232,59 +192,50 @@ class Trainer:
         self._setup_done = True
 
     def _restore(self) -> None:
-        ckpt = self._find_checkpoint()
+        ckpt = find_checkpoint(self.resume, self.store)
         if ckpt is None:
             print0(f"no checkpoint in {self.checkpoint_dir} yet: starting from step 0",
                    env=self.env)
             return
-        expected = self.adapter.state_dict()
-        order = lambda n: (not n.startswith("params/"), n)  # noqa: E731  parameters first
-        missing = sorted(set(expected) - set(ckpt.tensors), key=order)
-        extra = sorted(set(ckpt.tensors) - set(expected), key=order)
-        wrong = sorted((n for n in set(expected) & set(ckpt.tensors)
-                        if expected[n].shape != ckpt.tensors[n].shape), key=order)
-        if missing or extra or wrong:
-            details = "; ".join(f"{what}: {', '.join(names[:5])}" + (
-                f" and {len(names) - 5} more" if len(names) > 5 else "") for what, names in
-                                (("missing", missing), ("unexpected", extra),
-                                 ("wrong shape", wrong)) if names)
-            raise CheckpointError(f"checkpoint {ckpt.path} does not fit this model ({details})",
-                                  "resume with the model and optimizer that wrote it")
-        self.adapter.load_state_dict(
-            {n: a.astype(expected[n].dtype, copy=False) for n, a in ckpt.tensors.items()})
-        self.sampler.load_state_dict(ckpt.meta["sampler"])
-        self.global_step = ckpt.step
+        restore(ckpt, self.adapter, self.sampler, self._data_fingerprint())
+        self.global_step = self._last_saved = ckpt.step  # that step is saved already
         print0(f"resumed from {ckpt.path} (step {ckpt.step}, written by "
                f"{ckpt.meta.get('backend')} on {ckpt.meta.get('world_size')} ranks)",
                env=self.env)
 
-    def _find_checkpoint(self) -> Checkpoint | None:
-        if str(self.resume) != "latest":
-            return read_checkpoint(Path(self.resume))
-        assert self.store is not None
-        if not self.store.checkpoints():
-            return None
-        return self.store.load("latest")
-
     # ------------------------------------------------------------------------ the loop
-    def fit(self, x: np.ndarray, y: np.ndarray,
-            validation: tuple[np.ndarray, np.ndarray] | None = None) -> History:
-        """Trains on ``(x, y)``; evaluates on ``validation`` after each epoch.
+    def fit(self, data: Dataset | np.ndarray, y: np.ndarray | None = None,
+            validation: Dataset | tuple[np.ndarray, np.ndarray] | None = None) -> History:
+        """Trains on ``data``; evaluates on ``validation`` after each epoch.
 
-        Every rank passes the whole data set; the sampler picks each rank's samples.
+        Args:
+            data: the training inputs ``x`` (with labels ``y``), or a :class:`toolkit.Dataset`
+                such as :class:`toolkit.TokenWindows` (without ``y``).
+            y: the labels, when ``data`` is an array.
+            validation: ``(x_val, y_val)`` or a data set.
+
+        Every rank passes the whole data set; the sampler picks each rank's samples, and the
+        data set loads only those (in a background thread unless ``prefetch=False``).
         """
-        if len(x) != len(y):
-            raise ToolkitError(f"x has {len(x)} samples but y has {len(y)}",
-                               "pass inputs and labels of the same length")
+        train = as_dataset(data, y, what="the training data")
+        if validation is not None:
+            validation = as_dataset(validation, what="the validation data")
+        self._train_data = train
         if not self._setup_done:
-            self._setup(len(x))
+            self._setup(len(train))
         env, sampler = self.env, self.sampler
         total = self.max_steps if self.max_steps is not None else self.epochs * len(sampler)
         self._history = History(first_step=self.global_step, world_size=env.world_size)
-        self._pending: list[float] = []  # local step losses not yet averaged across ranks
-        self._progress = _Progress(self.progress and env.rank == 0)
-        with self._stop_handlers():
-            self._loop(x, y, validation, total, lr_scale(self.lr_scaling, env.world_size))
+        self._pending: list[Any] = []  # local step losses not yet averaged across ranks
+        self._progress = ProgressLine(self.progress and env.rank == 0)
+        loader = BatchPrefetcher(train, sampler, max(0, total - self.global_step),
+                                 prefetch=self.prefetch)
+        try:
+            with loader, noting_signals(self.stop_signals, self._note_stop_signal):
+                self._loop(loader, validation, total, lr_scale(self.lr_scaling, env.world_size))
+        finally:  # the thread is joined by now, whatever happened
+            self.prefetch_stats = loader.stats()
+        self._log_records([{"event": "prefetch", **self.prefetch_stats}])
         if self.store is not None:
             if not self.store.checkpoints() or self._last_saved != self.global_step:
                 self.save_checkpoint()
@@ -295,14 +246,16 @@ class Trainer:
         """Averages the pending step losses across ranks (one allreduce) and logs them."""
         pending, history = self._pending, self._history
         if pending:
-            averaged = self.adapter.allreduce(np.asarray(pending, np.float64), "mean")
+            # float() only here: train_step may return a framework scalar still in flight.
+            local = np.asarray([float(v) for v in pending], np.float64)
+            averaged = self.adapter.allreduce(local, "mean")
             first = self.global_step - len(pending)
             history.losses.extend(float(v) for v in averaged)
             self._log_records({"event": "step", "step": first + i + 1, "loss": float(v)}
                               for i, v in enumerate(averaged))
             pending.clear()
 
-    def _loop(self, x, y, validation, total: int, scale: float) -> None:
+    def _loop(self, loader: BatchPrefetcher, validation, total: int, scale: float) -> None:
         env, sampler, history, progress = self.env, self.sampler, self._history, self._progress
         last_ckpt_time = time.monotonic()
         while self.global_step < total:
@@ -311,7 +264,7 @@ class Trainer:
             for idx in sampler:
                 lr = learning_rate(self.optimizer, self.global_step) * scale \
                     if not _is_native(self.optimizer) else None
-                loss = self.adapter.train_step(x[idx], y[idx], lr)
+                loss = self.adapter.train_step(*loader.get(idx), lr)
                 self._pending.append(loss)
                 self.global_step += 1
                 progress.update(epoch, sampler.step, len(sampler), loss)
@@ -324,6 +277,8 @@ class Trainer:
                 if self.stop_signals and self._stop_agreed():
                     self._flush()
                     progress.clear()
+                    self.prefetch_stats = loader.stats()
+                    self._log_records([{"event": "prefetch", **self.prefetch_stats}])
                     path = self.save_checkpoint()
                     self.store.wait()
                     raise TrainingPreempted(self._stop_signal or "a signal on another rank",
@@ -337,22 +292,11 @@ class Trainer:
                                          time.monotonic() - epoch_start)
                 history.epochs.append(record)
 
-    @contextlib.contextmanager
-    def _stop_handlers(self):
-        if not self.stop_signals or threading.current_thread() is not threading.main_thread():
-            yield
-            return
+    def _data_fingerprint(self) -> str | None:  # asked late: computing one may read a corpus
+        return getattr(self._train_data, "fingerprint", None)
 
-        def handler(signum, frame):  # only note it: the step in flight finishes first
-            self._stop_signal = signal.Signals(signum).name
-
-        previous = {name: signal.signal(getattr(signal, name), handler)
-                    for name in self.stop_signals}
-        try:
-            yield
-        finally:
-            for name, old in previous.items():
-                signal.signal(getattr(signal, name), old)
+    def _note_stop_signal(self, signame: str) -> None:  # the step in flight finishes first
+        self._stop_signal = signame
 
     def _stop_agreed(self) -> bool:
         """True on every rank as soon as any rank has received a stop signal."""
@@ -388,6 +332,7 @@ class Trainer:
             "rng": {"seed": self.seed},  # all randomness (init, shuffling) derives from it
             "model": _describe(self.model),
             "optimizer": _describe(self.optimizer),
+            "data_fingerprint": self._data_fingerprint(),  # resuming on other data fails
         }
         self._last_saved = self.global_step
         self.adapter.sync_state()
@@ -403,7 +348,7 @@ class Trainer:
                                     "loss": float(np.mean(losses)) if losses else math.nan,
                                     "seconds": round(seconds, 4)}
         if validation is not None:
-            record.update(self.evaluate(*validation))
+            record.update(self.evaluate(validation))
         line = f"epoch {epoch + 1}  step {self.global_step}  loss {record['loss']:.4f}"
         if validation is not None:
             line += f"  val_loss {record['val_loss']:.4f}"
@@ -413,17 +358,29 @@ class Trainer:
         self._log_records([{"event": "epoch", **record}])
         return record
 
-    def evaluate(self, x: np.ndarray, y: np.ndarray) -> dict[str, float]:
-        """Loss (and accuracy for classification) over all of ``(x, y)``, split across ranks.
+    def evaluate(self, data: Dataset | np.ndarray,
+                 y: np.ndarray | None = None) -> dict[str, float]:
+        """Loss (and accuracy for classification) over all of ``data`` (``x`` with labels
+        ``y``, or a data set), split across ranks.
 
-        Each rank evaluates its strided share; sums are added across ranks, so the result is
-        exactly that of one process evaluating everything.
+        Each rank evaluates its strided share in chunks of at most ``eval_batch_size`` samples;
+        sums are added across ranks, so the result is exactly that of one process evaluating
+        everything.
         """
         self.adapter.sync_state()  # every rank evaluates with rank 0's BatchNorm statistics
-        idx = shard_indices(len(x), self.env.world_size, self.env.rank)
-        local = self.adapter.evaluate(x[idx], y[idx]) if len(idx) else {}
+        dataset = as_dataset(data, y, what="the evaluation data")
+        world, rank = self.env.world_size, self.env.rank
+        idx = shard_indices(len(dataset), world, rank)
+        # Every rank makes the same number of adapter.evaluate calls (a sharded model may
+        # gather its parameters in each): as many as the largest share needs.
+        calls = max(1, math.ceil(math.ceil(len(dataset) / world) / self.eval_batch_size))
         keys = ("loss_sum", "correct", "count")
-        sums = self.adapter.allreduce(np.asarray([local.get(k, 0.0) for k in keys]), "sum")
+        local = np.zeros(len(keys))
+        for part in np.array_split(idx, calls):
+            if len(part):
+                sums = self.adapter.evaluate(*load_batch(dataset, part))
+                local += [float(sums.get(k, 0.0)) for k in keys]
+        sums = self.adapter.allreduce(local, "sum")
         out = {"val_loss": float(sums[0] / sums[2])}
         if self.loss == "cross_entropy":
             out["val_accuracy"] = float(sums[1] / sums[2])
@@ -436,13 +393,6 @@ class Trainer:
         with open(self.metrics_log, "a") as f:
             for record in records:
                 f.write(json.dumps({"time": round(time.time(), 3), **record}) + "\n")
-
-
-def _describe(spec: Any) -> dict[str, Any] | None:
-    """A spec as JSON (``{"type": "MLP", "sizes": [...], ...}``); None for native objects."""
-    if not dataclasses.is_dataclass(spec):
-        return None
-    return {"type": type(spec).__name__, **json.loads(json.dumps(dataclasses.asdict(spec)))}
 
 
 def _check_layout(layout: Any, adapter: Any):

@@ -1,0 +1,54 @@
+"""What a run reports: the History that ``Trainer.fit`` returns and rank 0's progress line."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import sys
+import time
+from typing import Any
+
+
+@dataclasses.dataclass
+class History:
+    """What :meth:`Trainer.fit` returns, the same on every rank.
+
+    Attributes:
+        losses: the training loss of each step this run made, averaged across ranks.
+        epochs: one dict per finished epoch: ``epoch``, ``step``, ``loss`` (mean over the
+            epoch's steps), ``val_loss``/``val_accuracy`` when validation data was given,
+            ``seconds``.
+        first_step: the global step the run started from (non-zero after a resume).
+        world_size: how many ranks ran it.
+    """
+
+    losses: list[float] = dataclasses.field(default_factory=list)
+    epochs: list[dict[str, float]] = dataclasses.field(default_factory=list)
+    first_step: int = 0
+    world_size: int = 1
+
+    @property
+    def final_loss(self) -> float:
+        return self.losses[-1] if self.losses else math.nan
+
+
+class ProgressLine:
+    """A one-line progress display on rank 0, only when stderr is a terminal."""
+
+    def __init__(self, enabled: bool):
+        self.enabled = enabled and sys.stderr.isatty()
+        self._last = 0.0
+
+    def update(self, epoch: int, done: int, total: int, loss: Any) -> None:
+        if not self.enabled:  # the loss may be a framework scalar: float() only when shown
+            return
+        now = time.monotonic()
+        if now - self._last > 0.2 or done == total:
+            self._last = now
+            sys.stderr.write(f"\r  epoch {epoch}  {done}/{total} steps  loss {float(loss):.4f} ")
+            sys.stderr.flush()
+
+    def clear(self) -> None:
+        if self.enabled:
+            sys.stderr.write("\r\033[K")
+            sys.stderr.flush()

@@ -1,0 +1,43 @@
+"""Stopping on a signal: what a preempted ``fit`` raises, and the handlers that note a signal."""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import threading
+from collections.abc import Callable, Iterator
+
+PREEMPTED_EXIT_CODE = 75  # EX_TEMPFAIL: "try again later", what a requeued job should do
+
+
+class TrainingPreempted(Exception):
+    """Raised by :meth:`Trainer.fit` after a stop signal: the state is checkpointed.
+
+    ``toolkit.run`` turns it into exit status 75 (``PREEMPTED_EXIT_CODE``), which
+    ``slurm/train_preemptible.sbatch`` answers with ``scontrol requeue``.
+    """
+
+    def __init__(self, signame: str, step: int, path):
+        self.signame, self.step, self.path = signame, step, path
+        super().__init__(f"stopped by {signame} after step {step}; checkpoint {path}; "
+                         "rerun with --resume latest (a requeued job does so by itself)")
+
+
+@contextlib.contextmanager
+def noting_signals(names: tuple[str, ...], note: Callable[[str], None]) -> Iterator[None]:
+    """Within the block, the signals ``names`` only call ``note(signal name)``, so the step in
+    flight finishes first; the previous handlers are back afterwards. Outside the main thread
+    it installs nothing (Python runs signal handlers in the main thread only)."""
+    if not names or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum, frame):
+        note(signal.Signals(signum).name)
+
+    previous = {name: signal.signal(getattr(signal, name), handler) for name in names}
+    try:
+        yield
+    finally:
+        for name, old in previous.items():
+            signal.signal(getattr(signal, name), old)

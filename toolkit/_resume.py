@@ -1,0 +1,64 @@
+"""Resuming a Trainer from a checkpoint: finding it, checking that it fits, loading it."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from toolkit._checkpoint import Checkpoint, CheckpointError, CheckpointStore, read_checkpoint
+from toolkit._contract import Adapter
+from toolkit._sampler import GlobalBatchSampler
+
+
+def find_checkpoint(resume: str | os.PathLike, store: CheckpointStore | None
+                    ) -> Checkpoint | None:
+    """The checkpoint ``resume`` names (``"latest"``: the store's newest; None if it is empty)."""
+    if str(resume) != "latest":
+        return read_checkpoint(Path(resume))
+    assert store is not None
+    if not store.checkpoints():
+        return None
+    return store.load("latest")
+
+
+def restore(ckpt: Checkpoint, adapter: Adapter, sampler: GlobalBatchSampler,
+            data_fingerprint: str | None) -> None:
+    """Loads ``ckpt`` into the adapter and the sampler after checking that it fits.
+
+    Raises:
+        CheckpointError: the checkpoint was trained on data with another fingerprint, or its
+            tensors do not match the model's names and shapes.
+    """
+    saved = ckpt.meta.get("data_fingerprint")
+    if saved is not None and data_fingerprint is not None and saved != data_fingerprint:
+        raise CheckpointError(
+            f"checkpoint {ckpt.path} was trained on the data set {saved}, but this run trains "
+            f"on {data_fingerprint}",
+            "resume with the data it was trained on (the same corpus, context and stride), "
+            "or start a fresh run in another checkpoint directory without --resume")
+    expected = adapter.state_dict()
+    order = lambda n: (not n.startswith("params/"), n)  # noqa: E731  parameters first
+    missing = sorted(set(expected) - set(ckpt.tensors), key=order)
+    extra = sorted(set(ckpt.tensors) - set(expected), key=order)
+    wrong = sorted((n for n in set(expected) & set(ckpt.tensors)
+                    if expected[n].shape != ckpt.tensors[n].shape), key=order)
+    if missing or extra or wrong:
+        details = "; ".join(f"{what}: {', '.join(names[:5])}" + (
+            f" and {len(names) - 5} more" if len(names) > 5 else "") for what, names in
+                            (("missing", missing), ("unexpected", extra),
+                             ("wrong shape", wrong)) if names)
+        raise CheckpointError(f"checkpoint {ckpt.path} does not fit this model ({details})",
+                              "resume with the model and optimizer that wrote it")
+    adapter.load_state_dict(
+        {n: a.astype(expected[n].dtype, copy=False) for n, a in ckpt.tensors.items()})
+    sampler.load_state_dict(ckpt.meta["sampler"])
+
+
+def describe(spec: Any) -> dict[str, Any] | None:
+    """A spec as JSON (``{"type": "MLP", "sizes": [...], ...}``); None for native objects."""
+    if not dataclasses.is_dataclass(spec):
+        return None
+    return {"type": type(spec).__name__, **json.loads(json.dumps(dataclasses.asdict(spec)))}
