@@ -1,0 +1,106 @@
+"""Train a small GPT on the Python standard library's own source code, bytes as tokens.
+
+    python examples/train_gpt.py --steps 200                       # one process
+    horovodrun -np 2 python examples/train_gpt.py                  # or: mpirun -np 2 ...
+    srun -n 2 --mpi=pmix python examples/train_gpt.py              # inside a Slurm job
+
+Every ``--eval-every`` steps rank 0 prints the training loss, the validation loss in nats and
+bits per byte (beside the unigram entropy of the validation bytes: what a model that ignores
+context would score) and tokens per second; at the end, a continuation of a fixed prompt
+sampled from the trained model. Kill it and rerun with ``--resume latest`` to continue.
+"""
+
+import argparse
+import math
+import time
+
+import numpy as np
+
+import adapters
+import toolkit
+from toolkit.datasets import load_text
+
+PROMPT = "def __init__(self"
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--backend", default="horovod-torch",
+                   help=f"one of {', '.join(adapters.BACKENDS)}")
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--width", type=int, default=128)
+    p.add_argument("--context", type=int, default=128)
+    p.add_argument("--steps", type=int, default=1500)
+    p.add_argument("--batch-size", type=int, default=32, help="global, in sequences")
+    p.add_argument("--lr", type=float, default=3e-3, help="peak (AdamW, warm-up + cosine)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dtype", choices=("float32", "float64"), default="float32")
+    p.add_argument("--local-devices", type=int, default=None,
+                   help="JAX backends: CPU devices per process")
+    p.add_argument("--eval-every", type=int, default=250, help="steps between evaluations")
+    p.add_argument("--eval-windows", type=int, default=256,
+                   help="validation windows used at each interval (all at the end)")
+    p.add_argument("--checkpoint-dir", default=None)
+    p.add_argument("--checkpoint-every", type=int, default=None, help="steps")
+    p.add_argument("--keep", type=int, default=3)
+    p.add_argument("--resume", default=None, help="'latest' or a checkpoint directory")
+    p.add_argument("--metrics-log", default=None, help="JSON-lines file (rank 0)")
+    p.add_argument("--sample-bytes", type=int, default=200)
+    args = p.parse_args()
+
+    corpus = load_text()
+    train = toolkit.TokenWindows(corpus.train, args.context)
+    val = toolkit.TokenWindows(corpus.val, args.context)
+    val_head = toolkit.TokenWindows(corpus.val[:args.eval_windows * args.context + 1],
+                                    args.context)
+    entropy = corpus.unigram_entropy(corpus.val)
+    model = toolkit.GPT(vocab=256, context=args.context, width=args.width, layers=args.layers,
+                        heads=args.heads)
+    schedule = toolkit.WarmupCosine(args.lr, max(1, args.steps // 20), args.steps,
+                                    end=args.lr / 10)
+    trainer = toolkit.Trainer(
+        adapters.get(args.backend, dtype=args.dtype, local_devices=args.local_devices),
+        model, toolkit.Adam(lr=schedule, b2=0.99, weight_decay=0.1, decoupled=True),
+        global_batch_size=args.batch_size, max_steps=0, seed=args.seed,
+        checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
+        keep=args.keep, resume=args.resume, metrics_log=args.metrics_log)
+    toolkit.print0(f"GPT {model.num_params:,} parameters; corpus {corpus.files} files, "
+                   f"{len(corpus.train):,} training bytes; validation unigram entropy "
+                   f"{entropy:.3f} nats/byte")
+    trainer.fit(train)  # max_steps=0: sets up (and resumes) without training
+    while trainer.global_step < args.steps:  # train in intervals, evaluating after each
+        interval = trainer.global_step // args.eval_every + 1
+        trainer.max_steps = min(args.steps, interval * args.eval_every)
+        began = time.perf_counter()
+        history = trainer.fit(train)
+        steps = trainer.global_step - history.first_step
+        tokens = steps * args.batch_size * args.context / (time.perf_counter() - began)
+        v = trainer.evaluate(val_head)["val_loss"]
+        toolkit.print0(f"step {trainer.global_step:5d}  loss {history.final_loss:.4f}  "
+                       f"val {v:.4f} nats/byte ({v / math.log(2):.3f} bits/byte)  "
+                       f"{tokens:,.0f} tokens/s")
+    final = trainer.evaluate(val)["val_loss"]
+    toolkit.print0(f"done: world_size {trainer.env.world_size}  steps {trainer.global_step}  "
+                   f"val_loss {final:.4f} nats/byte = {final / entropy:.2f} x the unigram "
+                   f"entropy {entropy:.3f}")
+    params = {k[len("params/"):]: v for k, v in trainer.adapter.state_dict().items()
+              if k.startswith("params/")}
+    text = sample(model, params, PROMPT, args.sample_bytes, args.seed)
+    toolkit.print0(f"sample: {PROMPT}{text}")
+
+
+def sample(model, params, prompt: str, n: int, seed: int, temperature: float = 0.8) -> str:
+    """Bytes drawn one at a time from the model (numpy forward: the same for every backend)."""
+    params = {k: v.astype(np.float64) for k, v in params.items()}
+    rng = np.random.default_rng(seed)
+    ids = list(prompt.encode())
+    for _ in range(n):
+        logits = model.apply(params, np.asarray([ids[-model.context:]]))[0, -1] / temperature
+        p = np.exp(logits - logits.max())
+        ids.append(int(rng.choice(len(p), p=p / p.sum())))
+    return bytes(ids[len(prompt.encode()):]).decode("utf-8", errors="replace")
+
+
+if __name__ == "__main__":
+    toolkit.run(main)
