@@ -1,0 +1,66 @@
+"""examples/train_gpt.py under every launcher: a tiny GPT on the standard library's bytes, the
+same losses on 2 ranks as on 1 process, the lines a user reads, and a resume."""
+
+import re
+
+import numpy as np
+import pytest
+
+GPT = "examples/train_gpt.py"
+TINY = ["--layers", "2", "--width", "32", "--heads", "2", "--context", "32", "--steps", "20",
+        "--eval-every", "10", "--batch-size", "8", "--eval-windows", "16", "--sample-bytes", "20"]
+
+
+def args(tmp_path, name, backend="horovod-torch", extra=()):
+    return [GPT, "--backend", backend, *TINY, "--metrics-log", str(tmp_path / f"{name}.jsonl"),
+            *extra]
+
+
+def losses(read_metrics, path):
+    steps = read_metrics(path)["steps"]
+    return np.array([steps[k] for k in range(1, 21)])
+
+
+@pytest.fixture(scope="module")
+def one_process(launch, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("gpt-one")
+    job = launch("python", 1, args(tmp, "one"))
+    assert job.returncode == 0, job
+    return job, tmp / "one.jsonl"
+
+
+def test_the_example_prints_what_a_user_needs(one_process):
+    job, _ = one_process
+    out = job.stdout
+    assert re.search(r"validation unigram entropy \d\.\d+ nats/byte", out), out
+    assert len(re.findall(r"^step +\d+  loss \d+\.\d+  val \d+\.\d+ nats/byte \(\d+\.\d+ "
+                          r"bits/byte\)  [\d,]+ tokens/s$", out, re.M)) == 2, out
+    done = re.search(r"done: world_size 1  steps 20  val_loss (\d+\.\d+) nats/byte = "
+                     r"(\d+\.\d+) x the unigram entropy", out)
+    assert done and float(done.group(1)) < np.log(256), out
+    assert "sample: def __init__(self" in out
+    assert job.stderr.count("tensorflow") == 0, job.stderr  # no other framework's chatter
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("launcher", ["horovodrun-gloo", "mpirun", "srun"])
+@pytest.mark.parametrize("backend", ["horovod-torch", "jax-pjit"])
+def test_two_ranks_reproduce_one_process(backend, launcher, launch, tmp_path, one_process,
+                                         read_metrics):
+    job = launch(launcher, 2, args(tmp_path, "two", backend))
+    assert job.returncode == 0, job
+    assert job.stdout.count("done: world_size 2 ") == 1, job
+    ref, got = losses(read_metrics, one_process[1]), losses(read_metrics, tmp_path / "two.jsonl")
+    assert np.max(np.abs(got - ref) / np.abs(ref)) <= 1e-5
+
+
+@pytest.mark.slow
+def test_resume_continues_from_the_checkpoint(launch, tmp_path):
+    ckpt = ["--checkpoint-dir", str(tmp_path / "ckpt")]
+    first = launch("horovodrun-gloo", 2, args(tmp_path, "a", extra=ckpt))
+    assert first.returncode == 0, first
+    again = launch("horovodrun-gloo", 2, args(tmp_path, "b", extra=[
+        *ckpt, "--resume", "latest", "--steps", "30"]))
+    assert again.returncode == 0, again
+    assert "resumed from" in again.stdout and "(step 20, written by horovod-torch" in again.stdout
+    assert "done: world_size 2  steps 30" in again.stdout
