@@ -59,10 +59,10 @@ def loss_name(loss) -> str:
     return loss
 
 
-def check_per_sample(shape: tuple, batch: int) -> None:
-    """A custom loss must return one value per sample: shape ``(batch,)``."""
+def check_per_sample(shape: tuple, batch: int, what: str = "the loss function") -> None:
+    """A custom loss (or metric) must return one value per sample: shape ``(batch,)``."""
     if tuple(shape) != (batch,):
         raise ToolkitError(
-            f"the loss function returned shape {tuple(shape)} for a batch of {batch} samples",
+            f"{what} returned shape {tuple(shape)} for a batch of {batch} samples",
             f"return one loss per sample, shape ({batch},): e.g. reduction='none', then a "
             "mean over every axis but the first")

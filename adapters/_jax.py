@@ -8,7 +8,14 @@ from typing import Any
 
 import numpy as np
 
-from adapters._common import BackendBase, check_world, loss_name, missing_framework, step_seed
+from adapters._common import (
+    BackendBase,
+    check_per_sample,
+    check_world,
+    loss_name,
+    missing_framework,
+    step_seed,
+)
 from adapters._flax_models import JaxModel, correct_per_sample, per_sample_loss
 from toolkit import SGD, Adam, LaunchEnv, ToolkitError
 from toolkit._reference import adam_scalars, optimizer_slots
@@ -124,9 +131,10 @@ class JaxBackendBase(BackendBase):
         self.jnp = jnp
         self.dtype = jnp.dtype(self.dtype_name)
 
-    def _build_common(self, model, optimizer, loss, seed, accumulation_steps):
+    def _build_common(self, model, optimizer, loss, seed, accumulation_steps, metrics=None):
         """Initial ``(params, opt_state, model_state)`` as host trees, rank 0's everywhere."""
         self.loss_name, self.loss_fn = loss_name(loss), loss
+        self.metrics = dict(metrics or {})
         self.accumulation_steps, self.seed = accumulation_steps, seed
         self.model = JaxModel(model, seed, self.dtype_name, self.name)
         self.tx = make_optimizer(optimizer, self.name)
@@ -199,16 +207,17 @@ class JaxBackendBase(BackendBase):
     def _eval_fn(self, params, model_state, x, y):
         jnp = self.jnp
         out, _ = self.model.apply(params, model_state, x, train=False)
-        loss_sum = jnp.sum(per_sample_loss(jnp, self.loss_fn, out, y))
-        correct = correct_per_sample(jnp, out, y) if self.loss_name == "cross_entropy" \
-            else jnp.zeros((), jnp.float32)
-        return loss_sum, correct
-
-    def _eval_result(self, loss_sum, correct, n: int) -> dict[str, float]:
-        result = {"loss_sum": float(loss_sum), "count": float(n)}
+        sums = {"loss_sum": jnp.sum(per_sample_loss(jnp, self.loss_fn, out, y))}
         if self.loss_name == "cross_entropy":
-            result["correct"] = float(correct)
-        return result
+            sums["correct"] = correct_per_sample(jnp, out, y)
+        for name, fn in self.metrics.items():
+            values = fn(out, y)
+            check_per_sample(values.shape, out.shape[0], what=f"metric {name!r}")
+            sums[name] = jnp.sum(values)
+        return sums
+
+    def _eval_result(self, sums, n: int) -> dict[str, float]:
+        return {**{k: float(v) for k, v in sums.items()}, "count": float(n)}
 
     # ------------------------------------------------------------------ host collectives
     def allreduce(self, values: np.ndarray, op: str = "mean") -> np.ndarray:

@@ -71,9 +71,11 @@ class HorovodTFAdapter(BackendBase):
 
     # -------------------------------------------------------------------------- build
     def build(self, model: Any, optimizer: Any, loss: Any, *, seed: int = 0,
-              accumulation_steps: int = 1, sync_batchnorm: bool = False) -> None:
+              accumulation_steps: int = 1, sync_batchnorm: bool = False,
+              metrics: Any = None) -> None:
         tf = self.tf
         self.loss_name, self.loss_fn = loss_name(loss), loss
+        self.metrics = dict(metrics or {})
         self.accumulation_steps, self.seed = accumulation_steps, seed
         self.native = not isinstance(model, ModelSpec)
         self.sync_batchnorm = sync_batchnorm and self.native
@@ -213,7 +215,12 @@ class HorovodTFAdapter(BackendBase):
         if self.loss_name == "cross_entropy":
             hits = tf.cast(tf.equal(tf.argmax(out, -1), y), tf.float64)
             correct = tf.reduce_sum(tf.reduce_mean(tf.reshape(hits, [tf.shape(out)[0], -1]), 1))
-        return loss_sum, correct
+        extra = {}
+        for name, fn in self.metrics.items():
+            values = fn(out, y)
+            check_per_sample(values.shape, x.shape[0], what=f"metric {name!r}")
+            extra[name] = tf.reduce_sum(values)
+        return loss_sum, correct, extra
 
     # -------------------------------------------------------------------------- steps
     def _inputs(self, x, y):
@@ -252,8 +259,9 @@ class HorovodTFAdapter(BackendBase):
 
     def evaluate(self, x: np.ndarray, y: np.ndarray) -> dict[str, float]:
         with _toolkit_errors():
-            loss_sum, correct = self._eval(*self._inputs(x, y))
-        result = {"loss_sum": float(loss_sum), "count": float(len(x))}
+            loss_sum, correct, extra = self._eval(*self._inputs(x, y))
+        result = {"loss_sum": float(loss_sum), "count": float(len(x)),
+                  **{name: float(v) for name, v in extra.items()}}
         if self.loss_name == "cross_entropy":
             result["correct"] = float(correct)
         return result

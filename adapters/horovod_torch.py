@@ -59,9 +59,11 @@ class HorovodTorchAdapter(BackendBase):
         self.dtype = {"float32": torch.float32, "float64": torch.float64}[self.dtype_name]
 
     def build(self, model: Any, optimizer: Any, loss: Any, *, seed: int = 0,
-              accumulation_steps: int = 1, sync_batchnorm: bool = False) -> None:
+              accumulation_steps: int = 1, sync_batchnorm: bool = False,
+              metrics: Any = None) -> None:
         torch, hvd = self.torch, self.hvd
         self.loss_name, self.loss_fn = loss_name(loss), loss
+        self.metrics = dict(metrics or {})
         self.accumulation_steps, self.seed = accumulation_steps, seed
         self.native = not isinstance(model, ModelSpec)
         if not self.native:
@@ -182,6 +184,10 @@ class HorovodTorchAdapter(BackendBase):
             if self.loss_name == "cross_entropy":
                 hits = (out.argmax(dim=-1) == yt).to(torch.float64).reshape(len(x), -1)
                 result["correct"] = float(hits.mean(dim=1).sum())
+            for name, fn in self.metrics.items():
+                values = fn(out, yt)
+                check_per_sample(values.shape, len(x), what=f"metric {name!r}")
+                result[name] = float(values.sum())
         return result
 
     # -------------------------------------------------------------------------- collectives

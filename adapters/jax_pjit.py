@@ -22,12 +22,13 @@ class JaxPjitAdapter(JaxBackendBase):
     name = "jax-pjit"
 
     def build(self, model: Any, optimizer: Any, loss: Any, *, seed: int = 0,
-              accumulation_steps: int = 1, sync_batchnorm: bool = False) -> None:
+              accumulation_steps: int = 1, sync_batchnorm: bool = False,
+              metrics: Any = None) -> None:
         jax = self.jax
         from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
         params, opt_state, model_state = self._build_common(model, optimizer, loss, seed,
-                                                            accumulation_steps)
+                                                            accumulation_steps, metrics)
         self.mesh = Mesh(np.asarray(jax.devices()), ("data",))
         self.replicated = NamedSharding(self.mesh, PartitionSpec())
         self.batch = NamedSharding(self.mesh, PartitionSpec("data"))
@@ -77,9 +78,9 @@ class JaxPjitAdapter(JaxBackendBase):
         return float(np.mean(np.concatenate(mine)))
 
     def evaluate(self, x: np.ndarray, y: np.ndarray) -> dict[str, float]:
-        loss_sum, correct = self._jeval(self._host(self.params), self._host(self.model_state),
+        sums = self._jeval(self._host(self.params), self._host(self.model_state),
                                         self._inputs(x), self._labels(y))
-        return self._eval_result(loss_sum, correct, len(x))
+        return self._eval_result(sums, len(x))
 
     def _host(self, tree):
         return self.jax.tree_util.tree_map(lambda a: np.asarray(a.addressable_data(0)), tree)

@@ -22,10 +22,11 @@ class JaxPmapAdapter(JaxBackendBase):
     name = "jax-pmap"
 
     def build(self, model: Any, optimizer: Any, loss: Any, *, seed: int = 0,
-              accumulation_steps: int = 1, sync_batchnorm: bool = False) -> None:
+              accumulation_steps: int = 1, sync_batchnorm: bool = False,
+              metrics: Any = None) -> None:
         jax = self.jax
         params, opt_state, model_state = self._build_common(model, optimizer, loss, seed,
-                                                            accumulation_steps)
+                                                            accumulation_steps, metrics)
         from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
         self.devices = jax.local_devices()
@@ -76,9 +77,9 @@ class JaxPmapAdapter(JaxBackendBase):
         return self.jax.tree_util.tree_map(lambda a: np.asarray(a[0]), tree)
 
     def evaluate(self, x: np.ndarray, y: np.ndarray) -> dict[str, float]:
-        loss_sum, correct = self._jeval(self._local(self.params), self._local(self.model_state),
+        sums = self._jeval(self._local(self.params), self._local(self.model_state),
                                         self._inputs(x), self._labels(y))
-        return self._eval_result(loss_sum, correct, len(x))
+        return self._eval_result(sums, len(x))
 
     def state_dict(self) -> dict[str, np.ndarray]:
         return self._export(self._local(self.params), self._local(self.opt_state),

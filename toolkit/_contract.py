@@ -31,7 +31,8 @@ class Adapter(Protocol):
         """Initialises the framework's communicator for ``env``; checks it agrees with ``env``."""
 
     def build(self, model: Any, optimizer: OptimizerSpec | Any, loss: Any, *,
-              seed: int = 0, accumulation_steps: int = 1, sync_batchnorm: bool = False) -> None:
+              seed: int = 0, accumulation_steps: int = 1, sync_batchnorm: bool = False,
+              metrics: dict[str, Any] | None = None) -> None:
         """Builds the model and optimizer and makes rank 0's initial state everyone's.
 
         Args:
@@ -44,6 +45,8 @@ class Adapter(Protocol):
             accumulation_steps: micro-batches each local batch is split into; gradients are
                 summed over them and averaged across ranks once per step.
             sync_batchnorm: BatchNorm statistics over the global batch (see Trainer).
+            metrics: name -> callable of the framework, ``fn(outputs, labels) -> per-sample
+                values`` (shape ``(batch,)``); :meth:`evaluate` returns their sums by name.
         """
 
     def train_step(self, x: np.ndarray, y: np.ndarray, lr: float) -> float:
@@ -54,7 +57,8 @@ class Adapter(Protocol):
         """
 
     def evaluate(self, x: np.ndarray, y: np.ndarray) -> dict[str, float]:
-        """Local sums over ``x``: ``loss_sum``, ``correct`` (classification) and ``count``."""
+        """Local sums over ``x``: ``loss_sum``, ``correct`` (classification), ``count``, and
+        one sum per metric given to :meth:`build`, by its name."""
 
     def allreduce(self, values: np.ndarray, op: str = "mean") -> np.ndarray:
         """Reduces a host array across ranks (``mean`` or ``sum``); every rank gets the result."""

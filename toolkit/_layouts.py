@@ -145,3 +145,24 @@ def parse_layout(text: str) -> Layout:
         chunks = _int_field(text, parts[4], "chunks") if len(parts) > 4 else 1
         return Pipeline(stages, micro, schedule, chunks)
     raise ToolkitError(f"unknown layout {text!r}", f"write one of: {LAYOUT_FORMS}")
+
+
+def resolve_layout(layout, adapter):
+    """The layout as a spec (``None`` is data parallel; text is parsed); a clear error for
+    one the backend ``adapter`` cannot run."""
+    from toolkit._contract import ShardedAdapter
+
+    layout = DataParallel() if layout is None else (
+        parse_layout(layout) if isinstance(layout, str) else layout)
+    if isinstance(layout, Pipeline):
+        raise ToolkitError(f"layout {layout.name!r}: pipeline stages are not implemented in any "
+                           "backend yet", "use the default data-parallel layout or sharded:1|2|3")
+    if isinstance(layout, Sharded) and not isinstance(adapter, ShardedAdapter):
+        raise ToolkitError(f"backend {adapter.name!r} cannot run layout {layout.name!r} yet",
+                           "use the default data-parallel layout with this backend, or a "
+                           "backend with sharded parameters (see the README's layouts)")
+    if not isinstance(layout, DataParallel | Sharded):
+        raise ToolkitError(f"{layout!r} is not a parallel layout",
+                           "pass toolkit.DataParallel(), toolkit.Sharded(stage=...) or a text "
+                           "form such as 'sharded:3'")
+    return layout

@@ -13,12 +13,12 @@ from typing import Any
 import numpy as np
 
 from toolkit._checkpoint import CheckpointStore
-from toolkit._contract import Adapter, ShardedAdapter
+from toolkit._contract import Adapter
 from toolkit._data import Dataset, as_dataset
 from toolkit._env import LaunchEnv
 from toolkit._errors import ToolkitError
 from toolkit._history import History, ProgressLine
-from toolkit._layouts import DataParallel, Pipeline, Sharded, parse_layout
+from toolkit._layouts import Sharded, resolve_layout
 from toolkit._preemption import PREEMPTED_EXIT_CODE, TrainingPreempted, noting_signals
 from toolkit._prefetch import BatchPrefetcher, load_batch
 from toolkit._rank0 import current_env, print0
@@ -47,6 +47,9 @@ class Trainer:
             averages them over the batch and across ranks exactly as the built-in losses.
         layout: ``toolkit.DataParallel()`` (the default), ``toolkit.Sharded(stage=1|2|3)``
             (ZeRO/FSDP, for backends with that ability) or its text form (``"sharded:3"``).
+        metrics: evaluation metrics, ``name -> fn(outputs, labels) -> per-sample values`` in
+            the backend's framework; evaluation reports ``val_<name>``, the mean over every
+            sample (summed per rank, added across ranks: exact at any world size).
         sync_batchnorm: compute BatchNorm statistics over the global batch (torch: the model's
             BatchNorm layers become a synchronised BatchNorm; jax-pjit always does; jax-pmap
             averages the statistics every step). Without it, each rank normalises with its own
@@ -96,6 +99,7 @@ class Trainer:
         *,
         loss: Any = "cross_entropy",
         sync_batchnorm: bool = False,
+        metrics: dict[str, Any] | None = None,
         layout: Any = None,
         global_batch_size: int,
         epochs: int = 1,
@@ -134,7 +138,8 @@ class Trainer:
         self.adapter = adapter
         self.model, self.optimizer, self.loss = model, optimizer, loss
         self.sync_batchnorm = sync_batchnorm
-        self.layout = _check_layout(layout, adapter)
+        self.metrics = _check_metrics(metrics)
+        self.layout = resolve_layout(layout, adapter)
         self.global_batch_size = global_batch_size
         self.epochs, self.max_steps = epochs, max_steps
         self.seed, self.shuffle, self.drop_last = seed, shuffle, drop_last
@@ -184,7 +189,7 @@ class Trainer:
             self.adapter.set_layout(self.layout)
         self.adapter.build(self.model, self.optimizer, self.loss, seed=self.seed,
                            accumulation_steps=self.accumulation_steps,
-                           sync_batchnorm=self.sync_batchnorm)
+                           sync_batchnorm=self.sync_batchnorm, metrics=self.metrics)
         self.store = (CheckpointStore(self.checkpoint_dir, keep=self.keep, rank=env.rank)
                       if self.checkpoint_dir is not None else None)
         if self.resume is not None:
@@ -374,7 +379,7 @@ class Trainer:
         # Every rank makes the same number of adapter.evaluate calls (a sharded model may
         # gather its parameters in each): as many as the largest share needs.
         calls = max(1, math.ceil(math.ceil(len(dataset) / world) / self.eval_batch_size))
-        keys = ("loss_sum", "correct", "count")
+        keys = ("loss_sum", "correct", "count", *self.metrics)
         local = np.zeros(len(keys))
         for part in np.array_split(idx, calls):
             if len(part):
@@ -384,6 +389,8 @@ class Trainer:
         out = {"val_loss": float(sums[0] / sums[2])}
         if self.loss == "cross_entropy":
             out["val_accuracy"] = float(sums[1] / sums[2])
+        out.update({f"val_{name}": float(sums[3 + i] / sums[2])
+                    for i, name in enumerate(self.metrics)})
         return out
 
     def _log_records(self, records) -> None:
@@ -395,22 +402,18 @@ class Trainer:
                 f.write(json.dumps({"time": round(time.time(), 3), **record}) + "\n")
 
 
-def _check_layout(layout: Any, adapter: Any):
-    """The layout as a spec; a clear error for one this backend cannot run."""
-    layout = DataParallel() if layout is None else (
-        parse_layout(layout) if isinstance(layout, str) else layout)
-    if isinstance(layout, Pipeline):
-        raise ToolkitError(f"layout {layout.name!r}: pipeline stages are not implemented in any "
-                           "backend yet", "use the default data-parallel layout or sharded:1|2|3")
-    if isinstance(layout, Sharded) and not isinstance(adapter, ShardedAdapter):
-        raise ToolkitError(f"backend {adapter.name!r} cannot run layout {layout.name!r} yet",
-                           "use the default data-parallel layout with this backend, or a "
-                           "backend with sharded parameters (see the README's layouts)")
-    if not isinstance(layout, DataParallel | Sharded):
-        raise ToolkitError(f"{layout!r} is not a parallel layout",
-                           "pass toolkit.DataParallel(), toolkit.Sharded(stage=...) or a text "
-                           "form such as 'sharded:3'")
-    return layout
+def _check_metrics(metrics: Any) -> dict[str, Any]:
+    """Evaluation metrics: names (valid identifiers, not ``loss``/``accuracy``) to callables."""
+    metrics = dict(metrics or {})
+    for name, fn in metrics.items():
+        if not (isinstance(name, str) and name.isidentifier()) or name in ("loss", "accuracy"):
+            raise ToolkitError(f"metric name {name!r} cannot be used",
+                               "use an identifier other than 'loss' and 'accuracy' (it is "
+                               "reported as val_<name>)")
+        if not callable(fn):
+            raise ToolkitError(f"metric {name!r} is {fn!r}, not a callable",
+                               "pass fn(outputs, labels) -> one value per sample")
+    return metrics
 
 
 def _is_native(optimizer: Any) -> bool:

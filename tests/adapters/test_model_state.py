@@ -203,3 +203,47 @@ def test_without_sync_every_rank_evaluates_and_saves_rank_zeros_statistics(launc
     # sync_state (run by evaluate) both hold rank 0's statistics.
     assert r0["buffers"] == r1["buffers"]
     assert r0["val"] == r1["val"]
+
+
+@pytest.mark.parametrize("backend", [*NATIVE, "horovod-tf"])
+def test_custom_metrics_are_averaged_like_the_loss(backend):
+    """A metric re-implementing the per-sample loss reports exactly val_loss."""
+    if backend == "horovod-torch":
+        import torch
+
+        def nll(out, labels):
+            return torch.nn.functional.cross_entropy(out, labels, reduction="none")
+    elif backend == "horovod-tf":
+        import tensorflow as tf
+
+        def nll(out, labels):
+            return tf.nn.sparse_softmax_cross_entropy_with_logits(labels=labels, logits=out)
+    else:
+        import jax
+        import jax.numpy as jnp
+
+        def nll(out, labels):
+            logp = jax.nn.log_softmax(out)
+            return -jnp.take_along_axis(logp, labels[:, None], axis=1)[:, 0]
+    adapter = adapters.get(backend)
+    (x, y), val = load_digits()
+    t = toolkit.Trainer(adapter, toolkit.MLP((64, 16, 10)), SGD(lr=0.1), global_batch_size=32,
+                        max_steps=5, progress=False, env=ENV, metrics={"nll": nll},
+                        eval_batch_size=100)
+    t.fit(x, y)
+    result = t.evaluate(*val)
+    assert result["val_nll"] == pytest.approx(result["val_loss"], rel=1e-6)
+    with pytest.raises(ToolkitError, match="metric name 'loss' cannot be used"):
+        toolkit.Trainer(adapter, toolkit.MLP((64, 16, 10)), SGD(lr=0.1), global_batch_size=32,
+                        metrics={"loss": nll})
+
+
+def test_a_metric_with_the_wrong_shape_is_a_clear_error():
+    adapter = adapters.get("horovod-torch")
+    (x, y), val = load_digits()
+    t = toolkit.Trainer(adapter, toolkit.MLP((64, 16, 10)), SGD(lr=0.1), global_batch_size=32,
+                        max_steps=1, progress=False, env=ENV,
+                        metrics={"mean": lambda out, labels: out.mean()})
+    t.fit(x, y)
+    with pytest.raises(ToolkitError, match=r"metric 'mean' returned shape \(\) for a batch"):
+        t.evaluate(*val)

@@ -43,7 +43,7 @@ class NumpyAdapter:
         self.env = env
 
     def build(self, model, optimizer, loss, *, seed=0, accumulation_steps=1,
-              sync_batchnorm=False):
+              sync_batchnorm=False, metrics=None):
         self.model, self.optimizer = model, optimizer
         self.params = model.init(seed, "float64")
         self.state = init_state(optimizer, self.params)
