@@ -100,14 +100,36 @@ def make_optimizer(spec: Any, backend: str):
 
 
 def apply_optimizer(tx, grads, opt_state, params, scalars):
-    """One update with either our transformation (scalars passed) or a native optax one."""
+    """One update with either our transformation (``scalars`` is the vector ``[lr, step_size,
+    c2_sqrt]``, one host-to-device copy per step) or a native optax one (an empty vector)."""
     import optax
 
-    if isinstance(tx, optax.GradientTransformationExtraArgs):
-        updates, opt_state = tx.update(grads, opt_state, params, **scalars)
+    if scalars.shape[0]:
+        updates, opt_state = tx.update(grads, opt_state, params, lr=scalars[0],
+                                       step_size=scalars[1], c2_sqrt=scalars[2])
     else:
         updates, opt_state = tx.update(grads, opt_state, params)
     return optax.apply_updates(params, updates), opt_state
+
+
+class LocalMean:
+    """This process's mean loss of one step, fetched from the devices only when converted
+    with ``float()``: until then the host is free to launch the next step (JAX dispatches
+    asynchronously), and the Trainer converts only when it averages losses across ranks."""
+
+    __slots__ = ("_parts",)
+
+    def __init__(self, parts):
+        self._parts = parts
+
+    def __float__(self) -> float:
+        return float(np.mean(np.concatenate([np.asarray(p).reshape(-1) for p in self._parts])))
+
+    def __format__(self, spec: str) -> str:
+        return format(float(self), spec)
+
+    def __repr__(self) -> str:
+        return f"LocalMean({float(self)!r})"
 
 
 class JaxBackendBase(BackendBase):
@@ -156,17 +178,17 @@ class JaxBackendBase(BackendBase):
         a = np.asarray(a)
         return a.astype(self.dtype_name) if np.issubdtype(a.dtype, np.floating) else a
 
-    def _scalars(self, lr: float | None) -> dict[str, Any]:
+    def _scalars(self, lr: float | None) -> np.ndarray:
+        """``[lr, step_size, c2_sqrt]`` of this step for a spec optimizer, else empty."""
         if self.opt_spec is None:
-            return {}
+            return np.zeros(0, self.dtype_name)
         if lr is None:
             raise ToolkitError(f"{self.name} needs the learning rate of each step",
                                "pass an optimizer spec (toolkit.SGD/Adam)")
         self.count += 1
         step_size, c2_sqrt = (adam_scalars(self.opt_spec, self.count, lr)
                               if isinstance(self.opt_spec, Adam) else (0.0, 1.0))
-        return {k: np.asarray(v, self.dtype_name) for k, v in
-                (("lr", lr), ("step_size", step_size), ("c2_sqrt", c2_sqrt))}
+        return np.asarray([lr, step_size, c2_sqrt], self.dtype_name)
 
     def _step_seed(self) -> np.ndarray:
         """The seed of this step's dropout key, from (seed, step): a resume draws the same."""

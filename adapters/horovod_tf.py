@@ -116,6 +116,7 @@ class HorovodTFAdapter(BackendBase):
         self.steps = 0  # steps taken: a native model's randomness of the next one derives from it
         self._broadcast_state()
         self._step = tf.function(self._step_fn, reduce_retracing=True)
+        self._no_seeds = tf.zeros((0, 2), tf.int64)
         self._eval = tf.function(self._eval_fn, reduce_retracing=True)
 
     def _broadcast_state(self) -> None:
@@ -161,7 +162,8 @@ class HorovodTFAdapter(BackendBase):
         return tf.reduce_mean(tf.square(out - tf.reshape(y, tf.shape(out))),
                               axis=tf.range(1, tf.rank(out)))
 
-    def _step_fn(self, x, y, lr, step_size, c2_sqrt, seeds):
+    def _step_fn(self, x, y, scalars, seeds):
+        lr, step_size, c2_sqrt = scalars[0], scalars[1], scalars[2]  # one host copy per step
         tf, hvd, k = self.tf, self.hvd, self.accumulation_steps
         if self.native:
             self.keras_model.reseed(seeds)
@@ -248,14 +250,13 @@ class HorovodTFAdapter(BackendBase):
         self.count += 1
         step_size, c2_sqrt = (adam_scalars(self.opt_spec, self.count, lr)
                               if isinstance(self.opt_spec, Adam) else (0.0, 1.0))
-        c = lambda v: self.tf.constant(v, self.dtype)  # noqa: E731
         seeds = (self.keras_model.seeds(self.seed, self.steps, self.env.rank) if self.native
-                 else np.zeros((0, 2), np.int64))
+                 else self._no_seeds)
         with _toolkit_errors():
-            loss = self._step(*self._inputs(x, y), c(lr), c(step_size), c(c2_sqrt),
-                              self.tf.constant(seeds))
+            loss = self._step(*self._inputs(x, y),
+                              self.tf.constant([lr, step_size, c2_sqrt], self.dtype), seeds)
         self.steps += 1
-        return float(loss)
+        return loss  # a scalar tensor: the Trainer converts it when it averages losses
 
     def evaluate(self, x: np.ndarray, y: np.ndarray) -> dict[str, float]:
         with _toolkit_errors():

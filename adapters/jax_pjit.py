@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from adapters._jax import JaxBackendBase, apply_optimizer
+from adapters._jax import JaxBackendBase, LocalMean, apply_optimizer
 from toolkit import ToolkitError
 
 
@@ -68,14 +68,13 @@ class JaxPjitAdapter(JaxBackendBase):
                 f"local devices x {self.accumulation_steps} accumulation steps",
                 f"use a global batch divisible by world size x "
                 f"{devices * self.accumulation_steps}, or change --local-devices")
-        scalars, seed = self._replicate((self._scalars(lr), self._step_seed()))
+        scalars, seed = self._replicate(self._scalars(lr)), self._replicate(self._step_seed())
         xg = self._global(self._inputs(x))
         yg = self._global(self._labels(y))
         self.params, self.opt_state, self.model_state, losses = self._jstep(
             self.params, self.opt_state, self.model_state, xg, yg, scalars, seed)
         # Per-sample losses stay sharded like the batch: this process's shards are its samples.
-        mine = [np.asarray(shard.data) for shard in losses.addressable_shards]
-        return float(np.mean(np.concatenate(mine)))
+        return LocalMean([shard.data for shard in losses.addressable_shards])
 
     def evaluate(self, x: np.ndarray, y: np.ndarray) -> dict[str, float]:
         sums = self._jeval(self._host(self.params), self._host(self.model_state),

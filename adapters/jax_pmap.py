@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from adapters._jax import JaxBackendBase, apply_optimizer
+from adapters._jax import JaxBackendBase, LocalMean, apply_optimizer
 from toolkit import ToolkitError
 
 
@@ -66,7 +66,7 @@ class JaxPmapAdapter(JaxBackendBase):
         ys = self._labels(y).reshape((d, -1) + y.shape[1:])
         self.params, self.opt_state, self.model_state, losses = self._pstep(
             self.params, self.opt_state, self.model_state, xs, ys, scalars, self._step_seed())
-        return float(np.mean(np.asarray(losses)))
+        return LocalMean([losses])  # one mean per device, of equal shares
 
     def _replicate(self, tree):
         d = len(self.devices)

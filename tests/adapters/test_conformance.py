@@ -77,7 +77,7 @@ def test_steps_match_the_numpy_reference(backend, opt_name, spec):
     for step in range(4):
         x, y = data(seed=step, spec=spec)
         loss, grads = spec.loss_and_grads(params, x, y)
-        assert adapter.train_step(x, y, 0.1 / (step + 1)) == pytest.approx(loss, rel=1e-12)
+        assert float(adapter.train_step(x, y, 0.1 / (step + 1))) == pytest.approx(loss, rel=1e-12)
         params, state = apply_update(opt, params, grads, state, 0.1 / (step + 1))
     got = adapter.state_dict()
     expected = {**{f"params/{k}": v for k, v in params.items()}, **state}
@@ -106,7 +106,7 @@ def test_mse_loss_matches_the_numpy_reference(backend, spec):
         x, _ = data(seed=step, spec=spec)
         y = np.random.default_rng(step).normal(size=(len(x), 4))
         loss, grads = spec.loss_and_grads(params, x, y, "mse")
-        assert adapter.train_step(x, y, 0.05) == pytest.approx(loss, rel=1e-12)
+        assert float(adapter.train_step(x, y, 0.05)) == pytest.approx(loss, rel=1e-12)
         params, state = apply_update(opt, params, grads, state, 0.05)
     result = adapter.evaluate(x, y)
     assert "correct" not in result
@@ -120,8 +120,8 @@ def test_gradient_accumulation_equals_one_big_batch(backend):
     split = built(backend, SGD(lr=0.1, momentum=0.9), accumulation_steps=4)
     for step in range(3):
         x, y = data(n=16, seed=step)
-        assert split.train_step(x, y, 0.1) == pytest.approx(whole.train_step(x, y, 0.1),
-                                                            rel=1e-12)
+        expected = float(whole.train_step(x, y, 0.1))
+        assert float(split.train_step(x, y, 0.1)) == pytest.approx(expected, rel=1e-12)
     a, b = params_of(whole), params_of(split)
     for k in a:
         np.testing.assert_allclose(b[k], a[k], rtol=1e-12, atol=1e-14)
@@ -168,7 +168,7 @@ def test_state_export_import_round_trip_continues_identically(backend, optimizer
     for name, value in b.state_dict().items():
         np.testing.assert_array_equal(value, saved[name], err_msg=name)
     x, y = data(seed=7)
-    assert a.train_step(x, y, 0.05) == b.train_step(x, y, 0.05)
+    assert float(a.train_step(x, y, 0.05)) == float(b.train_step(x, y, 0.05))
     for name, value in a.state_dict().items():
         np.testing.assert_array_equal(b.state_dict()[name], value, err_msg=name)
 

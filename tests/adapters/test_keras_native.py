@@ -124,12 +124,12 @@ def test_dropout_draws_differ_between_steps_but_not_between_runs():
     for _ in range(2):
         adapter = make()
         adapter.build(keras_cnn(dropout=0.5), keras.optimizers.SGD(0.0), "cross_entropy")
-        runs.append([adapter.train_step(*batch, None) for _ in range(3)])
+        runs.append([float(adapter.train_step(*batch, None)) for _ in range(3)])
     assert runs[0] == runs[1]
     assert len(set(runs[0])) == 3  # same batch, same weights: only the dropout masks differ
     adapter = make()
     adapter.build(keras_cnn(dropout=0.0), keras.optimizers.SGD(0.0), "cross_entropy")
-    assert adapter.train_step(*batch, None) != runs[0][0]
+    assert float(adapter.train_step(*batch, None)) != runs[0][0]
     seeds = adapter.keras_model.seeds
     assert not np.array_equal(seeds(0, 5, 0), seeds(0, 5, 1))  # ranks draw differently
 

@@ -31,7 +31,7 @@ def main() -> None:
     adapter.barrier()
     rng = np.random.default_rng(0)
     x, y = rng.normal(size=(8, 8)), rng.integers(0, 4, size=8)
-    result["local_loss"] = adapter.train_step(x[env.rank::2], y[env.rank::2], 0.1)
+    result["local_loss"] = float(adapter.train_step(x[env.rank::2], y[env.rank::2], 0.1))
     result["after_step_checksum"] = checksum(adapter.state_dict())
     # The same step in one process on the whole batch, in float64 numpy.
     params = SPEC.init(0, "float64")
