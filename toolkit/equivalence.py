@@ -167,6 +167,17 @@ def run_one(args, backend: str, world_size: int, launcher: str, workdir: Path) -
     return result
 
 
+def _comparable(name: str, array: np.ndarray) -> np.ndarray:
+    """A parameter as compared: a transformer's key bias (the middle third of ``qkv.bias``)
+    is left out. It does not change the function (softmax over keys is shift-invariant per
+    query), so its gradient is exactly zero plus rounding noise, which Adam's normalisation
+    turns into +-lr steps that differ between frameworks."""
+    if name.endswith("attn.qkv.bias"):
+        third = len(array) // 3
+        return np.delete(array, np.s_[third:2 * third])
+    return array
+
+
 def compare(result: dict, ref_losses: list[float], ref_params: dict, dtype: str) -> dict:
     if result["status"] != "ok":
         return result
@@ -175,8 +186,8 @@ def compare(result: dict, ref_losses: list[float], ref_params: dict, dtype: str)
         return {**result, "status": "fail", "reason": f"{len(losses)} steps, expected {len(ref)}"}
     params = result.pop("params")
     loss_dev = float(np.max(np.abs(losses - ref) / np.abs(ref)))
-    param_dev = max(float(np.max(np.abs(params[k].astype(np.float64) - v)))
-                    for k, v in ref_params.items())
+    param_dev = max(float(np.max(np.abs(_comparable(k, params[k].astype(np.float64))
+                                        - _comparable(k, v)))) for k, v in ref_params.items())
     passed = loss_dev <= LOSS_TOLERANCE[dtype] and param_dev <= PARAM_TOLERANCE[dtype]
     return {**result, "final_loss": float(losses[-1]), "max_rel_loss_dev": loss_dev,
             "max_abs_param_dev": param_dev, "status": "pass" if passed else "fail"}
