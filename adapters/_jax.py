@@ -3,7 +3,9 @@ host collectives and state naming. Imported only by ``jax_pmap`` and ``jax_pjit`
 
 from __future__ import annotations
 
+import contextlib
 import os
+import sys
 from typing import Any
 
 import numpy as np
@@ -112,6 +114,26 @@ def apply_optimizer(tx, grads, opt_state, params, scalars):
     return optax.apply_updates(params, updates), opt_state
 
 
+@contextlib.contextmanager
+def _gloo_connect_line_silenced():
+    """Gloo inside jaxlib prints "[Gloo] Rank 0 is connected to 1 peer ranks..." to the C-level
+    stdout when the processes first connect; a user should see only what the toolkit prints.
+    The process's stdout file descriptor points at /dev/null for that one call (stderr, where
+    errors go, is untouched); C stdio is flushed before it is restored."""
+    import ctypes
+
+    sys.stdout.flush()
+    saved, devnull = os.dup(1), os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 1)
+    try:
+        yield
+    finally:
+        ctypes.CDLL(None).fflush(None)
+        os.dup2(saved, 1)
+        os.close(saved)
+        os.close(devnull)
+
+
 class LocalMean:
     """This process's mean loss of one step, fetched from the devices only when converted
     with ``float()``: until then the host is free to launch the next step (JAX dispatches
@@ -170,8 +192,9 @@ class JaxBackendBase(BackendBase):
         if self.env.world_size > 1:  # rank 0's initial state becomes everyone's
             from jax.experimental import multihost_utils
 
-            params, opt_state, model_state = multihost_utils.broadcast_one_to_all(
-                (params, opt_state, model_state))
+            with _gloo_connect_line_silenced():  # the first cross-process collective
+                params, opt_state, model_state = multihost_utils.broadcast_one_to_all(
+                    (params, opt_state, model_state))
         return params, opt_state, model_state
 
     def _cast(self, a) -> np.ndarray:

@@ -50,6 +50,7 @@ def test_two_ranks_reproduce_one_process(backend, launcher, launch, tmp_path, on
     job = launch(launcher, 2, args(tmp_path, "two", backend))
     assert job.returncode == 0, job
     assert job.stdout.count("done: world_size 2 ") == 1, job
+    assert "[Gloo]" not in job.stdout, job  # no other library's chatter (jaxlib's Gloo)
     ref, got = losses(read_metrics, one_process[1]), losses(read_metrics, tmp_path / "two.jsonl")
     assert np.max(np.abs(got - ref) / np.abs(ref)) <= 1e-5
 
