@@ -167,7 +167,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         prog="python -m toolkit.memory", description="Per-rank training memory of a layout.",
         epilog="Example: python -m toolkit.memory --params 7.5e9 --dtype mixed "
                "--layout sharded:3 --world-size 64")
-    parser.add_argument("--model", choices=("gpt", "mlp"), help="count the parameters of a spec")
+    parser.add_argument("--model", choices=("gpt", "mlp", "cnn"),
+                        help="count the parameters of a spec")
     parser.add_argument("--params", type=float, help="parameter count, instead of --model")
     parser.add_argument("--layers", type=int)
     parser.add_argument("--width", type=int)
@@ -175,6 +176,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--vocab", type=int, default=50257)
     parser.add_argument("--heads", type=int, help="default: width / 64 (1 if not a multiple)")
     parser.add_argument("--sizes", help="MLP widths, e.g. 64,128,10")
+    parser.add_argument("--image", default="8,8,1", help="CNN input height,width,channels")
+    parser.add_argument("--channels", help="CNN convolution channels, e.g. 8,16")
+    parser.add_argument("--classes", type=int, default=10, help="CNN outputs")
     parser.add_argument("--batch", type=int, default=1, help="per-rank micro-batch (sequences)")
     parser.add_argument("--dtype", default="float32", help=" | ".join(DTYPES))
     parser.add_argument("--optimizer", default="adam", help=" | ".join(OPTIMIZERS))
@@ -211,13 +215,34 @@ def _count(args: argparse.Namespace) -> tuple[int, float, str]:
                                "e.g. --sizes 64,128,10") from None
         params = sum(a * b + b for a, b in zip(spec.sizes[:-1], spec.sizes[1:], strict=True))
         return params, mlp_activation_bytes(spec.sizes, args.batch, args.dtype), repr(spec)
+    if args.model == "cnn":
+        return _count_cnn(args)
     if args.params is None:
-        raise ToolkitError("no model given", "pass --model gpt|mlp with its sizes, or --params")
+        raise ToolkitError("no model given",
+                           "pass --model gpt|mlp|cnn with its sizes, or --params")
     acts = 0
     if None not in (args.layers, args.width, args.context):
         acts = gpt_activation_bytes(args.layers, args.width, args.context, args.batch,
                                     args.heads, args.dtype, args.activations)
     return int(args.params), acts, f"{int(args.params):,} parameters"
+
+
+def _count_cnn(args: argparse.Namespace) -> tuple[int, float, str]:
+    """A CNN spec's parameters (from its real initial arrays' sizes) and activations: every
+    convolution's input and output maps, the head's input and output."""
+    from toolkit._specs import CNN
+
+    try:
+        image = tuple(int(v) for v in args.image.split(","))
+        channels = tuple(int(v) for v in (args.channels or "").split(","))
+    except ValueError:
+        raise ToolkitError(f"--image {args.image!r} / --channels {args.channels!r} must be "
+                           "lists of integers", "e.g. --image 8,8,1 --channels 8,16") from None
+    spec = CNN(image_shape=image, channels=channels, classes=args.classes)
+    params = sum(a.size for a in spec.init(0).values())
+    h, w, c = spec.image_shape
+    elements = h * w * (c + 2 * sum(spec.channels)) + spec.classes
+    return params, args.batch * elements * activation_element_bytes(args.dtype), repr(spec)
 
 
 def main(argv: list[str] | None = None) -> int:

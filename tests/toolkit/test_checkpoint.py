@@ -209,3 +209,22 @@ def test_a_missing_shard_is_detected(tmp_path):
 def test_sharded_save_needs_a_barrier(tmp_path):
     with pytest.raises(CheckpointError, match="need a barrier"):
         CheckpointStore(tmp_path).save(1, {}, {}, shards={"x": (np.ones(2), 0)})
+
+
+@pytest.mark.parametrize("damage", ["missing", "corrupted"])
+def test_a_damaged_shard_file_is_named_and_latest_falls_back(tmp_path, damage, capsys):
+    save_sharded_from_ranks(tmp_path, 3, step=5)
+    save_sharded_from_ranks(tmp_path, 3, step=6)
+    newest = tmp_path / "step_000000006"
+    piece = newest / "shard-r00002-00000.npy"
+    if damage == "missing":
+        piece.unlink()
+    else:
+        array = np.load(piece)
+        np.save(piece, array + 1)  # same shape and dtype, other values: only the CRC tells
+    with pytest.raises(CheckpointError, match="shard-r00002-00000.npy") as err:
+        read_checkpoint(newest)
+    assert "resume from another checkpoint" in str(err.value)
+    ckpt = CheckpointStore(tmp_path).load("latest")
+    assert ckpt.step == 5 and "skipped damaged checkpoint" in capsys.readouterr().err
+    assert piece.parent.exists()  # loading never deletes what is on disk

@@ -88,6 +88,21 @@ def test_cli_mlp(capsys):
     assert rows["activations"] == 4 * (64 + 2 * 128 + 10) * 4
 
 
+def test_cli_cnn_counts_the_spec_arrays(capsys):
+    from toolkit._specs import CNN
+
+    memory.main(["--model", "cnn", "--channels", "8,16", "--batch", "2", "--layout", "sharded:1",
+                 "--world-size", "2"])
+    rows = _rows(capsys.readouterr().out)
+    spec = CNN(image_shape=(8, 8, 1), channels=(8, 16), classes=10)
+    params = sum(a.size for a in spec.init(0).values())  # 3*3*1*8+8 + 3*3*8*16+16 + 1024*10+10
+    assert params == 80 + 1168 + 10250
+    assert rows["parameters"] == 4 * params
+    assert rows["optimizer state"] == 4 * params  # adam's 8 bytes per parameter over 2 ranks
+    # activations: 2 images x (8*8*(1 + 2*(8+16)) + 10) elements x 4 bytes
+    assert rows["activations"] == 2 * (64 * 49 + 10) * 4
+
+
 def test_stages_divide_what_they_shard():
     p = 1000
     dp = memory.estimate(p, DataParallel(), 4, activations=100)
