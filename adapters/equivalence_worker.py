@@ -68,7 +68,7 @@ def main() -> None:
     median = float(np.median(step_seconds[min(5, len(step_seconds) - 1):]))
     step_time = float(adapter.allreduce(np.asarray([median]), "mean")[0])
     toolkit.save0(out / "params.npz", lambda f: np.savez(f, **params), env=env)
-    if isinstance(adapter, toolkit.ShardedAdapter):
+    if isinstance(layout, toolkit.Sharded):  # counted by the backend from its own tensors
         held = adapter.memory_bytes()
     else:  # replicated: every rank holds all parameters, a gradient each, all optimizer state
         state = adapter.state_dict()

@@ -1,0 +1,167 @@
+"""Per-rank training-state bytes of each layout, measured from the tensors each rank holds,
+beside ``python -m toolkit.memory``'s prediction, and step time relative to data parallel.
+
+    .venv/bin/python benchmarks/sharded_memory.py                       # every backend, N = 2, 4
+    .venv/bin/python benchmarks/sharded_memory.py --backends horovod-torch --world-sizes 2
+
+For every backend, world size N and layout (data parallel, ZeRO stages 1-3) it launches
+``horovodrun -np N`` on this script in worker mode, which trains ``--steps`` steps of a GPT of a
+few million parameters (AdamW) with the Trainer and reports, from every rank, the bytes the
+backend holds for parameters, gradients and optimizer state (``adapter.memory_bytes()``: the
+sizes of its real tensors; for data parallel, the full state's sizes) and the median step time.
+The table shows the most loaded rank, the estimator's figure, and for stage 3 the issue's goal:
+per-rank bytes <= 1.05 x (replicated bytes / N) + one unit's gathered parameters.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+BACKENDS = ("horovod-torch", "horovod-tf", "jax-pmap", "jax-pjit")
+LAYOUTS = ("data", "sharded:1", "sharded:2", "sharded:3")
+
+
+def gpt_spec(args):
+    import toolkit
+
+    return toolkit.GPT(vocab=256, context=args.context, width=args.width, layers=args.layers,
+                       heads=args.heads)
+
+
+def worker(args) -> None:
+    """One run under a launcher: trains, then rank 0 writes every rank's bytes and times."""
+    import adapters
+    import toolkit
+    from toolkit.equivalence import stdlib_bytes
+
+    env = toolkit.current_env()
+    spec = gpt_spec(args)
+    n = args.batch * 4
+    tokens = stdlib_bytes(n * spec.context + 1).astype(np.int64)
+    x, y = tokens[:-1].reshape(n, spec.context), tokens[1:].reshape(n, spec.context)
+    adapter = adapters.get(args.backend)
+    times = []
+    real_step = adapter.train_step
+
+    def timed(xb, yb, lr):
+        start = time.perf_counter()
+        loss = real_step(xb, yb, lr)
+        float(loss)
+        times.append(time.perf_counter() - start)
+        return loss
+
+    adapter.train_step = timed
+    layout = toolkit.parse_layout(args.layout)
+    trainer = toolkit.Trainer(adapter, spec, toolkit.Adam(lr=1e-3, weight_decay=0.1,
+                                                          decoupled=True),
+                              global_batch_size=args.batch, max_steps=args.steps,
+                              layout=layout, progress=False, stop_signals=())
+    trainer.fit(x, y)
+    if isinstance(layout, toolkit.Sharded):
+        held = adapter.memory_bytes()
+    else:
+        state = adapter.state_dict()
+        params = sum(v.nbytes for k, v in state.items() if k.startswith("params/"))
+        held = {"params": params, "grads": params,
+                "optimizer": sum(v.nbytes for k, v in state.items() if k.startswith("opt/"))}
+    # Every rank's figures, gathered with a sum of one-hot rows.
+    row = np.zeros((env.world_size, 4))
+    row[env.rank] = [held["params"], held["grads"], held["optimizer"],
+                     statistics.median(times[1:] or times)]
+    table = adapter.allreduce(row.reshape(-1), "sum").reshape(env.world_size, 4)
+    toolkit.save0(args.out, json.dumps({"ranks": table.tolist()}), env=env)
+
+
+def launch(args, backend: str, world: int, layout: str, out: Path) -> dict:
+    me = [sys.executable, __file__, "--worker", "--backend", backend, "--layout", layout,
+          "--out", str(out), "--steps", str(args.steps), "--batch", str(args.batch),
+          "--layers", str(args.layers), "--width", str(args.width), "--heads",
+          str(args.heads), "--context", str(args.context)]
+    horovodrun = str(Path(sys.executable).parent / "horovodrun")
+    cmd = me if world == 1 else [horovodrun, "-np", str(world), "--gloo", *me]
+    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1200,
+                          stdin=subprocess.DEVNULL)
+    if proc.returncode or not out.exists():
+        tail = " | ".join((proc.stderr or proc.stdout).strip().splitlines()[-3:])
+        return {"error": f"exit {proc.returncode}: {tail}"}
+    return json.loads(out.read_text())
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--backends", default=",".join(BACKENDS))
+    p.add_argument("--world-sizes", default="2,4")
+    p.add_argument("--layouts", default=",".join(LAYOUTS))
+    p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--batch", type=int, default=8, help="global batch (sequences)")
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--width", type=int, default=256)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--context", type=int, default=64)
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--backend", help=argparse.SUPPRESS)
+    p.add_argument("--layout", help=argparse.SUPPRESS)
+    p.add_argument("--out", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.worker:
+        worker(args)
+        return 0
+
+    from toolkit import parse_layout
+    from toolkit._shards import unit_layouts
+    from toolkit.memory import estimate, human
+
+    spec = gpt_spec(args)
+    arrays = spec.init(0, "float32")
+    replicated = 4 * spec.num_params * 4  # params, grads, Adam's two moments (float32)
+    units = unit_layouts({k: v.shape for k, v in arrays.items()}, 1)
+    largest_unit = max(4 * u.total for u in units.values())
+    print(f"{spec!r}: {spec.num_params:,} parameters; AdamW; replicated state "
+          f"{human(replicated)} per rank; largest unit {human(largest_unit)}")
+    header = (f"{'backend':<14} {'N':>2} {'layout':<10} {'params':>12} {'grads':>12} "
+              f"{'optimizer':>12} {'total':>12} {'estimator':>12} {'vs est':>7} "
+              f"{'ms/step':>8} {'vs data':>7}  goal")
+    print(header)
+    failed = False
+    with tempfile.TemporaryDirectory() as tmp:
+        for backend in args.backends.split(","):
+            for world in (int(w) for w in args.world_sizes.split(",")):
+                base_ms = None
+                for layout in args.layouts.split(","):
+                    res = launch(args, backend, world, layout, Path(tmp) / "out.json")
+                    (Path(tmp) / "out.json").unlink(missing_ok=True)
+                    if "error" in res:
+                        print(f"{backend:<14} {world:>2} {layout:<10} FAILED {res['error']}")
+                        failed = True
+                        continue
+                    ranks = np.asarray(res["ranks"])
+                    worst = ranks[np.argmax(ranks[:, :3].sum(axis=1))]
+                    total = worst[:3].sum()
+                    ms = float(np.median(ranks[:, 3])) * 1e3
+                    base_ms = ms if layout == "data" else base_ms
+                    est = estimate(spec.num_params, parse_layout(layout), world).model_states
+                    goal = ""
+                    if layout == "sharded:3":
+                        ok = total <= 1.05 * replicated / world + largest_unit
+                        goal = "met" if ok else "MISSED"
+                        failed |= not ok
+                    print(f"{backend:<14} {world:>2} {layout:<10} {worst[0]:>12,.0f} "
+                          f"{worst[1]:>12,.0f} {worst[2]:>12,.0f} {total:>12,.0f} "
+                          f"{est:>12,.0f} {total / est:>7.3f} {ms:>8.1f} "
+                          f"{(ms / base_ms if base_ms else float('nan')):>6.2f}x  {goal}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
