@@ -30,6 +30,8 @@ def main() -> None:
     parser.add_argument("--local-devices", type=int, default=None,
                         help="JAX backends: CPU devices per process")
     parser.add_argument("--lr-scaling", choices=("none", "linear", "sqrt"), default="none")
+    parser.add_argument("--layout", default="data",
+                        help="data (default), sharded:1|2|3 or pipeline:S:M[:schedule]")
     parser.add_argument("--accumulation-steps", type=int, default=1)
     parser.add_argument("--checkpoint-dir", default=None)
     parser.add_argument("--checkpoint-every", type=int, default=None, help="steps")
@@ -52,6 +54,7 @@ def main() -> None:
         seed=args.seed,
         lr_scaling=args.lr_scaling,
         accumulation_steps=args.accumulation_steps,
+        layout=args.layout,
         checkpoint_dir=args.checkpoint_dir,
         checkpoint_every=args.checkpoint_every,
         keep=args.keep,

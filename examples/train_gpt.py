@@ -41,6 +41,8 @@ def main() -> None:
     p.add_argument("--eval-every", type=int, default=250, help="steps between evaluations")
     p.add_argument("--eval-windows", type=int, default=256,
                    help="validation windows used at each interval (all at the end)")
+    p.add_argument("--layout", default="data",
+                   help="data (default), sharded:1|2|3 or pipeline:S:M[:schedule]")
     p.add_argument("--checkpoint-dir", default=None)
     p.add_argument("--checkpoint-every", type=int, default=None, help="steps")
     p.add_argument("--keep", type=int, default=3)
@@ -62,7 +64,7 @@ def main() -> None:
     trainer = toolkit.Trainer(
         adapters.get(args.backend, dtype=args.dtype, local_devices=args.local_devices),
         model, toolkit.Adam(lr=schedule, b2=0.99, weight_decay=0.1, decoupled=True),
-        global_batch_size=args.batch_size, max_steps=0, seed=args.seed,
+        global_batch_size=args.batch_size, max_steps=0, seed=args.seed, layout=args.layout,
         checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
         keep=args.keep, resume=args.resume, metrics_log=args.metrics_log)
     toolkit.print0(f"GPT {model.num_params:,} parameters; corpus {corpus.files} files, "
