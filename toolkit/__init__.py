@@ -12,17 +12,36 @@ from toolkit._env import LaunchEnv, detect_launch_env, expand_nodelist
 from toolkit._errors import ToolkitError
 from toolkit._gpt import GPT
 from toolkit._layouts import DataParallel, Pipeline, Sharded, parse_layout
+from toolkit._partition import (
+    ModelPartition,
+    PipelineGrid,
+    micro_batch_size,
+    partition_layers,
+    partition_model,
+)
+from toolkit._pipeline import (
+    LockstepRound,
+    Simulation,
+    lockstep_rounds,
+    simulate_schedule,
+    validate_schedule,
+)
 from toolkit._rank0 import atomic_open, current_env, print0, save0
 from toolkit._sampler import GlobalBatchSampler, shard_indices
+from toolkit._schedules import Action, Schedule, bubble_formula, pipeline_schedule
 from toolkit._specs import CNN, MLP, SGD, Adam, WarmupCosine, learning_rate, lr_scale
+from toolkit._timeline import StageRecorder, read_timeline
 from toolkit._trainer import PREEMPTED_EXIT_CODE, History, Trainer, TrainingPreempted
 
 __all__ = [
-    "Adam", "Adapter", "ArrayDataset", "CNN", "Checkpoint", "CheckpointError", "CheckpointStore",
-    "DataParallel", "Dataset", "GPT", "GlobalBatchSampler", "History", "LaunchEnv", "MLP",
-    "PREEMPTED_EXIT_CODE", "Pipeline", "SGD", "Sharded", "ShardedAdapter", "TokenWindows",
-    "ToolkitError", "Trainer", "TrainingPreempted", "WarmupCosine", "atomic_open", "current_env",
-    "detect_launch_env", "expand_nodelist", "learning_rate", "lr_scale", "parse_layout", "print0",
-    "read_checkpoint", "run", "save0", "shard_indices",
+    "Action", "Adam", "Adapter", "ArrayDataset", "CNN", "Checkpoint", "CheckpointError",
+    "CheckpointStore", "DataParallel", "Dataset", "GPT", "GlobalBatchSampler", "History",
+    "LaunchEnv", "LockstepRound", "MLP", "ModelPartition", "PREEMPTED_EXIT_CODE", "Pipeline",
+    "PipelineGrid", "SGD", "Schedule", "Sharded", "ShardedAdapter", "Simulation", "StageRecorder",
+    "TokenWindows", "ToolkitError", "Trainer", "TrainingPreempted", "WarmupCosine", "atomic_open",
+    "bubble_formula", "current_env", "detect_launch_env", "expand_nodelist", "learning_rate",
+    "lockstep_rounds", "lr_scale", "micro_batch_size", "parse_layout", "partition_layers",
+    "partition_model", "pipeline_schedule", "print0", "read_checkpoint", "read_timeline", "run",
+    "save0", "shard_indices", "simulate_schedule", "validate_schedule",
 ]
 __version__ = "0.1.0"

@@ -77,12 +77,16 @@ class Pipeline:
             backward in the steady state) or ``interleaved-1f1b`` (``chunks`` model pieces per
             rank).
         chunks: model chunks per rank; more than 1 only with ``interleaved-1f1b``.
+        splits: explicit split points, the first layer of every piece but the first
+            (``stages x chunks - 1`` increasing indices); empty: balanced by parameter count.
+            Not part of ``name`` (a checkpoint is the same whatever the cut).
     """
 
     stages: int
     micro_batches: int
     schedule: str = "1f1b"
     chunks: int = 1
+    splits: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         example = "Pipeline(stages=4, micro_batches=8)"
@@ -97,6 +101,16 @@ class Pipeline:
                 f"Pipeline chunks={self.chunks} needs the interleaved-1f1b schedule, "
                 f"not {self.schedule!r}",
                 "use schedule='interleaved-1f1b' or chunks=1")
+        splits = tuple(self.splits) if isinstance(self.splits, tuple | list) else (None,)
+        pieces = self.stages * self.chunks
+        if splits and (len(splits) != pieces - 1 or any(
+                isinstance(p, bool) or not isinstance(p, numbers.Integral) for p in splits)
+                or any(a >= b for a, b in zip((0, *splits), splits, strict=False))):
+            raise ToolkitError(
+                f"Pipeline splits={self.splits!r} are not {pieces - 1} increasing positive layer "
+                f"indices", f"give the first layer of each of the {pieces} pieces but the first, "
+                f"e.g. splits={tuple(range(1, pieces))}, or none to balance by size")
+        object.__setattr__(self, "splits", tuple(int(p) for p in splits))
 
     @property
     def name(self) -> str:
@@ -124,7 +138,7 @@ def parse_layout(text: str) -> Layout:
 
     Example:
         >>> parse_layout("pipeline:2:4")
-        Pipeline(stages=2, micro_batches=4, schedule='1f1b', chunks=1)
+        Pipeline(stages=2, micro_batches=4, schedule='1f1b', chunks=1, splits=())
     """
     parts = str(text).strip().lower().split(":")
     kind = parts[0]

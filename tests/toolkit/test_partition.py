@@ -1,0 +1,138 @@
+"""Cutting models into pipeline stages, and the arithmetic of a pipeline's ranks (no framework)."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import numpy as np
+import pytest
+
+from toolkit._errors import ToolkitError
+from toolkit._gpt import GPT
+from toolkit._layouts import Pipeline
+from toolkit._partition import (
+    PipelineGrid,
+    balanced_splits,
+    micro_batch_size,
+    partition_layers,
+    partition_model,
+)
+from toolkit._specs import CNN, MLP
+
+
+def _largest(costs, splits):
+    bounds = (0, *splits, len(costs))
+    return max(sum(costs[a:b]) for a, b in itertools.pairwise(bounds))
+
+
+@pytest.mark.parametrize("seed", range(25))
+def test_balanced_splits_are_a_true_min_max_partition(seed):
+    rng = np.random.default_rng(seed)
+    costs = [int(c) for c in rng.integers(1, 50, rng.integers(2, 10))]
+    parts = int(rng.integers(1, len(costs) + 1))
+    splits = balanced_splits(costs, parts)
+    assert len(splits) == parts - 1 and list(splits) == sorted(set(splits))
+    assert all(0 < p < len(costs) for p in splits)
+    brute = min(_largest(costs, c) for c in itertools.combinations(range(1, len(costs)), parts - 1))
+    assert _largest(costs, splits) == brute
+
+
+def test_equal_layers_split_evenly_and_heavy_ends_get_fewer_layers():
+    assert partition_layers([1] * 8, 4) == (range(0, 2), range(2, 4), range(4, 6), range(6, 8))
+    assert partition_layers([1] * 7, 2) == (range(0, 4), range(4, 7))
+    # A native Sequential: Linear, ReLU, Linear, ReLU, Linear; each ReLU stays with its Linear.
+    assert partition_layers([10, 0, 10, 0, 10], 3) == (range(0, 2), range(2, 4), range(4, 5))
+    assert partition_layers([10, 10, 10, 10, 40], 2) == (range(0, 4), range(4, 5))
+    assert partition_layers([9, 1, 1, 1, 1, 1, 1, 1, 1, 9], 2) == (range(0, 5), range(5, 10))
+
+
+def test_gpt_partition_keeps_embeddings_first_and_head_last():
+    spec = GPT(vocab=64, context=8, width=16, layers=4, heads=2)
+    shapes = spec.param_shapes()
+    part = partition_model(spec, 2)
+    assert [list(r) for r in part.layers] == [[0, 1], [2, 3]]
+    assert part.names[0][:2] == ("tok_emb", "pos_emb")
+    assert all(n.startswith("blocks.0.") or n.startswith("blocks.1.") for n in part.names[0][2:])
+    assert part.names[1][-3:] == ("ln_f.scale", "ln_f.bias", "tok_emb")  # the tied head
+    assert part.shared == {"tok_emb": (0, 1)}
+    # Every parameter on exactly one stage, except the tied embedding on both ends.
+    held = [n for names in part.names for n in names]
+    assert sorted(held) == sorted([*shapes, "tok_emb"])
+    sizes = {n: math.prod(s) for n, s in shapes.items()}
+    assert part.costs == tuple(sum(sizes[n] for n in names) for names in part.names)
+    untied = partition_model(GPT(vocab=64, context=8, width=16, layers=4, heads=2, tied=False), 2)
+    assert untied.names[1][-1] == "head.kernel" and untied.shared == {}
+
+
+def test_gpt_balance_moves_blocks_away_from_a_heavy_embedding():
+    spec = GPT(vocab=256, context=16, width=32, layers=6, heads=2)
+    part = partition_model(spec, 4)
+    # tok_emb + pos_emb (8704) is worth most of a block (12704): the end stages get one block.
+    assert [len(r) for r in part.layers] == [1, 2, 2, 1]
+    assert max(part.costs) == 25408
+    assert partition_model(spec, 2, splits=(1,)).layers == (range(0, 1), range(1, 6))
+
+
+def test_mlp_and_cnn_partition_by_layer():
+    part = partition_model(MLP((64, 128, 128, 10)), 2)
+    assert part.layers == (range(0, 1), range(1, 3))  # 8320 | 16512 + 1290
+    assert part.names == (("layers.0.kernel", "layers.0.bias"),
+                          ("layers.1.kernel", "layers.1.bias", "layers.2.kernel",
+                           "layers.2.bias"))
+    assert part.costs == (8320, 17802)
+    cnn = partition_model(CNN(image_shape=(8, 8, 1), channels=(4, 4), classes=10), 2)
+    assert cnn.names[1][-2:] == ("head.kernel", "head.bias")
+
+
+def test_interleaved_chunks_round_robin_over_stages():
+    spec = GPT(vocab=64, context=8, width=16, layers=8, heads=2)
+    part = partition_model(spec, 2, chunks=2)
+    assert part.layers == (range(0, 2), range(2, 4), range(4, 6), range(6, 8))
+    assert part.piece(stage=1, chunk=1) == 3
+    stage1 = part.names_on(1)
+    assert any(n.startswith("blocks.2.") for n in stage1)
+    assert any(n.startswith("blocks.7.") for n in stage1) and "tok_emb" in stage1
+    assert not any(n.startswith(("blocks.0.", "blocks.4.")) for n in stage1)
+
+
+@pytest.mark.parametrize("call, words", [
+    (lambda: partition_layers([1, 1, 1], 4), ["4 stages for a model of 3 layers", "at most 3"]),
+    (lambda: partition_model(MLP((4, 8, 2)), 3), ["3 stages for a model of 2 layers"]),
+    (lambda: partition_layers([1] * 6, 2, chunks=2),
+     ["6 layers do not split into 2 stages x 2 chunks", "multiple of 4"]),
+    (lambda: partition_layers([1] * 6, 2, chunks=4), ["2 stages x 4 chunks for a model of 6"]),
+    (lambda: partition_layers([1] * 6, 2, splits=(6,)), ["split points [6] are out of range"]),
+    (lambda: partition_layers([1] * 6, 3, splits=(4, 2)), ["not increasing at 2"]),
+    (lambda: partition_layers([1] * 6, 3, splits=(2,)), ["1 split points [2] for 3 stages"]),
+    (lambda: partition_layers([1] * 6, 2, splits=(0,)), ["out of range"]),
+    (lambda: micro_batch_size(30, 4), ["4 micro-batches do not divide the local batch of 30",
+                                       "1, 2, 3, 5"]),
+    (lambda: PipelineGrid(6, 4), ["world size 6 is not a multiple of the 4 pipeline stages"]),
+    (lambda: Pipeline(2, 4, splits=(3, 5)), ["splits=(3, 5) are not 1 increasing"]),
+    (lambda: Pipeline(2, 4, "interleaved-1f1b", 2, splits=(2, 2, 5)), ["not 3 increasing"]),
+])
+def test_bad_partitions_are_clear_errors(call, words):
+    with pytest.raises(ToolkitError) as err:
+        call()
+    for word in words:
+        assert word in str(err.value)
+    assert "HINT" in str(err.value)
+
+
+def test_explicit_splits_pass_through():
+    assert partition_layers([5, 1, 1, 1], 2, splits=(3,)) == (range(0, 3), range(3, 4))
+    layout = Pipeline(2, 4, "interleaved-1f1b", 2, splits=(1, 2, 5))
+    part = partition_model(GPT(vocab=64, context=8, width=16, layers=6, heads=2),
+                           layout.stages, layout.chunks, layout.splits)
+    assert [len(r) for r in part.layers] == [1, 1, 3, 1]
+
+
+def test_micro_batches_and_grid():
+    assert micro_batch_size(32, 8) == 4 and micro_batch_size(5, 5) == 1
+    grid = PipelineGrid(world_size=4, stages=2)
+    assert grid.replicas == 2
+    assert [(grid.stage_of(r), grid.replica_of(r)) for r in range(4)] == [
+        (0, 0), (0, 1), (1, 0), (1, 1)]
+    assert grid.pipeline_ranks(1) == (1, 3) and grid.stage_ranks(1) == (2, 3)
+    assert all(grid.rank(grid.stage_of(r), grid.replica_of(r)) == r for r in range(4))
