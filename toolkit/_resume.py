@@ -29,9 +29,18 @@ def restore(ckpt: Checkpoint, adapter: Adapter, sampler: GlobalBatchSampler,
     """Loads ``ckpt`` into the adapter and the sampler after checking that it fits.
 
     Raises:
-        CheckpointError: the checkpoint was trained on data with another fingerprint, or its
-            tensors do not match the model's names and shapes.
+        CheckpointError: the checkpoint holds a native model written by another backend, was
+            trained on data with another fingerprint, or its tensors do not match the model's
+            names and shapes.
     """
+    written_by = ckpt.meta.get("backend")
+    if "model" in ckpt.meta and ckpt.meta["model"] is None and written_by != adapter.name:
+        # A native model's names are its framework's own: only specs move between backends.
+        raise CheckpointError(
+            f"checkpoint {ckpt.path} holds a native model written by {written_by}, but this "
+            f"run uses {adapter.name}",
+            f"resume it with the backend that wrote it (--backend {written_by}); only the "
+            "framework-neutral specs (toolkit.MLP, CNN, GPT) move between backends")
     saved = ckpt.meta.get("data_fingerprint")
     if saved is not None and data_fingerprint is not None and saved != data_fingerprint:
         raise CheckpointError(

@@ -261,3 +261,19 @@ def test_without_sync_every_rank_evaluates_and_saves_rank_zeros_statistics(launc
     r0, r1 = results(job)
     assert r0["buffers"] == r1["buffers"]
     assert r0["val"] == r1["val"]
+
+
+def test_a_keras_checkpoint_resumes_into_horovod_tf_only(tmp_path):
+    import torch
+
+    (x, y), _ = digits()
+    trainer(make(), keras_cnn(), SGD(lr=0.05), 3, checkpoint_dir=tmp_path).fit(x, y)
+    net = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(64, 10))
+    other = toolkit.Trainer(adapters.get("horovod-torch"), net, SGD(lr=0.05),
+                            global_batch_size=32, max_steps=6, checkpoint_dir=tmp_path,
+                            resume="latest", progress=False, env=ENV)
+    with pytest.raises(ToolkitError) as err:
+        other.fit(x, y)
+    assert "holds a native model written by horovod-tf, but this run uses horovod-torch" in \
+        str(err.value)
+    assert "--backend horovod-tf" in str(err.value)

@@ -9,7 +9,7 @@ import pytest
 
 import adapters
 import toolkit
-from toolkit import SGD, LaunchEnv, ToolkitError
+from toolkit import SGD, Adam, LaunchEnv, ToolkitError
 from toolkit.datasets import load_digits
 
 ENV = LaunchEnv()
@@ -236,6 +236,13 @@ def test_custom_metrics_are_averaged_like_the_loss(backend):
     with pytest.raises(ToolkitError, match="metric name 'loss' cannot be used"):
         toolkit.Trainer(adapter, toolkit.MLP((64, 16, 10)), SGD(lr=0.1), global_batch_size=32,
                         metrics={"loss": nll})
+    # cross_entropy reports val_accuracy itself; with a loss of one's own, "accuracy" is free.
+    with pytest.raises(ToolkitError, match="metric name 'accuracy' cannot be used"):
+        toolkit.Trainer(adapter, toolkit.MLP((64, 16, 10)), SGD(lr=0.1), global_batch_size=32,
+                        metrics={"accuracy": nll})
+    mine = toolkit.Trainer(adapter, toolkit.MLP((64, 16, 10)), SGD(lr=0.1), global_batch_size=32,
+                           loss=nll, metrics={"accuracy": nll})
+    assert list(mine.metrics) == ["accuracy"]
 
 
 def test_a_metric_with_the_wrong_shape_is_a_clear_error():
@@ -247,3 +254,97 @@ def test_a_metric_with_the_wrong_shape_is_a_clear_error():
     t.fit(x, y)
     with pytest.raises(ToolkitError, match=r"metric 'mean' returned shape \(\) for a batch"):
         t.evaluate(*val)
+
+
+def own_optimizer(backend, model, kind="adamw"):
+    """The framework's own optimizer: torch.optim over the model's parameters, or an optax
+    chain with a schedule (state: Adam's moments and count, the schedule's count)."""
+    if backend == "horovod-torch":
+        import torch
+
+        if kind == "adam":
+            return torch.optim.Adam(model.parameters(), lr=0.01)
+        if kind == "sgd":
+            return torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=0.05)
+        return torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.05)
+    import optax
+
+    if kind == "sgd":
+        return optax.chain(optax.add_decayed_weights(0.05), optax.sgd(0.1, momentum=0.9))
+    return optax.chain(optax.clip_by_global_norm(1.0),
+                       optax.adamw(optax.exponential_decay(0.01, 5, 0.8), weight_decay=0.05))
+
+
+def own_trainer(adapter, model, optimizer, steps, **kw):
+    return toolkit.Trainer(adapter, model, optimizer, global_batch_size=32, max_steps=steps,
+                           progress=False, env=ENV, **kw)
+
+
+@pytest.mark.parametrize("backend", NATIVE)
+def test_kill_and_resume_is_bit_for_bit_with_the_frameworks_own_optimizer(backend, tmp_path):
+    """torch.optim / optax state (moments, step counts, schedule counts) is checkpointed."""
+    (x, y), _ = load_digits()
+
+    def run(steps, **kw):
+        adapter, model = make(backend)
+        own_trainer(adapter, model, own_optimizer(backend, model), steps, **kw).fit(x, y)
+        return adapter
+
+    straight = run(20)
+    run(10, checkpoint_dir=tmp_path, checkpoint_every=10)
+    resumed = run(20, checkpoint_dir=tmp_path, resume="latest")
+    want, got = straight.state_dict(), resumed.state_dict()
+    assert got.keys() == want.keys()
+    assert any(k.startswith("opt/") for k in got), sorted(got)
+    assert any(k.startswith("buffers/") for k in got), sorted(got)
+    for name in want:
+        np.testing.assert_array_equal(got[name], want[name], err_msg=name)
+
+
+@pytest.mark.parametrize("backend, kind", [("horovod-torch", "adam"), ("horovod-torch", "sgd"),
+                                           ("jax-pmap", "sgd"), ("jax-pjit", "sgd")])
+def test_the_frameworks_own_optimizer_trains_like_the_spec_it_equals(backend, kind):
+    """torch.optim.Adam is toolkit.Adam's arithmetic, and SGD with momentum and L2 weight decay
+    is the same in torch, optax and the spec: a native optimizer gets no extra step, decay or
+    count before training starts."""
+    spec = Adam(lr=0.01) if kind == "adam" else SGD(lr=0.1, momentum=0.9, weight_decay=0.05)
+    (x, y), _ = load_digits()
+    a, model = make(backend, dropout=0.0)
+    want = own_trainer(a, model, spec, 8).fit(x, y).losses
+    b, model = make(backend, dropout=0.0)
+    got = own_trainer(b, model, own_optimizer(backend, model, kind), 8).fit(x, y).losses
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+    if kind == "adam":
+        assert int(b.state_dict()["opt/count"]) == 8
+
+
+@pytest.mark.parametrize("backend", ["jax-pmap", "jax-pjit"])
+def test_flax_dropout_draws_differ_between_steps_but_not_between_runs(backend):
+    """The per-step key really reaches Flax's Dropout (else resume equality is vacuous)."""
+    import optax
+
+    (x, y), _ = load_digits()
+    batch = (x[:32], y[:32])
+    runs = []
+    for dropout in (0.5, 0.5, 0.0):
+        adapter, model = make(backend, dropout=dropout)
+        adapter.build(model, optax.sgd(0.0), "cross_entropy")
+        runs.append([float(adapter.train_step(*batch, None)) for _ in range(3)])
+    assert runs[0] == runs[1]
+    assert len(set(runs[0])) == 3  # same batch, same weights: only the dropout masks differ
+    assert len(set(runs[2])) == 1 and runs[2][0] not in runs[0]
+
+
+@pytest.mark.parametrize("source, target", [("horovod-torch", "jax-pjit"),
+                                            ("jax-pmap", "jax-pjit"),
+                                            ("jax-pjit", "horovod-torch")])
+def test_a_native_model_resumes_into_the_backend_that_wrote_it_only(source, target, tmp_path):
+    (x, y), _ = load_digits()
+    adapter, model = make(source)
+    trainer(adapter, model, 3, checkpoint_dir=tmp_path).fit(x, y)
+    adapter, model = make(target)
+    with pytest.raises(ToolkitError) as err:
+        trainer(adapter, model, 6, checkpoint_dir=tmp_path, resume="latest").fit(x, y)
+    assert f"holds a native model written by {source}, but this run uses {target}" in \
+        str(err.value)
+    assert f"--backend {source}" in str(err.value) and "HINT" in str(err.value)

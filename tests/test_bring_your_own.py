@@ -1,0 +1,80 @@
+"""examples/bring_your_own/: a user's own torch, Keras and Flax CNN with BatchNorm, trained with
+the framework's own optimizer and loss under real launchers. Each script learns, prints only
+the toolkit's lines, once, and a run resumed from the checkpoint a killed job would have left
+ends bit for bit where the uninterrupted run does (parameters, BatchNorm statistics, optimizer
+state).
+
+The uninterrupted run and the resumed one use different launchers (every launcher runs once),
+so the checkpoint is also shown not to depend on the launcher.
+"""
+
+import re
+import shutil
+
+import numpy as np
+import pytest
+
+from toolkit import CheckpointStore
+
+EPOCHS, STEPS_PER_EPOCH = 4, 22  # 1,437 training samples, global batch 64
+# script -> (its backend, the launcher of the uninterrupted run, that of the resumed one)
+SCRIPTS = {
+    "torch_cnn.py": ("horovod-torch", "horovodrun-gloo", "mpirun"),
+    "keras_cnn.py": ("horovod-tf", "horovodrun-mpi", "horovodrun-gloo"),
+    "flax_cnn.py": ("jax-pjit", "horovodrun-gloo", "srun"),
+}
+# What the examples may print: the toolkit's lines and nothing of any framework's start-up.
+# horovodrun tags output "[0]<stdout>:" (Gloo) or "[1,0]<stdout>:" (MPI: also before a line's
+# newline when print writes it separately, which can end up at the end of the line).
+TAG = re.compile(r"\[[\d,]+\]<stdout>:")
+ALLOWED = re.compile(r"(epoch \d+  step \d+  loss \d+\.\d+  val_loss \d+\.\d+  "
+                     r"\(\d+\.\d+ s\)|done: world_size 2  steps \d+  val_loss \d+\.\d+  "
+                     r"val_accuracy \d\.\d{4}|resumed from \S+ \(step \d+, written by \S+ on 2 "
+                     r"ranks\))$")
+
+
+def run(launch, launcher, script, ckpt, epochs, extra=()) -> str:
+    """Runs the example on 2 ranks; returns its output lines without horovodrun's tags."""
+    job = launch(launcher, 2, [f"examples/bring_your_own/{script}", "--epochs", str(epochs),
+                               "--checkpoint-dir", str(ckpt), *extra], timeout=480)
+    assert job.returncode == 0, job
+    lines = [TAG.sub("", line) for line in job.stdout.splitlines()]
+    lines = [line for line in lines if line.strip()]
+    assert [line for line in lines if not ALLOWED.fullmatch(line)] == [], job
+    assert sum("done: " in line for line in lines) == 1, job
+    return "\n".join(lines)
+
+
+def final_state(ckpt):
+    latest = CheckpointStore(ckpt).load("latest")
+    assert latest.step == EPOCHS * STEPS_PER_EPOCH
+    return latest.tensors
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_example_learns_and_resumes_bit_for_bit(script, launch, tmp_path):
+    backend, whole, resumed = SCRIPTS[script]
+    half = EPOCHS // 2 * STEPS_PER_EPOCH
+    out = run(launch, whole, script, tmp_path / "straight", EPOCHS,
+              ["--checkpoint-every", str(half)])
+    assert len(re.findall(r"epoch \d+  step", out)) == EPOCHS, out
+    done = re.search(rf"done: world_size 2  steps {EPOCHS * STEPS_PER_EPOCH}  .* "
+                     r"val_accuracy (\S+)", out)
+    assert done and float(done.group(1)) > 0.9, out
+
+    # What a job killed after its checkpoint of step `half` leaves behind; then --resume latest.
+    name = f"step_{half:09d}"
+    shutil.copytree(tmp_path / "straight" / name, tmp_path / "killed" / name)
+    again = run(launch, resumed, script, tmp_path / "killed", EPOCHS, ["--resume", "latest"])
+    assert re.search(rf"resumed from \S+{name} \(step {half}, written by {backend} on 2 "
+                     r"ranks\)", again), again
+    assert len(re.findall(r"epoch \d+  step", again)) == EPOCHS - EPOCHS // 2, again
+    assert f"done: world_size 2  steps {EPOCHS * STEPS_PER_EPOCH} " in again, again
+
+    want, got = final_state(tmp_path / "straight"), final_state(tmp_path / "killed")
+    assert got.keys() == want.keys()
+    assert any(k.startswith("buffers/") and ("mean" in k or "var" in k) for k in got), got.keys()
+    assert any(k.startswith("opt/") for k in got), got.keys()
+    for name in want:
+        np.testing.assert_array_equal(got[name], want[name], err_msg=name)
