@@ -175,8 +175,10 @@ class JaxBackendBase(BackendBase):
         self.jnp = jnp
         self.dtype = jnp.dtype(self.dtype_name)
 
-    def _build_common(self, model, optimizer, loss, seed, accumulation_steps, metrics=None):
-        """Initial ``(params, opt_state, model_state)`` as host trees, rank 0's everywhere."""
+    def _build_common(self, model, optimizer, loss, seed, accumulation_steps, metrics=None,
+                      init_opt: bool = True):
+        """Initial ``(params, opt_state, model_state)`` as host trees, rank 0's everywhere
+        (``init_opt=False``: an empty one, for layouts that create their own shards)."""
         self.loss_name, self.loss_fn = loss_name(loss), loss
         self.metrics = dict(metrics or {})
         self.accumulation_steps, self.seed = accumulation_steps, seed
@@ -188,7 +190,7 @@ class JaxBackendBase(BackendBase):
         tmap = self.jax.tree_util.tree_map
         params = tmap(self._cast, self.model.params)
         model_state = tmap(self._cast, self.model.state)
-        opt_state = tmap(np.asarray, self.tx.init(params))
+        opt_state = tmap(np.asarray, self.tx.init(params)) if init_opt else {}
         if self.env.world_size > 1:  # rank 0's initial state becomes everyone's
             from jax.experimental import multihost_utils
 
@@ -228,13 +230,39 @@ class JaxBackendBase(BackendBase):
             return np.asarray(y, np.int32)
         return self._inputs(y)
 
-    def _accumulated_grads(self, params, model_state, x, y, key):
+    _compiled_for = None
+
+    def _run_step(self, step, args: tuple, ahead: bool = True):
+        """``step(*args)``; a jitted step (``ahead``) is compiled ahead of its first call for
+        these batch shapes, then a barrier: no process starts the step's collectives while
+        another is still compiling (XLA's CPU collectives time out after 30 s when processes
+        drift apart: jax issue 40831). A pmapped step cannot be compiled ahead for the local
+        shapes of a multi-process run (``lower`` takes global ones), so the processes only meet
+        at a barrier before its first call, to start compiling together."""
+        shapes = tuple((np.shape(a), a.dtype) for a in args[3:5])
+        if self._compiled_for != shapes:
+            if ahead:
+                self._compiled = step.lower(*args).compile()
+                self.barrier()
+            else:
+                self.barrier()
+                self._compiled = step
+            self._compiled_for = shapes
+        return self._compiled(*args)
+
+    def _accumulated_grads(self, params, model_state, x, y, key, forward=None):
         """Gradients of the batch mean over ``accumulation_steps`` micro-batches (unrolled:
-        the count is static), every sample's loss in batch order, and the new model state."""
+        the count is static), every sample's loss in batch order, and the new model state.
+
+        ``forward(params, model_state, xb, rng) -> (outputs, model_state)`` replaces the Flax
+        model's training forward (the sharded layouts pass their flat buffers through it)."""
         jax, jnp, k = self.jax, self.jnp, self.accumulation_steps
+        if forward is None:
+            def forward(params, model_state, xb, rng):
+                return self.model.apply(params, model_state, xb, train=True, rng=rng)
 
         def loss_fn(params, model_state, xb, yb, rng):  # mean for the gradient, per sample too
-            out, model_state = self.model.apply(params, model_state, xb, train=True, rng=rng)
+            out, model_state = forward(params, model_state, xb, rng)
             losses = per_sample_loss(jnp, self.loss_fn, out, yb)
             return jnp.mean(losses), (losses, model_state)
 
@@ -305,10 +333,18 @@ class JaxBackendBase(BackendBase):
                             for n, v in self.model.flat(tree).items()})
             if isinstance(self.opt_spec, Adam):
                 out["opt/count"] = np.asarray(self.count, np.int64)
+        else:  # a native optax state: every leaf under its tree path ("opt/0.mu.Dense_0.kernel")
+            out.update({n: np.array(v) for n, v in self._optax_leaves(opt_state)})
         out.update({n: np.array(v) for n, v in self.model.flat_state(model_state).items()})
         if self.model.native:
             out["rng/step"] = np.asarray(self.steps, np.int64)
         return out
+
+    def _optax_leaves(self, opt_state) -> list[tuple[str, Any]]:
+        """``(opt/<tree path>, leaf)`` for every leaf of a native optax state, in tree order."""
+        keystr = self.jax.tree_util.keystr
+        return [("opt/" + keystr(path, simple=True, separator="."), leaf)
+                for path, leaf in self.jax.tree_util.tree_flatten_with_path(opt_state)[0]]
 
     def _import(self, state: dict[str, np.ndarray], params_like, opt_like, model_state_like):
         def take(prefix, like):
@@ -317,8 +353,13 @@ class JaxBackendBase(BackendBase):
                 {n: np.asarray(state[f"{prefix}/{n}"], self.dtype_name) for n in names}, like)
 
         params = take("params", params_like)
-        opt_state = ({slot: take(f"opt/{slot}", tree) for slot, tree in opt_like.items()}
-                     if self.opt_spec is not None else opt_like)
+        if self.opt_spec is not None:
+            opt_state = {slot: take(f"opt/{slot}", tree) for slot, tree in opt_like.items()}
+        else:
+            leaves = [np.asarray(state[n], np.asarray(v).dtype)
+                      for n, v in self._optax_leaves(opt_like)]
+            opt_state = self.jax.tree_util.tree_unflatten(
+                self.jax.tree_util.tree_structure(opt_like), leaves)
         like = self.model.flat_state(model_state_like)
         model_state = self.model.unflat_state(
             {n: np.asarray(state[n], np.asarray(v).dtype) for n, v in like.items()},

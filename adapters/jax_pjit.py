@@ -1,9 +1,17 @@
 """The ``jax-pjit`` backend: ``jax.jit`` over a ``Mesh`` of every process's devices.
 
-The batch is sharded on the mesh's ``data`` axis (``NamedSharding(mesh, P("data"))``), the
-parameters and optimizer state are replicated (``P()``); the compiler inserts the gradient
-all-reduce. Each process contributes its local samples through
-``jax.make_array_from_process_local_data``.
+Data parallel (the default layout): the batch is sharded on the mesh's ``data`` axis
+(``NamedSharding(mesh, P("data"))``), the parameters and optimizer state are replicated
+(``P()``); the compiler inserts the gradient all-reduce. Each process contributes its local
+samples through ``jax.make_array_from_process_local_data``.
+
+Sharded layouts (``toolkit.Sharded``, see ``adapters/_jax_pjit_sharded.py``): the state lives in
+flat per-unit buffers sharded ``P("data")`` and the compiler inserts the all-gathers and
+reduce-scatters; ``tensor_parallel=k`` adds a ``model`` axis that splits the GPT's attention
+and MLP kernels (Megatron style).
+
+Pipeline stages (``toolkit.Pipeline``, see ``adapters/_jax_pipeline_pjit.py``): a (stage, data)
+mesh; stages exchange activations and gradients with ``lax.ppermute`` inside ``shard_map``.
 """
 
 from __future__ import annotations
@@ -13,17 +21,46 @@ from typing import Any
 import numpy as np
 
 from adapters._jax import JaxBackendBase, LocalMean, apply_optimizer
-from toolkit import ToolkitError
+from adapters._jax_pjit_sharded import PjitSharding
+from toolkit import Pipeline, ToolkitError
 
 
-class JaxPjitAdapter(JaxBackendBase):
-    """JAX with jit over a device mesh. See :class:`toolkit.Adapter` for the contract."""
+class JaxPjitAdapter(PjitSharding, JaxBackendBase):
+    """JAX with jit over a device mesh. See :class:`toolkit.Adapter` for the contract, and
+    :class:`toolkit.ShardedAdapter` for the sharded layouts."""
 
     name = "jax-pjit"
+    pipeline = None  # an adapters._jax_pipeline_pjit.PjitPipeline under toolkit.Pipeline
+
+    def set_layout(self, layout: Any) -> None:
+        if isinstance(layout, Pipeline):
+            from adapters._jax_pipeline_pjit import PjitPipeline
+
+            self.pipeline = PjitPipeline(self, layout)  # one sample share per replica
+            return
+        super().set_layout(layout)
+
+    def pipeline_position(self) -> tuple[int, int]:
+        """This process's ``(stage, replica)`` (``(0, rank)`` without a pipeline)."""
+        return self.pipeline.pipeline_position() if self.pipeline else (0, self.env.rank)
+
+    def sharded_state(self):
+        return self.pipeline.sharded_state() if self.pipeline else super().sharded_state()
+
+    def memory_bytes(self) -> dict[str, int]:
+        return self.pipeline.memory_bytes() if self.pipeline else super().memory_bytes()
 
     def build(self, model: Any, optimizer: Any, loss: Any, *, seed: int = 0,
               accumulation_steps: int = 1, sync_batchnorm: bool = False,
               metrics: Any = None) -> None:
+        if self.pipeline is not None:
+            return self.pipeline.build(model, optimizer, loss, seed=seed, metrics=metrics,
+                                       accumulation_steps=accumulation_steps,
+                                       sync_batchnorm=sync_batchnorm)
+        self._compiled_for = None  # the step compiles anew for this model
+        if self.layout is not None:
+            self._build_sharded(model, optimizer, loss, seed, accumulation_steps, metrics)
+            return
         jax = self.jax
         from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
@@ -61,6 +98,8 @@ class JaxPjitAdapter(JaxBackendBase):
         return self.jax.make_array_from_process_local_data(self.batch, local)
 
     def train_step(self, x: np.ndarray, y: np.ndarray, lr: float | None) -> float:
+        if self.pipeline is not None:
+            return self.pipeline.train_step(x, y, lr)
         devices = self.jax.local_device_count()
         if len(x) % (devices * self.accumulation_steps):
             raise ToolkitError(
@@ -71,24 +110,39 @@ class JaxPjitAdapter(JaxBackendBase):
         scalars, seed = self._replicate(self._scalars(lr)), self._replicate(self._step_seed())
         xg = self._global(self._inputs(x))
         yg = self._global(self._labels(y))
-        self.params, self.opt_state, self.model_state, losses = self._jstep(
-            self.params, self.opt_state, self.model_state, xg, yg, scalars, seed)
+        out = self._run_step(self._jstep, (self.params, self.opt_state, self.model_state, xg,
+                                           yg, scalars, seed))
+        self.params, self.opt_state, self.model_state, losses = out[:4]
+        if self.layout is not None:
+            self.grads = out[4]  # the gradient this layout keeps (memory_bytes counts it)
         # Per-sample losses stay sharded like the batch: this process's shards are its samples.
         return LocalMean([shard.data for shard in losses.addressable_shards])
 
     def evaluate(self, x: np.ndarray, y: np.ndarray) -> dict[str, float]:
-        sums = self._jeval(self._host(self.params), self._host(self.model_state),
-                                        self._inputs(x), self._labels(y))
+        if self.pipeline is not None:
+            return self.pipeline.evaluate(x, y)
+        params = self._full_params() if self.layout is not None else self._host(self.params)
+        sums = self._jeval(params, self._host(self.model_state), self._inputs(x),
+                           self._labels(y))
         return self._eval_result(sums, len(x))
 
     def _host(self, tree):
         return self.jax.tree_util.tree_map(lambda a: np.asarray(a.addressable_data(0)), tree)
 
     def state_dict(self) -> dict[str, np.ndarray]:
+        if self.pipeline is not None:
+            return self.pipeline.state_dict()
+        if self.layout is not None:
+            return self._sharded_state_dict()
         return self._export(self._host(self.params), self._host(self.opt_state),
                             self._host(self.model_state))
 
     def load_state_dict(self, state: dict[str, np.ndarray]) -> None:
+        if self.pipeline is not None:
+            return self.pipeline.load_state_dict(state)
+        if self.layout is not None:
+            self._load_sharded(state)
+            return
         params, opt_state, model_state = self._import(
             state, self._host(self.params), self._host(self.opt_state),
             self._host(self.model_state))

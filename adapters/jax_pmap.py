@@ -13,26 +13,33 @@ from typing import Any
 import numpy as np
 
 from adapters._jax import JaxBackendBase, LocalMean, apply_optimizer
+from adapters._jax_pmap_sharded import PmapSharding
 from toolkit import ToolkitError
 
 
-class JaxPmapAdapter(JaxBackendBase):
-    """JAX with pmap. See :class:`toolkit.Adapter` for the contract."""
+class JaxPmapAdapter(PmapSharding, JaxBackendBase):
+    """JAX with pmap. See :class:`toolkit.Adapter` for the contract, and
+    :class:`toolkit.ShardedAdapter` for the sharded layouts (``adapters/_jax_pmap_sharded.py``:
+    explicit ``lax.all_gather`` / ``lax.psum_scatter`` on flat per-unit buffers)."""
 
     name = "jax-pmap"
 
     def build(self, model: Any, optimizer: Any, loss: Any, *, seed: int = 0,
               accumulation_steps: int = 1, sync_batchnorm: bool = False,
               metrics: Any = None) -> None:
+        self._compiled_for = None  # the step compiles anew for this model
         jax = self.jax
-        params, opt_state, model_state = self._build_common(model, optimizer, loss, seed,
-                                                            accumulation_steps, metrics)
         from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
         self.devices = jax.local_devices()
-        # One copy per local device, stacked on a leading axis (what pmap maps over).
+        # One copy (or shard) per local device, stacked on a leading axis (what pmap maps over).
         self.stacked = NamedSharding(Mesh(np.asarray(self.devices), ("local",)),
                                      PartitionSpec("local"))
+        if self.layout is not None:
+            self._build_sharded(model, optimizer, loss, seed, accumulation_steps, metrics)
+            return
+        params, opt_state, model_state = self._build_common(model, optimizer, loss, seed,
+                                                            accumulation_steps, metrics)
         self.params, self.opt_state = self._replicate(params), self._replicate(opt_state)
         self.model_state = self._replicate(model_state)
         self._pstep = jax.pmap(self._device_step, axis_name="batch",
@@ -64,8 +71,11 @@ class JaxPmapAdapter(JaxBackendBase):
         scalars = self._scalars(lr)
         xs = self._inputs(x).reshape((d, -1) + x.shape[1:])
         ys = self._labels(y).reshape((d, -1) + y.shape[1:])
-        self.params, self.opt_state, self.model_state, losses = self._pstep(
-            self.params, self.opt_state, self.model_state, xs, ys, scalars, self._step_seed())
+        out = self._run_step(self._pstep, (self.params, self.opt_state, self.model_state, xs,
+                                           ys, scalars, self._step_seed()), ahead=False)
+        self.params, self.opt_state, self.model_state, losses = out[:4]
+        if self.layout is not None:
+            self.grads = out[4]  # the gradient this layout keeps (memory_bytes counts it)
         return LocalMean([losses])  # one mean per device, of equal shares
 
     def _replicate(self, tree):
@@ -77,15 +87,21 @@ class JaxPmapAdapter(JaxBackendBase):
         return self.jax.tree_util.tree_map(lambda a: np.asarray(a[0]), tree)
 
     def evaluate(self, x: np.ndarray, y: np.ndarray) -> dict[str, float]:
-        sums = self._jeval(self._local(self.params), self._local(self.model_state),
-                                        self._inputs(x), self._labels(y))
+        params = self._full_params() if self.layout is not None else self._local(self.params)
+        sums = self._jeval(params, self._local(self.model_state), self._inputs(x),
+                           self._labels(y))
         return self._eval_result(sums, len(x))
 
     def state_dict(self) -> dict[str, np.ndarray]:
+        if self.layout is not None:
+            return self._sharded_state_dict()
         return self._export(self._local(self.params), self._local(self.opt_state),
                             self._local(self.model_state))
 
     def load_state_dict(self, state: dict[str, np.ndarray]) -> None:
+        if self.layout is not None:
+            self._load_sharded(state)
+            return
         params, opt_state, model_state = self._import(
             state, self._local(self.params), self._local(self.opt_state),
             self._local(self.model_state))

@@ -1,0 +1,225 @@
+"""jax-pjit's sharded layouts (ZeRO stages 1-3 / FSDP, and tensor parallelism of the GPT).
+
+The state lives in flat per-unit buffers (``adapters._jax_sharded.FlatUnits``, padded to a
+multiple of the ``data`` axis's size, so any device count works, 3 included) on a
+``(data, model)`` mesh of every process's devices, process-major (a process's devices hold
+consecutive shards). The jitted step unflattens the buffers into the model's parameters; where a
+buffer is sharded, the compiler inserts the all-gather, and where a result is constrained to a
+sharded layout, the reduce-scatter:
+
+- stage 1: parameters replicated ``P()``; the gradient replicated (all-reduced) and kept; each
+  device updates its shard ``P("data")`` of the parameters (its optimizer state is only that
+  shard), and the updated shards are all-gathered back into the replicated parameters.
+- stage 2: as 1, but the gradient is constrained to ``P("data")``
+  (``jax.lax.with_sharding_constraint``), so the compiler reduce-scatters it.
+- stage 3: the parameters, too, are held as ``P("data")`` shards between steps; the compiler
+  gathers them for the forward and backward passes (XLA schedules and frees the gathered
+  buffers itself, without per-unit activation checkpointing: that is jax-pmap's explicit FSDP).
+
+``tensor_parallel=k`` (a ``toolkit.GPT`` only) makes the mesh ``(devices / k, k)``: the
+attention and MLP kernels are split over ``model`` (``adapters._jax_tp``), kept as ``(k, M)``
+arrays sharded ``P("model", "data")``; every other parameter stays in the flat buffers sharded
+over ``data``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+from adapters import _jax_tp
+from adapters._jax import apply_optimizer
+from adapters._jax_sharded import (
+    FlatUnits,
+    check_layout,
+    check_sharded_optimizer,
+    local_range,
+    nbytes,
+)
+from toolkit import Adam, ToolkitError
+from toolkit._reference import optimizer_slots
+
+
+class PjitSharding:
+    """The :class:`toolkit.ShardedAdapter` ability of ``JaxPjitAdapter`` (a mixin)."""
+
+    layout = None  # a toolkit.Sharded after set_layout; None: data parallel
+
+    def set_layout(self, layout: Any) -> None:
+        """Shards the state ``build`` creates as ``layout`` (a ``toolkit.Sharded``) says."""
+        self.layout = check_layout(self.name, layout, tensor_parallel_ok=True)
+
+    # ------------------------------------------------------------------ build
+    def _build_sharded(self, model, optimizer, loss, seed, accumulation_steps, metrics):
+        jax = self.jax
+        from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+        check_sharded_optimizer(self.name, optimizer)
+        params, _, model_state = self._build_common(model, optimizer, loss, seed,
+                                                    accumulation_steps, metrics, init_opt=False)
+        k, stage = self.layout.tensor_parallel, self.layout.stage
+        devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
+        if k > 1:
+            _jax_tp.check(model, k, len(devices), self.model.native)
+        self.mesh = Mesh(np.asarray(devices).reshape(len(devices) // k, k), ("data", "model"))
+        self._ns = lambda *dims: NamedSharding(self.mesh, PartitionSpec(*dims))
+        self.replicated, self.batch = self._ns(), self._ns("data")
+        self.spec = model if k > 1 else None
+        self.split = _jax_tp.split_names(model) if k > 1 else ()
+        self.units = FlatUnits(self.model, len(devices) // k, exclude=self.split)
+        named = self.model.flat(params)
+        self.views = {n: _jax_tp.to_view(n, named[n], model, np).shape for n in self.split}
+        sharded, full = self._store_shardings(True), self._store_shardings(False)
+        self.param_sharding = sharded if stage == 3 else full
+        self.grad_sharding = full if stage == 1 else sharded
+        slots = optimizer_slots(optimizer)
+        opt_sharding = {slot: sharded for slot in slots}
+        host = self._to_store(named)
+        zeros = jax.tree_util.tree_map(np.zeros_like, host)
+        self.params = self._place(host, self.param_sharding)
+        self.opt_state = {slot: self._place(zeros, sharded) for slot in slots}
+        self.grads = self._place(zeros, self.grad_sharding)  # replaced by each step's
+        self.model_state = self._replicate(model_state)
+        repl, batch = self.replicated, self.batch
+        self._jstep = jax.jit(
+            self._sharded_step,
+            in_shardings=(self.param_sharding, opt_sharding, repl, batch, batch, repl, repl),
+            out_shardings=(self.param_sharding, opt_sharding, repl, batch, self.grad_sharding),
+            donate_argnums=(0, 1, 2))
+        self._jfull = jax.jit(self._named_full, out_shardings=repl)
+        # Checkpoint pieces of split tensors: each tensor flattened and cut over all devices.
+        self._jflat = jax.jit(self._flat_tensors, out_shardings=self._ns(("data", "model")))
+        self._jeval = jax.jit(self._eval_fn)
+
+    def _store_shardings(self, sharded: bool) -> dict[str, Any]:
+        """The shardings of a state store: ``{"units": {unit: ...}, "split": {name: ...}}``."""
+        ns = self._ns
+        return {"units": {u: ns("data") if sharded else ns() for u in self.units.layouts},
+                "split": {n: ns("model", "data") if sharded else ns("model", None)
+                          for n in self.split}}
+
+    def _to_store(self, named: dict[str, np.ndarray]) -> dict[str, Any]:
+        """Host arrays by neutral name -> a host store (flat units; split tensors as padded
+        ``(k, M)`` rows, row r the part of model-parallel rank r)."""
+        k, d = self.layout.tensor_parallel, self.units.shards
+        split = {}
+        for n in self.split:
+            rows = _jax_tp.to_view(n, np.asarray(named[n]), self.spec, np).reshape(k, -1)
+            split[n] = np.pad(rows, ((0, 0), (0, -rows.shape[1] % d)))
+        return {"units": self.units.flatten(named), "split": split}
+
+    def _place(self, host: dict[str, Any], shardings: dict[str, Any]) -> dict[str, Any]:
+        jax = self.jax
+        return jax.tree_util.tree_map(
+            lambda a, s: jax.make_array_from_callback(a.shape, s, lambda idx: a[idx]),
+            host, shardings)
+
+    # ------------------------------------------------------------------ inside jit
+    def _named(self, store: dict[str, Any]) -> dict[str, Any]:
+        """A store -> parameters by neutral name (split tensors as their views)."""
+        named = self.units.named(store["units"])
+        for n, shape in self.views.items():  # each row's padding dropped
+            row = math.prod(shape) // self.layout.tensor_parallel
+            named[n] = store["split"][n][:, :row].reshape(shape)
+        return named
+
+    def _named_full(self, store: dict[str, Any]) -> dict[str, Any]:
+        """A store -> every tensor by neutral name in its original layout."""
+        named = self._named(store)
+        for n in self.split:
+            named[n] = _jax_tp.from_view(n, named[n], self.spec, self.jnp)
+        return named
+
+    def _flat_tensors(self, store: dict[str, Any]) -> dict[str, Any]:
+        size = self.mesh.devices.size
+        return {n: self.jnp.pad(v.reshape(-1), (0, -v.size % size))
+                for n, v in self._named_full(store).items()}
+
+    def _constrain(self, a, dims):
+        return self.jax.lax.with_sharding_constraint(a, self._ns(*dims))
+
+    def _sharded_forward(self, store, model_state, xb, rng):
+        named = self._named(store)
+        if not self.split:
+            tree = self.model.unflat(named, self.model.params)
+            return self.model.apply(tree, model_state, xb, train=True, rng=rng)
+        for n in self.split:  # each model-parallel rank computes with its part only
+            named[n] = self._constrain(named[n], ("model",) + (None,) * (named[n].ndim - 1))
+        return _jax_tp.forward(named, xb, self.spec, self._constrain), model_state
+
+    def _sharded_step(self, params, opt_state, model_state, x, y, scalars, seed):
+        wsc = self.jax.lax.with_sharding_constraint
+        key = self.jax.random.PRNGKey(seed)
+        grads, losses, model_state = self._accumulated_grads(
+            params, model_state, x, y, key, forward=self._sharded_forward)
+        # stage 1: the full gradient (all-reduced) is kept; 2 and 3: only its shard
+        # (reduce-scattered). Either way each device updates its own shard.
+        grads = wsc(grads, self.grad_sharding)
+        shards = self._store_shardings(True)
+        params, opt_state = apply_optimizer(self.tx, wsc(grads, shards), opt_state,
+                                            wsc(params, shards), scalars)
+        return params, opt_state, model_state, losses, grads
+
+    # ------------------------------------------------------------------ host side
+    def _host_named(self, store) -> dict[str, np.ndarray]:
+        """Every tensor of a store gathered (a collective: every process calls it)."""
+        return {n: np.asarray(a.addressable_data(0)) for n, a in self._jfull(store).items()}
+
+    def _full_params(self):
+        return self.model.unflat(self._host_named(self.params), self.model.params)
+
+    def _sharded_state_dict(self) -> dict[str, np.ndarray]:
+        unflat, like = self.model.unflat, self.model.params
+        opt = {slot: unflat(self._host_named(s), like) for slot, s in self.opt_state.items()}
+        return self._export(self._full_params(), opt, self._host(self.model_state))
+
+    def _load_sharded(self, state: dict[str, np.ndarray]) -> None:
+        like = self.model.params
+        params, opt_state, model_state = self._import(
+            state, like, {slot: like for slot in self.opt_state}, self._host(self.model_state))
+        sharded = self._store_shardings(True)
+        self.params = self._place(self._to_store(self.model.flat(params)),
+                                  self.param_sharding)
+        self.opt_state = {slot: self._place(self._to_store(self.model.flat(tree)), sharded)
+                          for slot, tree in opt_state.items()}
+        self.model_state = self._replicate(model_state)
+
+    def sharded_state(self):
+        """``(replicated, pieces)`` (see :class:`toolkit.ShardedAdapter`): this process's
+        devices' consecutive shards of each unit (``FlatLayout.owned``), or with tensor
+        parallelism, its consecutive part of each split tensor flattened over all devices."""
+        if self.layout is None:
+            raise ToolkitError(f"{self.name}: sharded_state() needs a sharded layout",
+                               "call set_layout(toolkit.Sharded(stage=...)) before build")
+        replicated = dict(self.model.flat_state(self._host(self.model_state)))
+        if isinstance(self.opt_spec, Adam):
+            replicated["opt/count"] = np.asarray(self.count, np.int64)
+        stores = [(f"opt/{slot}", s) for slot, s in self.opt_state.items()]
+        if self.layout.stage == 3:
+            stores.append(("params", self.params))
+        else:
+            replicated.update({f"params/{n}": v
+                               for n, v in self._host_named(self.params).items()})
+        pieces = {}
+        for prefix, store in stores:
+            if not self.split:
+                for unit, array in store["units"].items():
+                    pieces.update(self.units.pieces(unit, *local_range(array), prefix))
+                continue
+            shapes = {n: np.shape(v) for n, v in self.model.flat(self.model.params).items()}
+            for n, array in self._jflat(store).items():
+                lo, data = local_range(array)  # padding lies at the end: cut it off
+                piece = data[:max(0, math.prod(shapes[n]) - lo)]
+                pieces[f"{prefix}/{n}"] = (np.ascontiguousarray(piece), 0, shapes[n])
+        return replicated, pieces
+
+    def memory_bytes(self) -> dict[str, int]:
+        """Bytes of this process's device buffers (every local device's shards, so a
+        replicated buffer counts once per local device): parameters, the kept gradient
+        (under data parallel: the size of the parameters), optimizer slots."""
+        params = nbytes(self.params)
+        # data parallel keeps no gradient between steps; the step's own is as large as params
+        grads = nbytes(self.grads) if self.layout is not None else params
+        return {"params": params, "grads": grads, "optimizer": nbytes(self.opt_state)}

@@ -1,0 +1,216 @@
+"""jax-pmap's sharded layouts (ZeRO stages 1-3 / FSDP) with explicit collectives.
+
+Every device of every process (``N = jax.device_count()``, process-major: a process's devices
+hold consecutive shards) keeps shard ``axis_index`` of each unit's flat buffer
+(``adapters._jax_sharded.FlatUnits``), stacked on the leading axis pmap maps over:
+
+- stage 1: full parameters on every device; the gradient averaged in full (``lax.pmean``) and
+  kept; each device updates its slice of the parameters with its shard of the optimizer state;
+  the updated slices are re-assembled with ``lax.all_gather``.
+- stage 2: as 1, but the gradient is reduce-scattered (``lax.psum_scatter``, a sum, divided by
+  ``N`` for the data-parallel mean): each device only ever holds its gradient shard.
+- stage 3 (FSDP): only shards are held. Each unit's forward runs inside ``jax.checkpoint`` as
+  "all-gather the unit's shard, then the unit's forward": the gathered parameters are freed
+  after the unit's forward, and the backward recomputes the gather and the forward (per-unit
+  activation checkpointing) before the transpose of the all-gather, a ``psum_scatter``,
+  reduce-scatters the unit's gradient. Gradient accumulation reduce-scatters every
+  micro-batch's gradient (accumulating unsharded gradients would need full-size buffers).
+  Stage 3 needs the spec models' per-unit forward (``_jax_sharded.unit_forward``); a native
+  Flax module is sharded at stages 1 and 2.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from adapters._jax import apply_optimizer
+from adapters._jax_sharded import (
+    FlatUnits,
+    check_layout,
+    check_sharded_optimizer,
+    nbytes,
+    unit_forward,
+    unit_named,
+)
+from toolkit import Adam, ToolkitError
+from toolkit._reference import optimizer_slots
+
+AXIS = "batch"
+
+
+class PmapSharding:
+    """The :class:`toolkit.ShardedAdapter` ability of ``JaxPmapAdapter`` (a mixin)."""
+
+    layout = None  # a toolkit.Sharded after set_layout; None: data parallel
+
+    def set_layout(self, layout: Any) -> None:
+        """Shards the state ``build`` creates as ``layout`` (a ``toolkit.Sharded``) says."""
+        self.layout = check_layout(self.name, layout)
+
+    def _build_sharded(self, model, optimizer, loss, seed, accumulation_steps, metrics):
+        jax, lax = self.jax, self.jax.lax
+        check_sharded_optimizer(self.name, optimizer)
+        params, _, model_state = self._build_common(model, optimizer, loss, seed,
+                                                    accumulation_steps, metrics, init_opt=False)
+        stage = self.layout.stage
+        if stage == 3 and self.model.native:
+            raise ToolkitError(
+                f"jax-pmap cannot run stage 3 on the native Flax module "
+                f"{type(self.model.module).__name__}: FSDP gathers each unit just before its "
+                "forward, which needs the per-unit forward of a toolkit MLP, CNN or GPT",
+                "use Sharded(stage=1) or Sharded(stage=2) (a native module's optimizer state "
+                "and gradients are sharded), a toolkit model spec, or --backend jax-pjit")
+        self.spec = model
+        self.units = FlatUnits(self.model, jax.device_count())
+        # The global shard index of each local device (the position pmap gives it).
+        where = np.asarray(jax.pmap(lambda _: lax.axis_index(AXIS), axis_name=AXIS)(
+            np.zeros(len(self.devices))))
+        self.first = int(where[0])
+        if not np.array_equal(where, self.first + np.arange(len(where))):
+            raise ToolkitError(f"jax-pmap: this process's devices are shards {where.tolist()}",
+                               "they must be consecutive (one process's devices together)")
+        host = self.units.flatten(self.model.flat(params))
+        self.params = self._place_flat(host, whole=stage < 3)
+        zeros = {u: np.zeros_like(a) for u, a in host.items()}
+        self.opt_state = {slot: self._place_flat(zeros, whole=False)
+                          for slot in optimizer_slots(optimizer)}
+        self.grads = self._place_flat(zeros, whole=stage == 1)  # replaced by each step's
+        self.model_state = self._replicate(model_state)
+        self._pstep = jax.pmap(self._sharded_device_step, axis_name=AXIS,
+                               in_axes=(0, 0, 0, 0, 0, None, None), donate_argnums=(0, 1, 2))
+        self._pgather = jax.pmap(
+            lambda t: jax.tree_util.tree_map(lambda s: lax.all_gather(s, AXIS, tiled=True), t),
+            axis_name=AXIS)
+        self._jeval = jax.jit(self._eval_fn)
+
+    def _place_flat(self, host: dict[str, np.ndarray], whole: bool) -> dict[str, Any]:
+        """Flat buffers on the local devices: whole on each, or each device its shard."""
+        n = len(self.devices)
+        out = {}
+        for unit, flat in host.items():
+            size = self.units.layouts[unit].shard_size
+            stacked = (np.stack([flat] * n) if whole else
+                       flat[self.first * size:(self.first + n) * size].reshape(n, size))
+            out[unit] = self.jax.device_put(stacked, self.stacked)
+        return out
+
+    # ------------------------------------------------------------------ inside pmap
+    def _flat_forward(self, flat, model_state, xb, rng):
+        tree = self.model.unflat(self.units.named(flat), self.model.params)
+        return self.model.apply(tree, model_state, xb, train=True, rng=rng)
+
+    def _fsdp_forward(self, shards, model_state, xb, rng):
+        jax, layouts = self.jax, self.units.layouts
+        names = list(layouts)
+        tied_extra = self.model.gpt is not None and self.spec.tied
+
+        def unit_call(unit: str, with_embedding: bool):
+            def run(shard, h, embedding_shard):
+                # gathered here and freed after; jax.checkpoint gathers again for the backward
+                named = unit_named(layouts[unit], jax.lax.all_gather(shard, AXIS, tiled=True))
+                if with_embedding:
+                    full = jax.lax.all_gather(embedding_shard, AXIS, tiled=True)
+                    named["tok_emb"] = unit_named(layouts[names[0]], full)["tok_emb"]
+                return unit_forward(self.spec, unit, named, h)
+
+            return jax.checkpoint(run)
+
+        h = xb
+        for i, unit in enumerate(names):
+            extra = tied_extra and i == len(names) - 1 and i > 0
+            h = unit_call(unit, extra)(shards[unit], h, shards[names[0]] if extra else None)
+        return h, model_state
+
+    def _sharded_device_step(self, params, opt_state, model_state, x, y, scalars, seed):
+        jax, lax, n = self.jax, self.jax.lax, self.units.shards
+        tmap = jax.tree_util.tree_map
+        index = lax.axis_index(AXIS)
+        key = jax.random.fold_in(jax.random.PRNGKey(seed), index)
+        stage = self.layout.stage
+        forward = self._fsdp_forward if stage == 3 else self._flat_forward
+        grads, losses, model_state = self._accumulated_grads(params, model_state, x, y, key,
+                                                             forward=forward)
+
+        def mine(full, unit):  # this device's slice of a full flat buffer
+            size = self.units.layouts[unit].shard_size
+            return lax.dynamic_slice_in_dim(full, index * size, size)
+
+        if stage == 3:  # the all-gathers' transposes summed every device's gradient
+            grads = tmap(lambda g: g / n, grads)
+            params, opt_state = apply_optimizer(self.tx, grads, opt_state, params, scalars)
+        else:
+            if stage == 1:
+                grads = lax.pmean(grads, AXIS)
+                shard = {u: mine(g, u) for u, g in grads.items()}
+            else:
+                grads = shard = tmap(lambda g: lax.psum_scatter(g, AXIS, tiled=True) / n,
+                                     grads)
+            updated, opt_state = apply_optimizer(self.tx, shard, opt_state,
+                                                 {u: mine(p, u) for u, p in params.items()},
+                                                 scalars)
+            params = tmap(lambda s: lax.all_gather(s, AXIS, tiled=True), updated)
+        model_state = lax.pmean(model_state, AXIS)
+        return params, opt_state, model_state, self.jnp.mean(losses), grads
+
+    # ------------------------------------------------------------------ host side
+    def _gathered(self, flat: dict[str, Any], whole: bool) -> dict[str, np.ndarray]:
+        """Full flat buffers on the host (a collective when sharded: every process calls)."""
+        if not whole:
+            flat = self._pgather(flat)
+        return {u: np.asarray(a[0]) for u, a in flat.items()}
+
+    def _tree(self, flat: dict[str, Any], whole: bool):
+        return self.model.unflat(self.units.named(self._gathered(flat, whole)),
+                                 self.model.params)
+
+    def _full_params(self):
+        return self._tree(self.params, self.layout.stage < 3)
+
+    def _sharded_state_dict(self) -> dict[str, np.ndarray]:
+        opt = {slot: self._tree(s, False) for slot, s in self.opt_state.items()}
+        return self._export(self._full_params(), opt, self._local(self.model_state))
+
+    def _load_sharded(self, state: dict[str, np.ndarray]) -> None:
+        like = self.model.params
+        params, opt_state, model_state = self._import(
+            state, like, {slot: like for slot in self.opt_state}, self._local(self.model_state))
+        flatten = self.units.flatten
+        self.params = self._place_flat(flatten(self.model.flat(params)),
+                                       whole=self.layout.stage < 3)
+        self.opt_state = {slot: self._place_flat(flatten(self.model.flat(t)), whole=False)
+                          for slot, t in opt_state.items()}
+        self.model_state = self._replicate(model_state)
+
+    def sharded_state(self):
+        """``(replicated, pieces)`` (see :class:`toolkit.ShardedAdapter`): this process's
+        devices' consecutive shards of each unit, cut into pieces by ``FlatLayout.owned``."""
+        if self.layout is None:
+            raise ToolkitError(f"{self.name}: sharded_state() needs a sharded layout",
+                               "call set_layout(toolkit.Sharded(stage=...)) before build")
+        replicated = dict(self.model.flat_state(self._local(self.model_state)))
+        if isinstance(self.opt_spec, Adam):
+            replicated["opt/count"] = np.asarray(self.count, np.int64)
+        stores = [(f"opt/{slot}", s) for slot, s in self.opt_state.items()]
+        if self.layout.stage == 3:
+            stores.append(("params", self.params))
+        else:
+            replicated.update({f"params/{n}": v for n, v in
+                               self.units.named(self._gathered(self.params, True)).items()})
+        pieces = {}
+        for prefix, store in stores:
+            for unit, stacked in store.items():
+                lo = self.first * self.units.layouts[unit].shard_size
+                pieces.update(self.units.pieces(unit, lo, np.asarray(stacked).reshape(-1),
+                                                prefix))
+        return replicated, pieces
+
+    def memory_bytes(self) -> dict[str, int]:
+        """Bytes of this process's device buffers (every local device's, so a replicated
+        buffer counts once per local device): parameters, the kept gradient (under data
+        parallel: the size of the parameters), optimizer slots."""
+        params = nbytes(self.params)
+        # data parallel keeps no gradient between steps; the step's own is as large as params
+        grads = nbytes(self.grads) if self.layout is not None else params
+        return {"params": params, "grads": grads, "optimizer": nbytes(self.opt_state)}

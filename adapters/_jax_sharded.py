@@ -1,0 +1,169 @@
+"""Flat per-unit buffers for the JAX backends' sharded layouts (ZeRO stages 1-3 / FSDP).
+
+A model's parameters are grouped into units (``toolkit._shards.units_of`` for the spec models:
+``layers.i``, ``convs.i``, ``blocks.i``; a native Flax module's top-level submodules), and each
+unit is one flat buffer padded to a multiple of the shard count (``toolkit._shards.FlatLayout``).
+The optimizer (``adapters._jax.make_optimizer``) is elementwise, so it runs on flat shards
+unchanged, and padding stays zero: its gradient is zero, and so is every update of it.
+
+Both backends keep their state as ``{unit: flat array}`` dicts: jax-pjit as global arrays
+sharded over the mesh's ``data`` axis, jax-pmap as per-device shards stacked on a leading axis.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from toolkit import Adam, Sharded, ToolkitError
+from toolkit._shards import FlatLayout, unit_layouts
+
+
+class FlatUnits:
+    """The flat layouts of a model's units over ``shards`` shards, and the (un)flattening.
+
+    Args:
+        model: an ``adapters._flax_models.JaxModel``.
+        shards: the number of shards each unit's buffer is cut into.
+        exclude: neutral names kept out of the flat buffers (tensor-parallel kernels).
+    """
+
+    def __init__(self, model: Any, shards: int, exclude: tuple[str, ...] = ()):
+        shapes = {n: tuple(np.shape(v)) for n, v in model.flat(model.params).items()
+                  if n not in exclude}
+        if not model.native:
+            self.layouts = unit_layouts(shapes, shards)
+        else:  # a native module: one unit per top-level submodule (or top-level leaf)
+            groups: dict[str, dict[str, tuple[int, ...]]] = {}
+            for name, shape in shapes.items():
+                groups.setdefault(name.split(".")[0], {})[name] = shape
+            self.layouts = {unit: FlatLayout.from_shapes(group, shards)
+                            for unit, group in groups.items()}
+        self.shards = shards
+
+    def flatten(self, named: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """Host arrays by neutral name -> each unit's padded flat buffer."""
+        return {u: layout.flatten(named) for u, layout in self.layouts.items()}
+
+    def named(self, flats: dict[str, Any]) -> dict[str, Any]:
+        """Each unit's full flat buffer (numpy or traced jnp) -> arrays by neutral name.
+
+        Inside a jitted function over sharded buffers, the slices make the compiler gather.
+        """
+        out = {}
+        for unit, layout in self.layouts.items():
+            out.update(unit_named(layout, flats[unit]))
+        return out
+
+    def pieces(self, unit: str, lo: int, data: np.ndarray,
+               prefix: str) -> dict[str, tuple[np.ndarray, int, tuple[int, ...]]]:
+        """This process's checkpoint pieces of one unit, from the elements ``[lo, lo +
+        len(data))`` of its flat buffer that it holds (its devices' consecutive shards)."""
+        layout = self.layouts[unit]
+        out = {}
+        for name, shape, start, size in zip(layout.names, layout.shapes, layout.offsets,
+                                            layout.sizes, strict=True):
+            a, b = max(lo, start), min(lo + len(data), start + size)
+            piece = data[a - lo:b - lo] if a < b else data[:0]
+            out[f"{prefix}/{name}"] = (np.ascontiguousarray(piece), 0, shape)
+        return out
+
+
+def unit_named(layout: FlatLayout, flat: Any) -> dict[str, Any]:
+    """One unit's flat buffer (at least ``layout.total`` elements) -> its parameters."""
+    return {name: flat[start:start + size].reshape(shape)
+            for name, shape, start, size in zip(layout.names, layout.shapes, layout.offsets,
+                                                layout.sizes, strict=True)}
+
+
+def check_sharded_optimizer(backend: str, optimizer: Any) -> None:
+    """Sharded layouts run the toolkit's elementwise optimizers on flat shards; a native optax
+    transformation may not be elementwise (e.g. clipping by the global norm), so it is refused."""
+    from toolkit import SGD
+
+    if not isinstance(optimizer, SGD | Adam):
+        raise ToolkitError(
+            f"{backend} cannot shard the optimizer {type(optimizer).__name__}: a sharded "
+            "layout updates flat shards with the toolkit's elementwise arithmetic",
+            "pass toolkit.SGD(...) or toolkit.Adam(...), or use the data-parallel layout with "
+            "a native optax transformation")
+
+
+def check_layout(backend: str, layout: Any, tensor_parallel_ok: bool = False) -> Sharded:
+    """``layout`` as a ``toolkit.Sharded``; ``tensor_parallel > 1`` only where the backend
+    splits layers."""
+    if not isinstance(layout, Sharded):
+        raise ToolkitError(f"{backend}.set_layout got {layout!r}",
+                           "pass toolkit.Sharded(stage=1|2|3)")
+    if layout.tensor_parallel > 1 and not tensor_parallel_ok:
+        raise ToolkitError(
+            f"{backend} cannot run tensor_parallel={layout.tensor_parallel}: only jax-pjit "
+            "splits layers", "use tensor_parallel=1 or --backend jax-pjit")
+    return layout
+
+
+def nbytes(tree: Any) -> int:
+    """Bytes of every device buffer of this process in ``tree`` (addressable shards)."""
+    import jax
+
+    return sum(shard.data.nbytes for leaf in jax.tree_util.tree_leaves(tree)
+               for shard in leaf.addressable_shards)
+
+
+def local_range(array: Any) -> tuple[int, np.ndarray]:
+    """``(lo, data)``: the consecutive elements ``[lo, lo + len(data))`` of a 1-D global array
+    that this process's devices hold (duplicates of replicated shards dropped)."""
+    parts: dict[int, np.ndarray] = {}
+    for shard in array.addressable_shards:
+        start = shard.index[0].start or 0
+        parts.setdefault(start, np.asarray(shard.data))
+    starts = sorted(parts)
+    at = starts[0]
+    for s in starts:
+        if s != at:
+            raise ToolkitError("this process's shards are not consecutive",
+                               "build the mesh with each process's devices together")
+        at += len(parts[s])
+    return starts[0], np.concatenate([parts[s] for s in starts])
+
+
+def unit_forward(spec: Any, unit: str, named: dict[str, Any], h: Any) -> Any:
+    """One unit's part of a spec model's forward pass (FSDP's wrapped module): the
+    activations after unit ``unit`` from those before it (token ids or inputs for the first
+    unit), with the unit's parameters ``named`` (neutral names; a tied GPT's last unit gets
+    ``tok_emb`` too). The same function as the Flax modules of ``adapters._flax_models``."""
+    import jax
+    import jax.numpy as jnp
+
+    from toolkit import CNN, MLP
+
+    kind, index = unit.split(".")
+    if isinstance(spec, MLP):
+        z = h @ named[f"{unit}.kernel"] + named[f"{unit}.bias"]
+        if int(index) < spec.num_layers - 1:
+            z = jax.nn.relu(z) if spec.activation == "relu" else jnp.tanh(z)
+        return z
+    if isinstance(spec, CNN):
+        z = jax.lax.conv_general_dilated(h, named[f"{unit}.kernel"], (1, 1), "SAME",
+                                         dimension_numbers=("NHWC", "HWIO", "NHWC"))
+        z = jax.nn.relu(z + named[f"{unit}.bias"])
+        if "head.kernel" in named:
+            z = z.reshape((z.shape[0], -1)) @ named["head.kernel"] + named["head.bias"]
+        return z
+    from flax import traverse_util
+
+    from adapters import _gpt_flax
+
+    if "pos_emb" in named:  # the first unit (a tied head's extra is tok_emb alone)
+        h = jnp.take(named["tok_emb"], h, axis=0) + named["pos_emb"][: h.shape[1]]
+    prefix = f"{unit}."
+    block = traverse_util.unflatten_dict({tuple(n[len(prefix):].split(".")): v
+                                          for n, v in named.items() if n.startswith(prefix)})
+    h = _gpt_flax._Block(spec.width, spec.heads).apply({"params": block}, h)
+    if "ln_f.scale" in named:
+        f = _gpt_flax._LayerNorm().apply(
+            {"params": {"scale": named["ln_f.scale"], "bias": named["ln_f.bias"]}}, h)
+        head = named["tok_emb"].T if spec.tied else named["head.kernel"]
+        h = (f.reshape(-1, spec.width) @ head).reshape(*f.shape[:-1], -1)
+    return h

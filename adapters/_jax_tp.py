@@ -1,0 +1,121 @@
+"""Tensor parallelism of the GPT for jax-pjit (Megatron style, over the mesh's ``model`` axis).
+
+Each block's attention and MLP are split over ``k`` devices: the fused ``qkv`` kernel (and bias)
+by heads (a column split of each of q, k and v), the attention output projection by rows (the
+same heads), ``mlp.fc`` by columns and ``mlp.proj`` by rows. A device then computes its heads and
+its quarter of the hidden units locally; the row-split projections yield partial sums that the
+compiler adds with one all-reduce over ``model`` per sub-layer (two per block), as in Megatron.
+
+A split kernel is kept in a *view* whose leading axis is the split one (heads for attention,
+hidden units for the MLP), so that ``view.reshape(k, -1)`` puts device ``r``'s part in row ``r``:
+
+- ``attn.qkv.kernel`` ``(w, 3w)`` -> ``(H, w, 3, dh)``; its bias ``(3w,)`` -> ``(H, 3, dh)``
+- ``attn.proj.kernel`` ``(w, w)`` -> ``(H, dh, w)`` (its rows are the heads concatenated)
+- ``mlp.fc.kernel`` ``(w, 4w)`` -> ``(4w, w)`` (transposed); ``mlp.fc.bias`` and
+  ``mlp.proj.kernel`` ``(4w, w)`` unchanged.
+
+:func:`forward` computes exactly the function of ``adapters._gpt_flax.FlaxGPT`` from these views.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from toolkit import ToolkitError
+
+SPLIT = ("attn.qkv.kernel", "attn.qkv.bias", "attn.proj.kernel", "mlp.fc.kernel",
+         "mlp.fc.bias", "mlp.proj.kernel")
+
+
+def split_names(spec: Any) -> tuple[str, ...]:
+    """The neutral names of the GPT's tensors that tensor parallelism splits."""
+    return tuple(f"blocks.{i}.{s}" for i in range(spec.layers) for s in SPLIT)
+
+
+def check(spec: Any, k: int, devices: int, native: bool) -> None:
+    """Clear errors for a tensor-parallel size the model or the devices cannot take."""
+    from toolkit._gpt import GPT
+
+    if native or not isinstance(spec, GPT):
+        raise ToolkitError(
+            f"jax-pjit: tensor_parallel={k} splits the attention and MLP kernels of a "
+            f"toolkit.GPT, not of {type(spec).__name__}",
+            "use tensor_parallel=1 (sharding over data alone) for this model, or a toolkit.GPT")
+    if devices % k:
+        raise ToolkitError(f"jax-pjit: tensor_parallel={k} does not divide the {devices} "
+                           "devices", f"use a divisor of {devices}, or change --local-devices "
+                           "/ the number of processes")
+    if spec.heads % k:
+        raise ToolkitError(f"jax-pjit: tensor_parallel={k} does not divide the GPT's "
+                           f"{spec.heads} heads", f"use a divisor of {spec.heads}")
+
+
+def to_view(name: str, a: Any, spec: Any, xp: Any) -> Any:
+    """A split tensor in its original layout -> its view (``xp`` is numpy or jax.numpy)."""
+    w, h = spec.width, spec.heads
+    dh = w // h
+    if name.endswith("attn.qkv.kernel"):
+        return xp.transpose(a.reshape(w, 3, h, dh), (2, 0, 1, 3))
+    if name.endswith("attn.qkv.bias"):
+        return xp.transpose(a.reshape(3, h, dh), (1, 0, 2))
+    if name.endswith("attn.proj.kernel"):
+        return a.reshape(h, dh, w)
+    if name.endswith("mlp.fc.kernel"):
+        return xp.transpose(a)
+    return a
+
+
+def from_view(name: str, v: Any, spec: Any, xp: Any) -> Any:
+    """The inverse of :func:`to_view`."""
+    w = spec.width
+    if name.endswith("attn.qkv.kernel"):
+        return xp.transpose(v, (1, 2, 0, 3)).reshape(w, 3 * w)
+    if name.endswith("attn.qkv.bias"):
+        return xp.transpose(v, (1, 0, 2)).reshape(3 * w)
+    if name.endswith("attn.proj.kernel"):
+        return v.reshape(w, w)
+    if name.endswith("mlp.fc.kernel"):
+        return xp.transpose(v)
+    return v
+
+
+def _layer_norm(jnp, z, scale, bias):
+    mean = jnp.mean(z, axis=-1, keepdims=True)
+    var = jnp.mean(jnp.square(z - mean), axis=-1, keepdims=True)
+    return (z - mean) / jnp.sqrt(var + 1e-5) * scale + bias
+
+
+def forward(p: dict[str, Any], x: Any, spec: Any, constrain: Any) -> Any:
+    """Logits ``(B, T, vocab)`` of token ids ``x`` from parameters ``p`` (neutral names, split
+    tensors as views). ``constrain(array, dims)`` pins an activation's sharding: ``dims`` names a
+    mesh axis (``data``, ``model``) or None per dimension."""
+    import jax
+    import jax.numpy as jnp
+
+    B, T = x.shape
+    dh = spec.width // spec.heads
+    h = jnp.take(p["tok_emb"], x, axis=0) + p["pos_emb"][:T]
+    causal = jnp.tril(jnp.ones((T, T), bool))
+    for i in range(spec.layers):
+        b = f"blocks.{i}."
+        a = _layer_norm(jnp, h, p[b + "ln1.scale"], p[b + "ln1.bias"])
+        # (3, B, H, T, dh): heads sharded over "model", each device's heads computed locally
+        qkv = jnp.einsum("btw,hwcd->cbhtd", a, p[b + "attn.qkv.kernel"])
+        qkv = qkv + jnp.transpose(p[b + "attn.qkv.bias"], (1, 0, 2))[:, None, :, None, :]
+        qkv = constrain(qkv, (None, "data", "model", None, None))
+        q, k, v = qkv[0], qkv[1], qkv[2]
+        s = jnp.einsum("bhqd,bhkd->bhqk", q, k) / math.sqrt(dh)
+        att = jax.nn.softmax(jnp.where(causal, s, -jnp.inf), axis=-1)
+        o = jnp.einsum("bhqk,bhkd->bqhd", att, v)
+        # row-split projection: partial sums over each device's heads, all-reduced over "model"
+        out = jnp.einsum("bqhd,hdw->bqw", o, p[b + "attn.proj.kernel"])
+        h = constrain(h + out + p[b + "attn.proj.bias"], ("data", None, None))
+        m = _layer_norm(jnp, h, p[b + "ln2.scale"], p[b + "ln2.bias"])
+        f = jnp.einsum("btw,fw->btf", m, p[b + "mlp.fc.kernel"]) + p[b + "mlp.fc.bias"]
+        f = constrain(jax.nn.gelu(f, approximate=True), ("data", None, "model"))
+        out = jnp.einsum("btf,fw->btw", f, p[b + "mlp.proj.kernel"])
+        h = constrain(h + out + p[b + "mlp.proj.bias"], ("data", None, None))
+    f = _layer_norm(jnp, h, p["ln_f.scale"], p["ln_f.bias"])
+    head = p["tok_emb"].T if spec.tied else p["head.kernel"]
+    return (f.reshape(-1, spec.width) @ head).reshape(B, T, -1)

@@ -1,0 +1,207 @@
+"""The JAX backends' sharded layouts: their collectives against numpy (large chunks, two
+processes), the bytes each stage holds against the flat-shard arithmetic, tensor parallelism of
+the GPT against the reference, native Flax modules, and the bad-input errors.
+
+In-process tests run on the 2 CPU devices tests/conftest.py gives this process.
+"""
+
+import json
+
+import numpy as np
+import pytest
+
+import adapters
+import toolkit
+from toolkit._reference import reference_run
+from toolkit._shards import unit_layouts
+from toolkit.equivalence import LOSS_TOLERANCE, PARAM_TOLERANCE
+
+JAX = ("jax-pjit", "jax-pmap")
+
+
+def digits_like(n=48, features=5, classes=3, seed=0):
+    rng = np.random.default_rng(seed)
+    return rng.standard_normal((n, features)).astype(np.float32), rng.integers(0, classes, n)
+
+
+def train(backend, model, layout, steps=3, batch=16, data=None, **kw):
+    adapter = adapters.get(backend)
+    x, y = data if data is not None else digits_like()
+    trainer = toolkit.Trainer(adapter, model, kw.pop("optimizer", toolkit.Adam(lr=1e-2)),
+                              global_batch_size=batch, max_steps=steps, progress=False,
+                              layout=layout, **kw)
+    history = trainer.fit(x, y)
+    return adapter, trainer, history
+
+
+def tiny_gpt(heads=2):
+    from toolkit._gpt import GPT
+
+    return GPT(vocab=32, context=8, width=8 * heads, layers=2, heads=heads)
+
+
+def gpt_data(n=32, context=8, vocab=32):
+    tokens = np.random.default_rng(1).integers(0, vocab, n * context + 1)
+    return tokens[:-1].reshape(n, context), tokens[1:].reshape(n, context)
+
+
+@pytest.mark.slow
+def test_collectives_against_numpy_with_large_chunks_across_two_processes(launch):
+    job = launch("horovodrun-gloo", 2, ["tests/scripts/jax_sharded_worker.py"], timeout=300)
+    assert job.returncode == 0, job
+    for check in ("pmap psum_scatter+all_gather 1.1 MiB", "pmap psum_scatter+all_gather 4.4 MiB",
+                  "pjit reduce-scatter+all-gather 1.1 MiB",
+                  "pjit reduce-scatter+all-gather 4.4 MiB", "stage-3 pieces of rank 0",
+                  "stage-3 pieces of rank 1"):
+        assert f"ok {check}" in job.stdout, (check, job)
+
+
+def check_memory_bytes(adapter, model, stage):
+    """Two local devices: a replicated buffer is held twice, a sharded one once in all; the
+    second unit (18 + 3 elements) is padded to 22."""
+    layouts = unit_layouts({k: v.shape for k, v in model.init(0).items()}, 2)
+    padded = sum(layout.padded for layout in layouts.values()) * 4  # float32 bytes
+    assert padded == (36 + 22) * 4
+    replicated, sharded = 2 * padded, padded
+    assert adapter.memory_bytes() == {
+        "params": sharded if stage == 3 else replicated,
+        "grads": replicated if stage == 1 else sharded,
+        "optimizer": 2 * sharded}  # Adam's two slots
+
+
+@pytest.mark.parametrize("backend", JAX)
+@pytest.mark.parametrize("stage", [1, 2])  # stage 3: in the next test
+def test_memory_bytes_of_each_stage_are_the_real_buffers(backend, stage):
+    model = toolkit.MLP((5, 6, 3))
+    adapter, _, _ = train(backend, model, toolkit.Sharded(stage=stage), steps=1)
+    check_memory_bytes(adapter, model, stage)
+
+
+@pytest.mark.parametrize("backend", JAX)
+def test_stage_3_with_accumulation_custom_loss_and_metric_equals_data_parallel(backend):
+    import jax.numpy as jnp
+
+    def loss(out, y):  # cross-entropy written by the user
+        logp = out - jax_logsumexp(jnp, out)
+        return -jnp.take_along_axis(logp, y[:, None], axis=1)[:, 0]
+
+    def top_logit(out, y):
+        return jnp.max(out, axis=1)
+
+    runs = {}
+    for layout in (toolkit.DataParallel(), toolkit.Sharded(stage=3)):
+        adapter, trainer, history = train(backend, toolkit.MLP((5, 6, 3)), layout, loss=loss,
+                                          metrics={"top": top_logit}, accumulation_steps=2)
+        x, y = digits_like(20, seed=3)
+        runs[layout.name] = (history.losses, trainer.evaluate(x, y), adapter.state_dict())
+    check_memory_bytes(adapter, toolkit.MLP((5, 6, 3)), 3)
+    (dp_losses, dp_eval, dp_state), (losses, evaluated, state) = runs.values()
+    np.testing.assert_allclose(losses, dp_losses, rtol=1e-6)
+    assert evaluated.keys() == dp_eval.keys() == {"val_loss", "val_top"}
+    for key in evaluated:
+        assert evaluated[key] == pytest.approx(dp_eval[key], rel=1e-6)
+    assert state.keys() == dp_state.keys()
+    for name in state:
+        np.testing.assert_allclose(state[name], dp_state[name], atol=1e-6, err_msg=name)
+
+
+def jax_logsumexp(jnp, out):
+    m = jnp.max(out, axis=1, keepdims=True)
+    return m + jnp.log(jnp.sum(jnp.exp(out - m), axis=1, keepdims=True))
+
+
+def test_tensor_parallel_gpt_equals_the_reference():
+    """``tensor_parallel=2`` on the 2 local devices: each holds half of every split kernel."""
+    spec, (x, y) = tiny_gpt(), gpt_data()
+    optimizer = toolkit.Adam(lr=1e-2)
+    adapter, _, history = train("jax-pjit", spec, toolkit.Sharded(stage=3, tensor_parallel=2),
+                                steps=4, data=(x, y), optimizer=optimizer)
+    ref_losses, ref_params = reference_run(spec, optimizer, "cross_entropy", x, y,
+                                           global_batch_size=16, steps=4, dtype="float64")
+    dev = np.max(np.abs(np.asarray(history.losses) - ref_losses) / np.abs(ref_losses))
+    assert dev <= LOSS_TOLERANCE["float32"], dev
+    state = adapter.state_dict()
+    for name, value in ref_params.items():
+        if not name.endswith("attn.qkv.bias"):  # the key bias: see equivalence._comparable
+            np.testing.assert_allclose(state[f"params/{name}"], value,
+                                       atol=PARAM_TOLERANCE["float32"], err_msg=name)
+    fc = adapter.params["split"]["blocks.0.mlp.fc.kernel"]  # (4w, w) in 2 rows of halves
+    assert [s.data.shape for s in fc.addressable_shards] == [(1, 4 * 16 * 16 // 2)] * 2
+
+
+@pytest.mark.slow
+def test_tensor_parallel_on_two_processes_of_two_devices(launch, tmp_path):
+    """A (data=2, model=2) mesh across processes: equals the float64 reference."""
+    out = tmp_path / "eq.json"
+    job = launch("python", 1, ["-m", "toolkit.equivalence", "--backends", "jax-pjit",
+                               "--model", "gpt", "--layout", "sharded:3:tp2", "--local-devices",
+                               "2", "--world-sizes", "2", "--steps", "6", "--batch-size", "48",
+                               "--optimizer", "adamw", "--json", str(out)], timeout=600)
+    assert job.returncode == 0, job
+    (row,) = json.loads(out.read_text())["results"]
+    assert row["status"] == "pass", row
+
+
+@pytest.mark.parametrize(("backend", "stage"), [("jax-pjit", 3), ("jax-pmap", 2)])
+def test_a_native_flax_module_is_sharded_by_top_level_submodule(backend, stage):
+    import flax.linen as nn
+    import jax
+
+    class Net(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return nn.Dense(3, name="out")(nn.relu(nn.Dense(7, name="hidden")(x)))
+
+    x, _ = digits_like()
+    runs = []
+    for layout in (toolkit.DataParallel(), toolkit.Sharded(stage=stage)):
+        module = Net()
+        adapter, _, history = train(backend, (module, module.init(jax.random.key(0), x[:1])),
+                                    layout, optimizer=toolkit.SGD(lr=0.1, momentum=0.9))
+        runs.append(history.losses)
+    np.testing.assert_allclose(runs[1], runs[0], rtol=1e-6)
+    assert list(adapter.units.layouts) == ["hidden", "out"]
+
+
+def refused(backend, model, layout, match, optimizer=None, data=None):
+    with pytest.raises(toolkit.ToolkitError, match=match):
+        train(backend, model, layout, steps=1, data=data,
+              optimizer=optimizer or toolkit.SGD(lr=0.1))
+
+
+def test_tensor_parallel_that_does_not_divide_the_devices_is_refused():
+    refused("jax-pjit", tiny_gpt(heads=3), toolkit.Sharded(3, tensor_parallel=3),
+            r"tensor_parallel=3 does not divide the 2 devices", data=gpt_data())
+
+
+def test_tensor_parallel_that_does_not_divide_the_heads_is_refused():
+    refused("jax-pjit", tiny_gpt(heads=1), toolkit.Sharded(3, tensor_parallel=2),
+            r"tensor_parallel=2 does not divide the GPT's 1 heads", data=gpt_data())
+
+
+def test_tensor_parallel_of_a_model_other_than_the_gpt_is_refused():
+    refused("jax-pjit", toolkit.MLP((5, 6, 3)), toolkit.Sharded(3, tensor_parallel=2),
+            r"toolkit.GPT, not of MLP")
+
+
+def test_tensor_parallel_in_jax_pmap_is_refused():
+    refused("jax-pmap", tiny_gpt(), toolkit.Sharded(3, tensor_parallel=2),
+            r"only jax-pjit splits layers", data=gpt_data())
+
+
+@pytest.mark.parametrize("backend", JAX)
+def test_a_native_optax_optimizer_under_a_sharded_layout_is_refused(backend):
+    import optax
+
+    refused(backend, toolkit.MLP((5, 6, 3)), toolkit.Sharded(1),
+            r"cannot shard the optimizer GradientTransformation", optimizer=optax.sgd(0.1))
+
+
+def test_stage_3_of_a_native_module_in_jax_pmap_is_refused():
+    import flax.linen as nn
+    import jax
+
+    module = nn.Dense(3)
+    variables = module.init(jax.random.key(0), np.zeros((1, 5), np.float32))
+    refused("jax-pmap", (module, variables), toolkit.Sharded(3),
+            r"jax-pmap cannot run stage 3 on the native Flax module Dense")
