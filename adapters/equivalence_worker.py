@@ -16,6 +16,7 @@ import numpy as np
 
 import adapters
 import toolkit
+from toolkit._contract import PipelineAdapter
 from toolkit.equivalence import load_data, make_model, make_optimizer
 
 
@@ -31,8 +32,9 @@ def main() -> None:
 
     adapter = adapters.get(args.backend, dtype=args.dtype, local_devices=args.local_devices)
     layout = toolkit.parse_layout(args.layout)
+    able = {toolkit.Sharded: toolkit.ShardedAdapter, toolkit.Pipeline: PipelineAdapter}
     if not isinstance(layout, toolkit.DataParallel) and not isinstance(adapter,
-                                                                      toolkit.ShardedAdapter):
+                                                                      able[type(layout)]):
         toolkit.save0(out / "result.json", json.dumps({
             "status": "skipped", "reason": f"{args.backend} cannot run {layout.name} yet"}),
             env=env)
@@ -68,17 +70,24 @@ def main() -> None:
     median = float(np.median(step_seconds[min(5, len(step_seconds) - 1):]))
     step_time = float(adapter.allreduce(np.asarray([median]), "mean")[0])
     toolkit.save0(out / "params.npz", lambda f: np.savez(f, **params), env=env)
-    if isinstance(layout, toolkit.Sharded):  # counted by the backend from its own tensors
+    extra = {}
+    if isinstance(layout, toolkit.Sharded | toolkit.Pipeline):  # counted by the backend
         held = adapter.memory_bytes()
     else:  # replicated: every rank holds all parameters, a gradient each, all optimizer state
         state = adapter.state_dict()
         params = sum(v.nbytes for k, v in state.items() if k.startswith("params/"))
         held = {"params": params, "grads": params,
                 "optimizer": sum(v.nbytes for k, v in state.items() if k.startswith("opt/"))}
+    if isinstance(layout, toolkit.Pipeline):  # each stage's bytes (its replica 0's rank)
+        stage, replica = adapter.pipeline_position()
+        mine = np.zeros(layout.stages)
+        mine[stage] = float(sum(held.values())) if replica == 0 else 0.0
+        extra["stage_bytes"] = [float(b) for b in adapter.allreduce(mine, "sum")]
     state_bytes = adapter.allreduce(np.asarray([float(sum(held.values()))]), "mean")[0]
     toolkit.save0(out / "result.json", json.dumps({
         "status": "ok", "losses": history.losses, "step_seconds": step_time,
-        "world_size": env.world_size, "state_bytes_per_rank": float(state_bytes)}), env=env)
+        "world_size": env.world_size, "state_bytes_per_rank": float(state_bytes), **extra}),
+        env=env)
 
 
 if __name__ == "__main__":

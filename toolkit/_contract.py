@@ -114,3 +114,29 @@ class ShardedAdapter(Protocol):
     def memory_bytes(self) -> dict[str, int]:
         """Bytes this rank holds between steps for ``params``, ``grads`` and ``optimizer``
         state, counted from its own tensors' sizes (not from a formula)."""
+
+
+@runtime_checkable
+class PipelineAdapter(Protocol):
+    """The optional ability to run ``toolkit.Pipeline``: the model cut into stages, ``S x D``
+    ranks as ``D`` data-parallel replicas of an ``S``-stage pipeline.
+
+    ``set_layout`` is called once before ``build``; the step then runs the layout's schedule on
+    this rank's stage. ``state_dict`` and ``load_state_dict`` keep speaking the full model
+    (gathered on every rank), so any layout loads any checkpoint; checkpoints of a pipeline run
+    are written by every rank from :meth:`sharded_state` (each tensor whole from the stage that
+    owns it, empty pieces from the other ranks), never gathered onto rank 0.
+    """
+
+    def set_layout(self, layout: Any) -> None:
+        """Called once before ``build`` with the ``toolkit.Pipeline`` layout."""
+
+    def pipeline_position(self) -> tuple[int, int]:
+        """This rank's ``(stage, replica)`` (``(0, rank)`` without a pipeline layout)."""
+
+    def sharded_state(self) -> tuple[dict[str, np.ndarray],
+                                     dict[str, tuple[np.ndarray, int, tuple[int, ...]]]]:
+        """``(replicated, pieces)`` as ``ShardedAdapter.sharded_state``."""
+
+    def memory_bytes(self) -> dict[str, int]:
+        """Bytes this rank (its stage) holds for ``params``, ``grads`` and ``optimizer``."""

@@ -19,6 +19,8 @@ import numbers
 from toolkit._errors import ToolkitError
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
+# The backends whose adapters run toolkit.Pipeline (named in the error for the others).
+PIPELINE_BACKENDS = ("horovod-torch", "jax-pjit")
 LAYOUT_FORMS = "data, sharded:1|2|3, pipeline:STAGES:MICRO_BATCHES[:gpipe|1f1b|interleaved-1f1b]"
 
 
@@ -164,13 +166,15 @@ def parse_layout(text: str) -> Layout:
 def resolve_layout(layout, adapter):
     """The layout as a spec (``None`` is data parallel; text is parsed); a clear error for
     one the backend ``adapter`` cannot run."""
-    from toolkit._contract import ShardedAdapter
+    from toolkit._contract import PipelineAdapter, ShardedAdapter
 
     layout = DataParallel() if layout is None else (
         parse_layout(layout) if isinstance(layout, str) else layout)
     if isinstance(layout, Pipeline):
-        raise ToolkitError(f"layout {layout.name!r}: pipeline stages are not implemented in any "
-                           "backend yet", "use the default data-parallel layout or sharded:1|2|3")
+        if isinstance(adapter, PipelineAdapter):
+            return layout
+        raise ToolkitError(f"backend {adapter.name!r} cannot run layout {layout.name!r} yet",
+                           "pipeline stages run in: " + ", ".join(PIPELINE_BACKENDS))
     if isinstance(layout, Sharded) and not isinstance(adapter, ShardedAdapter):
         raise ToolkitError(f"backend {adapter.name!r} cannot run layout {layout.name!r} yet",
                            "use the default data-parallel layout with this backend, or a "

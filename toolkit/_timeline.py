@@ -15,6 +15,7 @@ import json
 import os
 import time
 from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
 
 from toolkit._errors import ToolkitError
 from toolkit._schedules import Action
@@ -72,6 +73,20 @@ class StageRecorder:
     def save(self, path: str | os.PathLike) -> None:
         """Writes every record so far to ``path`` (one JSON object a line), atomically."""
         write_timeline(self.records, path)
+
+
+# Set to a folder, it makes the backends' pipeline executors append every step's records there.
+TIMELINE_ENV = "TOOLKIT_PIPELINE_TIMELINE"
+
+
+def append_timeline(records: Iterable[dict], folder: str | os.PathLike, stage: int,
+                    replica: int) -> None:
+    """Appends one stage's ``records`` to ``folder/stage<S>-replica<D>.jsonl`` (the files
+    ``python -m toolkit.pipeline_timeline FOLDER`` reads)."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    with open(folder / f"stage{stage}-replica{replica}.jsonl", "a") as f:
+        f.writelines(json.dumps(r) + "\n" for r in records)
 
 
 def write_timeline(records: Iterable[dict], path: str | os.PathLike) -> None:

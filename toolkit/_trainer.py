@@ -18,7 +18,8 @@ from toolkit._data import Dataset, as_dataset
 from toolkit._env import LaunchEnv
 from toolkit._errors import ToolkitError
 from toolkit._history import History, ProgressLine
-from toolkit._layouts import Sharded, resolve_layout
+from toolkit._layouts import Pipeline, Sharded, resolve_layout
+from toolkit._partition import PipelineGrid, micro_batch_size
 from toolkit._preemption import PREEMPTED_EXIT_CODE, TrainingPreempted, noting_signals
 from toolkit._prefetch import BatchPrefetcher, load_batch
 from toolkit._rank0 import current_env, print0
@@ -138,7 +139,7 @@ class Trainer:
         self.adapter = adapter
         self.model, self.optimizer, self.loss = model, optimizer, loss
         self.sync_batchnorm = sync_batchnorm
-        self.metrics = _check_metrics(metrics)
+        self.metrics = _check_metrics(metrics, builtin_accuracy=loss == "cross_entropy")
         self.layout = resolve_layout(layout, adapter)
         self.global_batch_size = global_batch_size
         self.epochs, self.max_steps = epochs, max_steps
@@ -175,9 +176,14 @@ class Trainer:
     # ------------------------------------------------------------------------ set-up
     def _setup(self, num_samples: int) -> None:
         env = self.env
+        # Under a pipeline the D replicas of S stages share out the samples: every rank of a
+        # replica loads the replica's local batch (stage 0 uses the inputs, the last the labels).
+        replicas, replica = self._data_parallel_rank()
         self.sampler = GlobalBatchSampler(
-            num_samples, self.global_batch_size, world_size=env.world_size, rank=env.rank,
+            num_samples, self.global_batch_size, world_size=replicas, rank=replica,
             shuffle=self.shuffle, seed=self.seed, drop_last=self.drop_last)
+        if isinstance(self.layout, Pipeline):
+            micro_batch_size(self.sampler.local_batch_size, self.layout.micro_batches)
         if self.sampler.local_batch_size % self.accumulation_steps:
             raise ToolkitError(
                 f"the local batch of {self.sampler.local_batch_size} samples (global "
@@ -185,7 +191,7 @@ class Trainer:
                 f"accumulation_steps={self.accumulation_steps} micro-batches",
                 "choose a global batch divisible by world size x accumulation steps")
         self.adapter.setup(env)
-        if isinstance(self.layout, Sharded):
+        if isinstance(self.layout, Sharded | Pipeline):
             self.adapter.set_layout(self.layout)
         self.adapter.build(self.model, self.optimizer, self.loss, seed=self.seed,
                            accumulation_steps=self.accumulation_steps,
@@ -195,6 +201,13 @@ class Trainer:
         if self.resume is not None:
             self._restore()
         self._setup_done = True
+
+    def _data_parallel_rank(self) -> tuple[int, int]:
+        """(replicas, this rank's replica): the world and the rank, except under a pipeline."""
+        if not isinstance(self.layout, Pipeline):
+            return self.env.world_size, self.env.rank
+        grid = PipelineGrid(self.env.world_size, self.layout.stages)
+        return grid.replicas, grid.replica_of(self.env.rank)
 
     def _restore(self) -> None:
         ckpt = find_checkpoint(self.resume, self.store)
@@ -237,7 +250,8 @@ class Trainer:
                                  prefetch=self.prefetch)
         try:
             with loader, noting_signals(self.stop_signals, self._note_stop_signal):
-                self._loop(loader, validation, total, lr_scale(self.lr_scaling, env.world_size))
+                self._loop(loader, validation, total,
+                           lr_scale(self.lr_scaling, self._data_parallel_rank()[0]))
         finally:  # the thread is joined by now, whatever happened
             self.prefetch_stats = loader.stats()
         self._log_records([{"event": "prefetch", **self.prefetch_stats}])
@@ -341,7 +355,7 @@ class Trainer:
         }
         self._last_saved = self.global_step
         self.adapter.sync_state()
-        if isinstance(self.layout, Sharded):  # every rank writes its own pieces
+        if isinstance(self.layout, Sharded | Pipeline):  # every rank writes its own pieces
             replicated, pieces = self.adapter.sharded_state()
             return self.store.save(self.global_step, replicated, meta, shards=pieces,
                                    barrier=self.adapter.barrier)
@@ -402,14 +416,16 @@ class Trainer:
                 f.write(json.dumps({"time": round(time.time(), 3), **record}) + "\n")
 
 
-def _check_metrics(metrics: Any) -> dict[str, Any]:
-    """Evaluation metrics: names (valid identifiers, not ``loss``/``accuracy``) to callables."""
+def _check_metrics(metrics: Any, builtin_accuracy: bool) -> dict[str, Any]:
+    """Evaluation metrics: names (valid identifiers, not ``loss``; ``accuracy`` only when the
+    loss is not ``cross_entropy``, which reports its own) to callables."""
     metrics = dict(metrics or {})
+    taken = ("loss", "accuracy") if builtin_accuracy else ("loss",)
     for name, fn in metrics.items():
-        if not (isinstance(name, str) and name.isidentifier()) or name in ("loss", "accuracy"):
+        if not (isinstance(name, str) and name.isidentifier()) or name in taken:
             raise ToolkitError(f"metric name {name!r} cannot be used",
-                               "use an identifier other than 'loss' and 'accuracy' (it is "
-                               "reported as val_<name>)")
+                               f"use an identifier other than {' and '.join(map(repr, taken))} "
+                               "(it is reported as val_<name>)")
         if not callable(fn):
             raise ToolkitError(f"metric {name!r} is {fn!r}, not a callable",
                                "pass fn(outputs, labels) -> one value per sample")

@@ -1,0 +1,367 @@
+"""Pipeline stages for the JAX backends, framework pieces shared by their executors.
+
+A model is cut into ``K = S x v`` *pieces* (``toolkit.partition_model`` for spec models; a list
+of ``(flax module, variables)`` pairs cut by index for native ones); piece ``k`` runs on stage
+``k % S`` as its local chunk ``k // S``. Each stage holds its parameters as **one flat vector**
+(every stage's padded to the longest, so the stages stack into an ``(S, L)`` array sharded over
+the ``stage`` axis); the optimizer is the toolkit's elementwise arithmetic, so it runs on the flat
+vectors directly (padding stays zero: zero gradient, zero update). A parameter held by two stages
+(the tied GPT ``tok_emb``: embedding on the first stage, head on the last) comes first in both
+holders' vectors, so one masked ``psum`` over the stage axis sums its gradients.
+
+``RoundPlan`` turns a schedule into lockstep rounds (``toolkit.lockstep_rounds``): per round and
+stage, the compute to run (forward or backward of one piece and micro-batch, or nothing), then
+*waves* of messages, each wave at most one activation forward and one gradient backward per stage
+(two ``ppermute`` shifts over the stage axis). Activations, received activations (kept for the
+backward, which recomputes the piece's forward under ``jax.vjp``) and gradients live in a
+per-device *box* of slots; the plan assigns slots statically by simulating every stage's order,
+so the box holds exactly the schedule's peak of live values (1F1B's is smaller than GPipe's).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import numpy as np
+
+from toolkit import ToolkitError
+from toolkit._partition import partition_layers, partition_model
+from toolkit._pipeline import lockstep_rounds
+from toolkit._schedules import Action, Schedule
+from toolkit._specs import CNN, MLP, ModelSpec
+
+_NATIVE_HINT = ("pass a toolkit.MLP/GPT spec, or a list of (flax module, variables) pairs applied "
+                "in order (each variables = module.init(key, x))")
+
+
+@dataclasses.dataclass
+class StagedModel:
+    """A model cut into pieces, and each stage's flat parameter layout.
+
+    Attributes:
+        stages, chunks: ``S`` and ``v``.
+        fns: per piece, ``fn(params_by_name, h) -> h`` (the last piece returns the outputs).
+        piece_names: per piece, the parameter names it uses.
+        stage_names: per stage, the names in its flat vector, in order (shared names first).
+        offsets: per stage, name -> (offset, shape) in its flat vector.
+        length: the flat vectors' common (padded) length.
+        shared: name -> stages holding it (more than one).
+        n_shared: elements at the front of each holder's vector that belong to shared names.
+        init: name -> initial array (numpy).
+    """
+
+    stages: int
+    chunks: int
+    fns: list
+    piece_names: list[tuple[str, ...]]
+    stage_names: list[tuple[str, ...]]
+    offsets: list[dict[str, tuple[int, tuple[int, ...]]]]
+    length: int
+    shared: dict[str, tuple[int, ...]]
+    n_shared: int
+    init: dict[str, np.ndarray]
+
+    @property
+    def pieces(self) -> int:
+        return len(self.fns)
+
+    def stage_of(self, piece: int) -> int:
+        return piece % self.stages
+
+    def holders_mask(self) -> np.ndarray:
+        """1.0 for the stages that hold the shared names, else 0.0."""
+        holders = {s for stages in self.shared.values() for s in stages}
+        return np.asarray([1.0 if s in holders else 0.0 for s in range(self.stages)])
+
+    def flatten(self, named: dict[str, np.ndarray], dtype: str) -> np.ndarray:
+        """Full tensors by name -> the ``(S, length)`` stack of stage vectors."""
+        out = np.zeros((self.stages, self.length), dtype)
+        for s in range(self.stages):
+            for name, (off, shape) in self.offsets[s].items():
+                out[s, off:off + math.prod(shape)] = np.asarray(named[name]).reshape(-1)
+        return out
+
+    def unflatten(self, flat: np.ndarray) -> dict[str, np.ndarray]:
+        """The ``(S, length)`` stack -> full tensors by name (a shared one from its first
+        holder)."""
+        named: dict[str, np.ndarray] = {}
+        for s in range(self.stages):
+            for name, (off, shape) in self.offsets[s].items():
+                if name not in named:
+                    named[name] = np.array(flat[s, off:off + math.prod(shape)]).reshape(shape)
+        return named
+
+    def owner_stage(self, name: str) -> int:
+        """The one stage whose copy of ``name`` a checkpoint stores."""
+        return next(s for s in range(self.stages) if name in self.offsets[s])
+
+    def names(self) -> list[str]:
+        """Every parameter name once, in the model's order."""
+        seen: dict[str, None] = {}
+        for names in self.piece_names:
+            seen.update(dict.fromkeys(names))
+        return list(seen)
+
+    def piece_params(self, flat, piece: int) -> dict[str, Any]:
+        """Piece ``piece``'s parameters sliced (statically) out of its stage's flat vector."""
+        offsets = self.offsets[self.stage_of(piece)]
+        return {n: flat[offsets[n][0]:offsets[n][0] + math.prod(offsets[n][1])].reshape(
+            offsets[n][1]) for n in self.piece_names[piece]}
+
+    def add_grads(self, flat, piece: int, grads: dict[str, Any]):
+        """``flat`` plus piece ``piece``'s gradients at their offsets."""
+        offsets = self.offsets[self.stage_of(piece)]
+        for n, g in grads.items():
+            off, shape = offsets[n]
+            flat = flat.at[off:off + math.prod(shape)].add(g.reshape(-1))
+        return flat
+
+
+def stage_model(model: Any, layout: Any, seed: int, dtype: str, backend: str) -> StagedModel:
+    """``model`` (a toolkit.MLP/GPT spec or a list of (flax module, variables) pairs) cut as
+    ``layout`` (a ``toolkit.Pipeline``) says."""
+    S, v = layout.stages, layout.chunks
+    splits = layout.splits or None
+    if isinstance(model, ModelSpec):
+        if isinstance(model, CNN):
+            raise ToolkitError(f"{backend} cannot cut the CNN spec into pipeline stages",
+                               "use toolkit.MLP or toolkit.GPT with a pipeline layout")
+        part = partition_model(model, S, v, splits)
+        init = {n: np.asarray(a).astype(dtype) if np.issubdtype(np.asarray(a).dtype, np.floating)
+                else np.asarray(a) for n, a in model.init(seed, dtype).items()}
+        piece_names = [tuple(n) for n in part.names]
+        fns = [_spec_piece(model, part.layers[k], k == 0, k == len(part.layers) - 1)
+               for k in range(len(part.layers))]
+        shared = dict(part.shared)
+    else:
+        fns, piece_names, init = _native_pieces(model, S, v, splits, dtype, backend)
+        shared = {}
+    shared_stages = {n: tuple(sorted({k % S for k in pieces})) for n, pieces in shared.items()}
+    shared_stages = {n: st for n, st in shared_stages.items() if len(st) > 1}
+    stage_names, offsets, lengths = [], [], []
+    for s in range(S):
+        names: dict[str, None] = {}
+        for k in range(s, len(fns), S):
+            names.update(dict.fromkeys(piece_names[k]))
+        first = [n for n in shared_stages if n in names]
+        ordered = tuple(first + [n for n in names if n not in first])
+        table, off = {}, 0
+        for n in ordered:
+            shape = tuple(np.shape(init[n]))
+            table[n] = (off, shape)
+            off += math.prod(shape)
+        stage_names.append(ordered)
+        offsets.append(table)
+        lengths.append(off)
+    n_shared = sum(math.prod(np.shape(init[n])) for n in shared_stages)
+    return StagedModel(S, v, fns, piece_names, stage_names, offsets, max(lengths),
+                       shared_stages, n_shared, init)
+
+
+def _spec_piece(spec, layers: range, first: bool, last: bool):
+    if isinstance(spec, MLP):
+        def mlp(p, h):
+            import jax.numpy as jnp
+
+            for i in layers:
+                h = h @ p[f"layers.{i}.kernel"] + p[f"layers.{i}.bias"]
+                if i < spec.num_layers - 1:
+                    h = jnp.maximum(h, 0) if spec.activation == "relu" else jnp.tanh(h)
+            return h
+
+        return mlp
+
+    def gpt(p, h):  # FlaxGPT's arithmetic, one piece of it
+        import jax.numpy as jnp
+
+        from adapters._gpt_flax import _Block, _Dense, _LayerNorm, to_tree
+
+        if first:
+            h = jnp.take(p["tok_emb"], h, axis=0) + p["pos_emb"][: h.shape[1]]
+        for i in layers:
+            prefix = f"blocks.{i}."
+            tree = to_tree({n: a for n, a in p.items() if n.startswith(prefix)})[f"blocks_{i}"]
+            h = _Block(spec.width, spec.heads).apply({"params": tree}, h)
+        if not last:
+            return h
+        f = _LayerNorm().apply({"params": {"scale": p["ln_f.scale"], "bias": p["ln_f.bias"]}}, h)
+        if spec.tied:
+            return (f.reshape(-1, spec.width) @ p["tok_emb"].T).reshape(
+                *f.shape[:-1], spec.vocab)
+        return _Dense(spec.vocab, use_bias=False).apply(
+            {"params": {"kernel": p["head.kernel"]}}, f)
+
+    return gpt
+
+
+def _native_pieces(model, S, v, splits, dtype, backend):
+    """A list of (flax module, variables) pairs: layer ``i``'s parameters are named
+    ``{i}.{path}`` (as a torch ``nn.Sequential`` names them)."""
+    import flax.linen as nn
+    from flax import traverse_util
+
+    pairs = list(model) if isinstance(model, list | tuple) else None
+    if (not pairs or isinstance(model, tuple) and len(model) == 2
+            and isinstance(model[0], nn.Module)
+            or not all(isinstance(p, tuple | list) and len(p) == 2
+                       and isinstance(p[0], nn.Module) for p in pairs)):
+        raise ToolkitError(f"{backend} cannot cut {type(model).__name__} into pipeline stages: "
+                           "a pipeline needs a sequential model", _NATIVE_HINT)
+    modules, named, costs = [], {}, []
+    for i, (module, variables) in enumerate(pairs):
+        variables = dict(variables or {})
+        extra = [c for c in variables if c != "params"]
+        if extra:
+            raise ToolkitError(f"{backend}: layer {i} ({type(module).__name__}) has model state "
+                               f"{extra}; pipeline stages carry parameters only",
+                               "use layers without BatchNorm statistics in a pipeline")
+        flat = traverse_util.flatten_dict(dict(variables.get("params", {})))
+        modules.append(module)
+        layer = {f"{i}." + ".".join(k): np.asarray(a).astype(dtype) for k, a in flat.items()}
+        named.update(layer)
+        costs.append(sum(a.size for a in layer.values()))
+    ranges = partition_layers(costs, S, v, splits)
+
+    def piece(r: range):
+        def fn(p, h):
+            for i in r:
+                tree = traverse_util.unflatten_dict(
+                    {tuple(n.split(".")[1:]): a for n, a in p.items()
+                     if n.split(".")[0] == str(i)})
+                h = modules[i].apply({"params": tree}, h)
+            return h
+
+        return fn
+
+    names = [tuple(n for n in named if int(n.split(".")[0]) in r) for r in ranges]
+    return [piece(r) for r in ranges], names, named
+
+
+def eval_sums(staged: StagedModel, loss_fn: Any, loss: str, metrics: dict[str, Any]):
+    """``sums(params_by_name, x, y)``: the evaluation sums of the whole model, piece after
+    piece on one device (``loss_sum``, ``correct`` for classification, one per metric)."""
+    from adapters._flax_models import correct_per_sample, per_sample_loss
+
+    def sums(params, x, y):
+        import jax.numpy as jnp
+
+        h = x
+        for k in range(staged.pieces):
+            h = staged.fns[k]({n: params[n] for n in staged.piece_names[k]}, h)
+        out = {"loss_sum": jnp.sum(per_sample_loss(jnp, loss_fn, h, y))}
+        if loss == "cross_entropy":
+            out["correct"] = correct_per_sample(jnp, h, y)
+        for name, fn in metrics.items():
+            out[name] = jnp.sum(fn(h, y))
+        return out
+
+    return sums
+
+
+@dataclasses.dataclass
+class Wave:
+    """One exchange: per stage ``[send_f, send_b, recv_f, recv_f_valid, recv_b,
+    recv_b_valid]`` slots, whether any activation / gradient moves, and each stage's
+    SEND/RECV actions."""
+
+    ctrl: np.ndarray
+    forward: bool
+    backward: bool
+    actions: list[list[Action]]
+
+
+@dataclasses.dataclass
+class Round:
+    """One lockstep round: per stage ``[branch, micro_batch, act_in, grad_in, out]`` (branch
+    0: idle, ``1 + 2k``: forward of piece ``k``, ``2 + 2k``: its backward), then its waves."""
+
+    ctrl: np.ndarray
+    compute: tuple[Action | None, ...]
+    waves: list[Wave]
+
+
+class RoundPlan:
+    """``schedule`` as lockstep rounds with every value's box slot assigned (see the module
+    docstring). Attributes: ``rounds``, ``slots`` (box size, at least 1)."""
+
+    def __init__(self, schedule: Schedule):
+        self.schedule = schedule
+        S, v = schedule.stages, schedule.chunks
+        K = S * v
+        live: list[dict[tuple, int]] = [{} for _ in range(S)]
+        free: list[list[int]] = [[] for _ in range(S)]
+        used = [0] * S
+
+        def alloc(s: int, key: tuple) -> int:
+            if free[s]:
+                slot = free[s].pop(0)
+            else:
+                slot, used[s] = used[s], used[s] + 1
+            live[s][key] = slot
+            return slot
+
+        def release(s: int, key: tuple) -> int:
+            slot = live[s].pop(key)
+            free[s].append(slot)
+            free[s].sort()
+            return slot
+
+        self.rounds: list[Round] = []
+        for lr in lockstep_rounds(schedule):
+            ctrl = np.zeros((S, 5), np.int32)
+            for s, a in enumerate(lr.compute):
+                if a is None:
+                    continue
+                k, m, c = a.chunk * S + s, a.micro_batch, a.chunk
+                row = [1 + 2 * k if a.kind == "F" else 2 + 2 * k, m, 0, 0, 0]
+                if a.kind == "F":
+                    if k > 0:
+                        row[2] = live[s][("act", m, c)]
+                    if k < K - 1:
+                        row[4] = alloc(s, ("out", m, c))
+                else:  # inputs are read before the output is written: free them first
+                    if k > 0:
+                        row[2] = release(s, ("act", m, c))
+                    if k < K - 1:
+                        row[3] = release(s, ("gin", m, c))
+                    if k > 0:
+                        row[4] = alloc(s, ("gout", m, c))
+                ctrl[s] = row
+            self.rounds.append(Round(ctrl, lr.compute, self._waves(lr.messages, alloc,
+                                                                   release, S)))
+        self.slots = max(1, *used)
+
+    @staticmethod
+    def _waves(messages, alloc, release, S) -> list[Wave]:
+        waves: list[list[tuple]] = []
+        for msg in messages:  # first fit: one activation and one gradient per stage a wave
+            sender, receiver, send, _ = msg
+            key = (send.kind, sender)
+            for wave in waves:
+                if key not in {(m[2].kind, m[0]) for m in wave}:
+                    wave.append(msg)
+                    break
+            else:
+                waves.append([msg])
+        out = []
+        for wave in waves:
+            ctrl = np.zeros((S, 6), np.int32)
+            actions: list[list[Action]] = [[] for _ in range(S)]
+            for sender, _, send, _ in wave:  # sends read the box before receives write it
+                forward = send.kind == "SEND_F"
+                slot = release(sender, ("out" if forward else "gout", send.micro_batch,
+                                        send.chunk))
+                ctrl[sender, 0 if forward else 1] = slot
+                actions[sender].append(send)
+            for _, receiver, send, recv in wave:
+                forward = send.kind == "SEND_F"
+                slot = alloc(receiver, ("act" if forward else "gin", recv.micro_batch,
+                                        recv.chunk))
+                ctrl[receiver, 2 if forward else 4] = slot
+                ctrl[receiver, 3 if forward else 5] = 1
+                actions[receiver].append(recv)
+            kinds = {send.kind for _, _, send, _ in wave}
+            out.append(Wave(ctrl, "SEND_F" in kinds, "SEND_B" in kinds, actions))
+        return out

@@ -1,0 +1,224 @@
+"""A model cut into pipeline pieces for the ``horovod-torch`` backend (``_torch_pipeline.py``).
+
+Spec models (``toolkit.MLP``, ``CNN``, ``GPT``) are cut by ``toolkit.partition_model``: the full
+torch module is built once (parameters uninitialised), each piece keeps references to the
+submodules of its layers only (a GPT's embeddings on the first piece, ``ln_f`` and the head on
+the last), and the module itself is dropped, so a rank holds only its stage's parameters. A tied
+GPT head needs ``tok_emb`` on the last piece too: that piece holds its own copy (a separate
+Parameter when it lives on another rank), whose gradient the executor adds to the first piece's
+before both apply the same update (Megatron-LM's embedding group). A native ``nn.Sequential`` is
+cut by index (balanced by parameter count, or at the layout's split points); any other native
+module cannot be cut soundly and is refused.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from toolkit import ToolkitError
+from toolkit._partition import partition_layers, partition_model
+from toolkit._specs import ModelSpec
+
+SEQUENTIAL_ONLY = ("a pipeline cuts a model into consecutive pieces: pass a toolkit.MLP/CNN/GPT "
+                   "spec, or a torch.nn.Sequential (cut by index)")
+
+
+@dataclasses.dataclass
+class Piece:
+    """One of the ``S x v`` pieces (virtual stages) of a model.
+
+    Attributes:
+        index: the virtual stage ``k`` (stage ``k % S``, local chunk ``k // S``).
+        forward: maps the piece's input (the model's input on piece 0, else the previous
+            piece's output) to its output (the model's output on the last piece).
+        params: ``(neutral name, parameter, to_torch, from_torch)`` of the piece's parameters.
+        modules: the torch modules the piece runs (for ``train()``/``eval()`` and buffers).
+    """
+
+    index: int
+    forward: Callable[[Any], Any]
+    params: list[tuple[str, Any, Callable, Callable]]
+    modules: list[Any]
+
+
+@dataclasses.dataclass
+class CutModel:
+    """The pieces one stage holds, and the full model's catalogue of names.
+
+    Attributes:
+        pieces: this stage's pieces by local chunk.
+        names_by_stage: every stage's parameter names (a tied parameter on two stages).
+        shapes: every parameter's neutral shape, in the model's order.
+        buffers: this stage's buffers, ``(name, tensor)``; ``buffer_specs``: every stage's
+            buffers as ``name -> (stage, shape, dtype)``.
+        native: whether the model is a native module (its names are torch's own).
+    """
+
+    pieces: list[Piece]
+    names_by_stage: list[tuple[str, ...]]
+    shapes: dict[str, tuple[int, ...]]
+    buffers: list[tuple[str, Any]]
+    buffer_specs: dict[str, tuple[int, tuple[int, ...], np.dtype]]
+    native: bool
+
+    def params(self) -> list[tuple[str, Any, Callable, Callable]]:
+        """This stage's parameters, each once (a tied parameter shared by two local chunks)."""
+        seen: dict[str, tuple] = {}
+        for piece in self.pieces:
+            for entry in piece.params:
+                seen.setdefault(entry[0], entry)
+        return list(seen.values())
+
+
+def _neutral_shape(p, from_torch) -> tuple[int, ...]:
+    return tuple(np.shape(from_torch(np.empty(tuple(p.shape), np.float32))))
+
+
+def cut_model(torch, model: Any, layout, stage: int, dtype) -> CutModel:
+    """The pieces of ``model`` that ``stage`` holds under the ``toolkit.Pipeline`` ``layout``."""
+    if isinstance(model, ModelSpec):
+        return _cut_spec(torch, model, layout, stage, dtype)
+    if isinstance(model, torch.nn.Sequential):
+        return _cut_sequential(torch, model.to(dtype), layout, stage)
+    if isinstance(model, torch.nn.Module):
+        raise ToolkitError(f"horovod-torch cannot cut the native module {type(model).__name__} "
+                           "into pipeline stages: it is not a torch.nn.Sequential",
+                           SEQUENTIAL_ONLY)
+    raise ToolkitError(f"horovod-torch cannot build a model from {type(model).__name__}",
+                       SEQUENTIAL_ONLY)
+
+
+def _cut_spec(torch, spec, layout, stage: int, dtype) -> CutModel:
+    from adapters._torch_models import build_spec_model
+    from toolkit import CNN, GPT, MLP
+
+    S, v = layout.stages, layout.chunks
+    part = partition_model(spec, S, v, layout.splits or None)
+    net, entries = build_spec_model(torch, spec)
+    net.to(dtype)
+    by_name = {e[0]: e for e in entries}
+    shapes = {name: _neutral_shape(p, fr) for name, p, _, fr in entries}
+    V = S * v
+    pieces = []
+    for c in range(v):
+        k = c * S + stage
+        first, last, layers = k == 0, k == V - 1, part.layers[k]
+        if isinstance(spec, GPT):
+            forward, modules = _gpt_piece(torch, net, layers, first, last)
+        elif isinstance(spec, MLP):
+            forward, modules = _mlp_piece(torch, spec, net, layers)
+        elif isinstance(spec, CNN):
+            forward, modules = _cnn_piece(torch, net, layers, first, last)
+        else:  # pragma: no cover - every spec partition_model cuts is handled above
+            raise ToolkitError(f"no pipeline pieces for {type(spec).__name__}", SEQUENTIAL_ONLY)
+        params = [by_name[n] for n in part.names[k]]
+        pieces.append(Piece(k, forward, params, modules))
+    if spec.__class__.__name__ == "GPT" and part.shared and stage == S - 1 and stage != 0:
+        _untie_last(torch, pieces, by_name)
+    names = [part.names_on(s) for s in range(S)]
+    return CutModel(pieces, names, shapes, [], {}, native=False)
+
+
+def _untie_last(torch, pieces: list[Piece], by_name: dict) -> None:
+    """The last stage's own copy of a tied ``tok_emb`` (another rank holds the first's): a
+    separate Parameter, so the executor can sum both stages' gradients explicitly."""
+    name, original, to_torch, from_torch = by_name["tok_emb"]
+    copy = torch.nn.Parameter(original.detach().clone())
+    for piece in pieces:
+        piece.params = [(n, copy if n == name else p, t, f) for n, p, t, f in piece.params]
+        if piece.forward.tok_emb is not None:  # read by the head at call time
+            piece.forward.tok_emb = copy
+
+
+def _gpt_piece(torch, net, layers: range, first: bool, last: bool):
+    F = torch.nn.functional
+    blocks = [net.blocks[i] for i in layers]
+    pos_emb = net.pos_emb if first else None
+    ln_f = net.ln_f if last else None
+    kernel = net.head.kernel if last and net.head is not None else None
+
+    def forward(h):
+        if first:
+            h = F.embedding(h, forward.tok_emb) + pos_emb[:h.shape[1]]
+        for block in blocks:
+            h = block(h)
+        if last:
+            f = ln_f(h)
+            return F.linear(f, forward.tok_emb) if kernel is None else f @ kernel
+        return h
+
+    # The embedding table, when this piece reads it (replaced by the last stage's own copy).
+    forward.tok_emb = net.tok_emb if first or (last and kernel is None) else None
+    return forward, blocks + ([ln_f] if last else [])
+
+
+def _mlp_piece(torch, spec, net, layers: range):
+    act = torch.relu if spec.activation == "relu" else torch.tanh
+    mine = [(i, net.layers[i]) for i in layers]
+    final = len(spec.sizes) - 2  # the model's last layer has no activation
+
+    def forward(x):
+        for i, layer in mine:
+            x = layer(x)
+            if i < final:
+                x = act(x)
+        return x
+
+    return forward, [m for _, m in mine]
+
+
+def _cnn_piece(torch, net, layers: range, first: bool, last: bool):
+    # units_of puts the head into the last conv's unit: the last piece ends with it.
+    convs = [net.convs[i] for i in layers]
+    head = net.head if last else None
+
+    def forward(x):
+        if first:
+            x = x.permute(0, 3, 1, 2)  # the spec's NHWC -> torch's NCHW
+        for conv in convs:
+            x = torch.relu(conv(x))
+        if last:
+            return head(x.permute(0, 2, 3, 1).reshape(len(x), -1))
+        return x
+
+    return forward, convs + ([head] if last else [])
+
+
+def _cut_sequential(torch, net, layout, stage: int) -> CutModel:
+    from adapters._torch_models import same
+
+    children = list(net.children())
+    if len(children) != len(net._modules):
+        raise ToolkitError("the nn.Sequential holds None entries", SEQUENTIAL_ONLY)
+    if any(True for _ in net.named_parameters(recurse=False)):
+        raise ToolkitError("the nn.Sequential has parameters of its own, outside its layers",
+                           SEQUENTIAL_ONLY)
+    costs = [sum(p.numel() for p in c.parameters()) for c in children]
+    S, v = layout.stages, layout.chunks
+    ranges = partition_layers(costs, S, v, layout.splits or None)
+    keys = list(net._modules)  # the Sequential's own names ("0", "1", ... or given ones)
+
+    def entries(r: range):
+        return [(f"{keys[i]}.{n}", p, same, same) for i in r
+                for n, p in children[i].named_parameters()]
+
+    def buffers(r: range):
+        return [(f"{keys[i]}.{n}", b) for i in r for n, b in children[i].named_buffers()
+                if b is not None]
+
+    shapes = {n: tuple(p.shape) for n, p, _, _ in entries(range(len(children)))}
+    names = [tuple(n for c in range(v) for n, *_ in entries(ranges[c * S + s]))
+             for s in range(S)]
+    buffer_specs = {n: (k % S, tuple(b.shape), np.dtype(str(b.dtype).replace("torch.", "")))
+                    for k, r in enumerate(ranges) for n, b in buffers(r)}
+    pieces, mine = [], []
+    for c in range(v):
+        k = c * S + stage
+        seq = torch.nn.Sequential(*(children[i] for i in ranges[k]))
+        pieces.append(Piece(k, seq, entries(ranges[k]), [seq]))
+        mine += buffers(ranges[k])
+    return CutModel(pieces, names, shapes, mine, buffer_specs, native=True)

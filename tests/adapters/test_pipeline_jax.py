@@ -1,0 +1,210 @@
+"""jax-pjit pipeline stages (adapters/_jax_pipeline*.py) against the float64 numpy reference.
+
+In this process (2 CPU devices, conftest): S = 2 stages, D = 1, every schedule, spec and native
+models, checkpoint pieces, timelines and bad input. Under horovodrun (slow): the stages in
+different processes, D = 1 and D = 2 (4 devices), ppermute across processes.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import adapters
+import toolkit
+from toolkit._reference import reference_run
+from toolkit._timeline import idle_fraction, peak_in_flight
+from toolkit.equivalence import load_data, make_model
+
+ROOT = Path(__file__).resolve().parents[2]
+WORKER = str(ROOT / "tests" / "scripts" / "pipeline_jax_worker.py")
+sys.path.insert(0, str(ROOT / "tests" / "scripts"))
+from pipeline_jax_worker import attach  # noqa: E402
+
+STEPS, BATCH = 6, 32
+
+
+def pipelined(layout: str, dtype: str = "float64"):
+    adapter = adapters.get("jax-pjit", dtype=dtype)
+    adapter.setup(toolkit.current_env())
+    return adapter, attach(adapter, toolkit.parse_layout(layout), samples="process")
+
+
+def fit(adapter, model, optimizer, steps=STEPS):
+    x, y = load_data("mlp", "float64")
+    trainer = toolkit.Trainer(adapter, model, optimizer, global_batch_size=BATCH,
+                              max_steps=steps, seed=0, progress=False)
+    return trainer.fit(x, y).losses
+
+
+def deviations(losses, state, model, optimizer, steps=STEPS, names=None):
+    x, y = load_data("mlp", "float64")
+    ref_losses, ref_params = reference_run(model, optimizer, "cross_entropy", x, y,
+                                           global_batch_size=BATCH, steps=steps, seed=0)
+    loss_dev = float(np.max(np.abs(np.asarray(losses) - ref_losses) / np.abs(ref_losses)))
+    names = names or {k: k for k in ref_params}
+    param_dev = max(float(np.max(np.abs(state[f"params/{names[k]}"] - v)))
+                    for k, v in ref_params.items())
+    return loss_dev, param_dev
+
+
+@pytest.mark.parametrize("layout,layers", [("pipeline:2:4:gpipe", 1), ("pipeline:2:8:1f1b", 1),
+                                           ("pipeline:2:4:interleaved-1f1b:2", 3)])
+def test_stages_in_one_process_equal_the_reference(layout, layers):
+    model = toolkit.MLP((64, *[32] * layers, 10))
+    optimizer = toolkit.Adam(lr=1e-3)
+    adapter, pipe = pipelined(layout)
+    losses = fit(adapter, model, optimizer)
+    loss_dev, param_dev = deviations(losses, adapter.state_dict(), model, optimizer)
+    assert loss_dev < 1e-10 and param_dev < 1e-10, (loss_dev, param_dev)
+    # Every stage ran a forward and a backward of every micro-batch (and chunk) in the last step.
+    records = pipe.timeline()
+    last = [r for r in records if r["step"] == STEPS - 1]
+    layout = toolkit.parse_layout(layout)
+    for stage in (0, 1):
+        computes = [r["action"] for r in last if r["stage"] == stage and r["action"][0] in "FB"]
+        assert len(computes) == 2 * layout.micro_batches * layout.chunks
+    assert all(r["end"] >= r["start"] for r in last)
+
+
+def test_1f1b_holds_fewer_activations_than_gpipe():
+    held = {}
+    for schedule in ("gpipe", "1f1b"):
+        adapter, pipe = pipelined(f"pipeline:2:8:{schedule}")
+        fit(adapter, make_model("mlp"), toolkit.SGD(lr=0.05), steps=2)
+        held[schedule] = (pipe.memory_bytes()["activations"],
+                          peak_in_flight([r for r in pipe.timeline() if r["step"] == 1]))
+    assert held["gpipe"][1] == {0: 8, 1: 8} and held["1f1b"][1] == {0: 2, 1: 1}
+    assert held["1f1b"][0] * 4 == held["gpipe"][0]  # box slots: 2 against 8
+
+
+@pytest.mark.slow  # in one process, but compiling the GPT's stage programs takes a while
+def test_tied_gpt_float32_and_its_checkpoint_pieces():
+    model = toolkit.GPT(vocab=256, context=16, width=32, layers=2, heads=2)
+    optimizer = toolkit.SGD(lr=0.05, momentum=0.9)
+    adapter, pipe = pipelined("pipeline:2:4:1f1b", dtype="float32")
+    x, y = load_data("gpt", "float32")
+    trainer = toolkit.Trainer(adapter, model, optimizer, global_batch_size=16, max_steps=4,
+                              seed=0, progress=False)
+    losses = trainer.fit(x[:256], y[:256]).losses
+    ref_losses, ref_params = reference_run(model, optimizer, "cross_entropy", x[:256], y[:256],
+                                           global_batch_size=16, steps=4, seed=0)
+    state = adapter.state_dict()
+    assert np.max(np.abs(np.asarray(losses) - ref_losses) / np.abs(ref_losses)) < 1e-5
+    assert max(np.max(np.abs(state[f"params/{k}"] - v)) for k, v in ref_params.items()) < 1e-5
+    assert pipe.staged.shared == {"tok_emb": (0, 1)}
+    replicated, pieces = pipe.sharded_state()
+    assert replicated == {}  # SGD: no step count
+    assert set(pieces) == set(state)  # tok_emb once, its momentum once
+    for name, (piece, axis, shape) in pieces.items():  # one process owns both stages here
+        assert axis == 0 and np.array_equal(piece.reshape(shape), state[name])
+
+
+def test_state_round_trip_continues_identically():
+    model, optimizer = make_model("mlp"), toolkit.Adam(lr=1e-3)
+    adapter, _ = pipelined("pipeline:2:4:1f1b")
+    x, y = load_data("mlp", "float64")
+    adapter.build(model, optimizer, "cross_entropy")
+    adapter.train_step(x[:32], y[:32], 1e-3)
+    saved = adapter.state_dict()
+    first = float(adapter.train_step(x[32:64], y[32:64], 1e-3))
+    other, _ = pipelined("pipeline:2:8:gpipe")  # another schedule loads the same tensors
+    other.build(model, optimizer, "cross_entropy", seed=5)
+    other.load_state_dict(saved)
+    assert float(other.train_step(x[32:64], y[32:64], 1e-3)) == pytest.approx(first, rel=1e-13)
+    assert other.evaluate(x[:50], y[:50])["count"] == 50.0
+
+
+def test_native_list_of_flax_modules():
+    import flax.linen as nn
+    import jax
+
+    class Relu(nn.Module):
+        def __call__(self, h):
+            return nn.relu(h)
+
+    model = make_model("mlp")
+    init = model.init(0, "float64")
+    layers = [(nn.Dense(128, param_dtype=jax.numpy.float64),
+               {"params": {"kernel": init["layers.0.kernel"], "bias": init["layers.0.bias"]}}),
+              (Relu(), {}),
+              (nn.Dense(10, param_dtype=jax.numpy.float64),
+               {"params": {"kernel": init["layers.1.kernel"], "bias": init["layers.1.bias"]}})]
+    optimizer = toolkit.SGD(lr=0.05, momentum=0.9)
+    adapter, pipe = pipelined("pipeline:2:4:1f1b")
+    losses = fit(adapter, layers, optimizer)
+    names = {"layers.0.kernel": "0.kernel", "layers.0.bias": "0.bias",
+             "layers.1.kernel": "2.kernel", "layers.1.bias": "2.bias"}
+    loss_dev, param_dev = deviations(losses, adapter.state_dict(), model, optimizer,
+                                     names=names)
+    assert loss_dev < 1e-10 and param_dev < 1e-10
+    assert pipe.staged.piece_names == [("0.kernel", "0.bias"), ("2.kernel", "2.bias")]
+
+
+def test_bad_input_is_a_clear_error():
+    import flax.linen as nn
+
+    spec, opt = make_model("mlp"), toolkit.SGD(lr=0.1)
+    adapter, _ = pipelined("pipeline:3:4")  # 2 devices here
+    with pytest.raises(toolkit.ToolkitError, match="2 devices .* do not divide into 3"):
+        adapter.build(toolkit.MLP((64, 32, 32, 10)), opt, "cross_entropy")
+    adapter, _ = pipelined("pipeline:2:3:gpipe")
+    adapter.build(spec, opt, "cross_entropy")
+    x, y = load_data("mlp", "float64")
+    with pytest.raises(toolkit.ToolkitError, match="3 micro-batches do not divide the local "
+                                                   "batch of 16"):
+        adapter.train_step(x[:16], y[:16], 0.1)
+    adapter, _ = pipelined("pipeline:2:4")
+    module = nn.Dense(10)
+    with pytest.raises(toolkit.ToolkitError, match="needs a sequential model"):
+        adapter.build((module, {"params": {}}), opt, "cross_entropy")
+    with pytest.raises(toolkit.ToolkitError, match="needs a sequential model"):
+        adapter.build(module, opt, "cross_entropy")
+    with pytest.raises(toolkit.ToolkitError, match="CNN"):
+        adapter.build(toolkit.CNN(image_shape=(8, 8, 1), channels=(4,), classes=10), opt,
+                      "cross_entropy")
+    adapter, _ = pipelined("pipeline:2:4:interleaved-1f1b:2")
+    with pytest.raises(toolkit.ToolkitError, match="2 stages x 2 chunks for a model of 2"):
+        adapter.build(spec, opt, "cross_entropy")
+
+
+def results(job) -> dict[int, dict]:
+    out = {}
+    for line in job.stdout.splitlines():
+        if "RESULT" in line:
+            tag, payload = line.split("RESULT", 1)[1].split(" ", 1)
+            out[int(tag)] = json.loads(payload)
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("nproc,argv,tolerance", [
+    (2, ["--layout", "pipeline:2:4:1f1b", "--model", "gpt", "--dtype", "float32",
+         "--batch-size", "16"], 1e-5),
+    (2, ["--layout", "pipeline:2:8:gpipe", "--local-devices", "2", "--model", "mlp"], 1e-10),
+    (4, ["--layout", "pipeline:2:8:1f1b", "--model", "mlp", "--optimizer", "sgd"], 1e-10),
+])
+def test_stages_across_processes_equal_the_reference(launch, tmp_path, nproc, argv, tolerance):
+    job = launch("horovodrun-gloo", nproc, [WORKER, *argv, "--steps", "20",
+                                             "--pieces-dir", str(tmp_path)], timeout=400)
+    assert job.returncode == 0, job
+    got = results(job)
+    assert sorted(got) == list(range(nproc)), job
+    assert got[0]["max_rel_loss_dev"] < tolerance and got[0]["max_abs_param_dev"] < tolerance
+    # The processes hold different stages: each timed its own forwards and backwards.
+    stages = {s for r in got.values() for s in r["stages_here"]}
+    assert stages == {0, 1}
+    records = [r for res in got.values() for r in res["records"] if r["replica"] == 0]
+    assert 0 < idle_fraction(records) < 1
+    # Replica 0 of each stage wrote it whole; any layout reads full tensors back.
+    from toolkit._checkpoint import read_checkpoint
+
+    ckpt = read_checkpoint(next(tmp_path.glob("step_*")))
+    with np.load(tmp_path / "full.npz") as full:
+        assert set(full.files) == set(ckpt.tensors)
+        for name in full.files:
+            assert np.array_equal(full[name], ckpt.tensors[name]), name

@@ -1,0 +1,206 @@
+"""Multi-rank checks of horovod-torch's pipeline stages; prints one RESULT line per rank.
+
+    horovodrun -np 2 --gloo python tests/scripts/pipeline_torch_worker.py equivalence SCHEDULE
+    horovodrun -np 2 --gloo python tests/scripts/pipeline_torch_worker.py bubble DIR
+
+``equivalence``: the digits MLP and a small tied GPT trained with the Trainer under
+``Pipeline(2, 4, SCHEDULE)`` in float64, against the one-process numpy reference (losses and
+final parameters), then a checkpoint written by every rank read back as the full model.
+``bubble``: an MLP whose micro-batches take tens of milliseconds, S = 2, M = 8, GPipe then 1F1B
+with the timeline recorded into DIR; the measured idle fraction and peak in-flight activations.
+``crash`` (with ``CRASH_RANK``): that rank is killed in the middle of its second step.
+
+``PipelinedTorch`` attaches ``adapters._torch_pipeline.TorchPipeline`` to the horovod-torch
+adapter with the same few delegating lines ``adapters/horovod_torch.py`` carries once wired.
+"""
+
+import json
+import os
+import sys
+
+import numpy as np
+
+import toolkit
+from adapters.horovod_torch import HorovodTorchAdapter
+from toolkit._checkpoint import read_checkpoint
+
+
+class PipelinedTorch(HorovodTorchAdapter):
+    """horovod-torch with the pipeline executor attached (the wiring, for tests)."""
+
+    pipeline = None
+
+    def set_layout(self, layout):
+        if isinstance(layout, toolkit.Pipeline):
+            from adapters._torch_pipeline import TorchPipeline
+
+            self.pipeline = TorchPipeline(self, layout)
+            if os.environ.get("CRASH_RANK") == str(self.env.rank):
+                _crash_mid_schedule(self.pipeline)
+            return
+        super().set_layout(layout)
+
+    def pipeline_position(self):
+        return self.pipeline.position if self.pipeline else (0, self.env.rank)
+
+
+for _name in ("build", "train_step", "evaluate", "state_dict", "load_state_dict",
+              "sharded_state", "memory_bytes", "sync_state"):
+    def _delegate(self, *args, _name=_name, **kwargs):
+        target = self.pipeline if self.pipeline is not None else super(PipelinedTorch, self)
+        return getattr(target, _name)(*args, **kwargs)
+
+    setattr(PipelinedTorch, _name, _delegate)
+
+
+def _crash_mid_schedule(pipeline) -> None:
+    """SIGKILLs this rank at its second step's backward of micro-batch 1 (others are then
+    waiting in the round's alltoall)."""
+    import signal
+    import time
+
+    real = pipeline._compute
+
+    def compute(action):
+        if pipeline.steps == 1 and str(action) == "B1":
+            print(f"killing rank {pipeline.env.rank} at {action} at time {time.time()}",
+                  flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+        return real(action)
+
+    pipeline._compute = compute
+
+
+def crash() -> None:
+    """Trains under Pipeline(2, 4); CRASH_RANK dies in the middle of a step's schedule."""
+    from toolkit.datasets import load_digits
+
+    (x, y), _ = load_digits()
+    toolkit.Trainer(PipelinedTorch(), toolkit.MLP((64, 32, 10)), toolkit.SGD(lr=0.1),
+                    layout="pipeline:2:4", global_batch_size=32, max_steps=1000,
+                    progress=False).fit(x, y)
+
+
+def emit(result: dict) -> None:
+    print("RESULT " + json.dumps(result), flush=True)
+
+
+def _mlp_eval(state: dict, x: np.ndarray, y: np.ndarray) -> dict:
+    """The digits MLP's mean loss and accuracy from full parameters, in numpy."""
+    h = x
+    layers = sorted({k.split(".")[1] for k in state if k.startswith("params/layers.")})
+    for i in range(len(layers)):
+        h = h @ state[f"params/layers.{i}.kernel"] + state[f"params/layers.{i}.bias"]
+        h = np.maximum(h, 0) if i < len(layers) - 1 else h
+    h = h - h.max(axis=1, keepdims=True)
+    logp = h - np.log(np.exp(h).sum(axis=1, keepdims=True))
+    return {"val_loss": float(-logp[np.arange(len(y)), y].mean()),
+            "val_accuracy": float((h.argmax(axis=1) == y).mean())}
+
+
+def equivalence(schedule: str, folder: str) -> None:
+    """Float64 training under Pipeline(2, 4, schedule) against the numpy reference (an
+    interleaved schedule: 2 chunks per stage of 4-layer models)."""
+    from toolkit._reference import reference_run
+    from toolkit.datasets import load_digits
+    from toolkit.equivalence import load_data, make_model, make_optimizer
+
+    interleaved = schedule == "interleaved-1f1b"
+    layout = f"pipeline:2:4:{schedule}" + (":2" if interleaved else "")
+    models = {"mlp": toolkit.MLP((64, 32, 32, 32, 10)) if interleaved else make_model("mlp"),
+              "gpt": toolkit.GPT(vocab=256, context=16, width=32, layers=4, heads=2)
+              if interleaved else make_model("gpt")}
+    result = {"rank": toolkit.current_env().rank}
+    for name, optimizer, steps in (("mlp", "sgd", 6), ("gpt", "adam", 4)):
+        x, y = load_data(name, "float64")
+        model, opt = models[name], make_optimizer(optimizer, steps)
+        ref_losses, ref_params = reference_run(model, opt, "cross_entropy", x, y,
+                                               global_batch_size=16, steps=steps, seed=0,
+                                               dtype="float64")
+        adapter = PipelinedTorch(dtype="float64")
+        ckpt_dir = os.path.join(folder, f"{name}-{schedule}")
+        trainer = toolkit.Trainer(adapter, model, opt, layout=layout, checkpoint_every=3,
+                                  global_batch_size=16, max_steps=steps, progress=False,
+                                  checkpoint_dir=ckpt_dir)
+        history = trainer.fit(x, y)
+        state = adapter.state_dict()
+        ckpt = read_checkpoint(trainer.store.checkpoints()[-1])
+        losses = np.asarray(history.losses)
+        result[name] = {
+            "loss_dev": float(np.max(np.abs(losses - ref_losses) / np.abs(ref_losses))),
+            "param_dev": max(float(np.max(np.abs(state[f"params/{k}"] - v)))
+                             for k, v in ref_params.items()),
+            "ckpt_dev": max(float(np.max(np.abs(ckpt.tensors[k] - state[k]))) for k in state),
+            "ckpt_names": sorted(ckpt.tensors) == sorted(state),
+            "position": list(adapter.pipeline_position()),
+            "bytes": adapter.memory_bytes()}
+        if name == "mlp":  # resumed from step 3: bit for bit here, and onto data parallel
+            middle = os.path.join(ckpt_dir, "step_000000003")
+            for resumed, where in ((PipelinedTorch(dtype="float64"), layout),
+                                   (HorovodTorchAdapter(dtype="float64"), "data")):
+                toolkit.Trainer(resumed, model, opt, layout=where, global_batch_size=16,
+                                max_steps=steps, progress=False, resume=middle).fit(x, y)
+                again = resumed.state_dict()
+                result[name][f"resume_dev_{where.split(':')[0]}"] = max(
+                    float(np.max(np.abs(again[k] - state[k]))) for k in state)
+        if name == "mlp":  # evaluation through the pipeline (101 samples: uneven shares)
+            _, (xv, yv) = load_digits(dtype="float64")
+            got, want = trainer.evaluate(xv[:101], yv[:101]), _mlp_eval(state, xv[:101],
+                                                                        yv[:101])
+            result[name]["eval_dev"] = max(abs(got[k] - want[k]) for k in want)
+    emit(result)
+
+
+def bubble(folder: str, batch: str = "512", steps: str = "4") -> None:
+    """S = 2, M = 8 on an MLP whose micro-batch forward takes tens of milliseconds per stage:
+    GPipe, 1F1B, then data parallel on the same ranks for the step time. Per step: the measured
+    idle fraction (waiting and messages count as idle) and the share of the step the round
+    alltoalls took on the rank that waited least in each (the communication itself)."""
+    import time
+
+    import torch
+
+    from toolkit._timeline import idle_fraction, peak_in_flight, select
+    from toolkit.datasets import load_digits
+
+    (x, y), _ = load_digits()
+    model, steps = toolkit.MLP((64, 2048, 2048, 2048, 10)), int(steps)
+    result = {"rank": toolkit.current_env().rank}
+    for layout in ("pipeline:2:8:gpipe", "pipeline:2:8:1f1b", "data"):
+        timeline = os.path.join(folder, layout.replace(":", "-"))
+        os.environ["TOOLKIT_PIPELINE_TIMELINE"] = timeline
+        adapter = PipelinedTorch()
+        seconds, comm = [], []
+        real_step = adapter.train_step
+
+        def timed(xb, yb, lr, adapter=adapter, real_step=real_step, seconds=seconds,
+                  comm=comm):
+            start = time.perf_counter()
+            loss = real_step(xb, yb, lr)
+            seconds.append(time.perf_counter() - start)
+            if adapter.pipeline is not None:  # the least-waiting rank's time per round
+                mine = torch.tensor(adapter.pipeline.exchange_seconds, dtype=torch.float64)
+                every = adapter.hvd.allgather(mine[None])
+                comm.append(float(every.min(dim=0).values.sum()))
+            return loss
+
+        adapter.train_step = timed
+        toolkit.Trainer(adapter, model, toolkit.SGD(lr=0.01), layout=layout, progress=False,
+                        global_batch_size=int(batch), max_steps=steps).fit(x, y)
+        row = {"step_seconds": float(np.median(seconds[1:]))}
+        if layout != "data":
+            adapter.barrier()  # every rank's timeline is written
+            records = toolkit.read_timeline([timeline])
+            picked = [select(records, step) for step in range(1, steps)]  # after the first
+            spans = [max(r["end"] for r in p) - min(r["start"] for r in p) for p in picked]
+            row.update(bubbles=[idle_fraction(p) for p in picked],
+                       comm_share=[c / s for c, s in zip(comm[1:], spans, strict=True)],
+                       peak=peak_in_flight(picked[-1]), held=adapter.pipeline.peak_activations)
+            row["bubble"] = float(min(row["bubbles"]))  # the least disturbed step
+        result[layout] = row
+    emit(result)
+
+
+if __name__ == "__main__":
+    modes = {"equivalence": equivalence, "bubble": bubble, "crash": crash}
+    toolkit.run(lambda: modes[sys.argv[1]](*sys.argv[2:]))
