@@ -10,10 +10,15 @@ checkpoint (``sync_state``), unless ``sync_batchnorm`` keeps them equal on every
 computing BatchNorm statistics over the global batch (Horovod's ``SyncBatchNorm``). Dropout and
 other torch randomness is seeded per step from (seed, step, rank), so a resumed run draws
 what an uninterrupted one would have.
+
+Under ``toolkit.Sharded(stage=1|2|3)`` (ZeRO / FSDP) the parameters, gradients and optimizer
+state live in flat per-unit shards instead (``adapters/_torch_sharded.py``); the step is the
+same loop with that object in the optimizer's place.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 from typing import Any
 
@@ -40,6 +45,9 @@ class HorovodTorchAdapter(BackendBase):
     """PyTorch + Horovod. See :class:`toolkit.Adapter` for the contract."""
 
     name = "horovod-torch"
+    sharding = None  # the toolkit.Sharded layout, when set_layout chose one
+    shards = None  # its adapters._torch_sharded.ShardedParameters, after build
+    pipeline = None  # adapters._torch_pipeline.TorchPipeline, when set_layout got a Pipeline
 
     # -------------------------------------------------------------------------- set-up
     def setup(self, env: LaunchEnv) -> None:
@@ -58,9 +66,25 @@ class HorovodTorchAdapter(BackendBase):
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // env.local_size))
         self.dtype = {"float32": torch.float32, "float64": torch.float64}[self.dtype_name]
 
+    def set_layout(self, layout: Any) -> None:
+        """Shards what ``build`` creates as ``layout`` (a ``toolkit.Sharded``) says."""
+        from adapters._torch_sharded import check_layout
+        from toolkit import Pipeline
+
+        if isinstance(layout, Pipeline):
+            from adapters._torch_pipeline import TorchPipeline
+
+            self.pipeline = TorchPipeline(self, layout)
+            return
+        self.sharding = check_layout(layout)
+
     def build(self, model: Any, optimizer: Any, loss: Any, *, seed: int = 0,
               accumulation_steps: int = 1, sync_batchnorm: bool = False,
               metrics: Any = None) -> None:
+        if self.pipeline is not None:
+            return self.pipeline.build(
+                model, optimizer, loss, seed=seed, accumulation_steps=accumulation_steps,
+                sync_batchnorm=sync_batchnorm, metrics=metrics)
         torch, hvd = self.torch, self.hvd
         self.loss_name, self.loss_fn = loss_name(loss), loss
         self.metrics = dict(metrics or {})
@@ -69,7 +93,8 @@ class HorovodTorchAdapter(BackendBase):
         if not self.native:
             self.net, self.layout = build_spec_model(torch, model)
             self.net.to(self.dtype)
-            self._load_params(model.init(seed, self.dtype_name))
+            if self.sharding is None:
+                self._load_params(model.init(seed, self.dtype_name))
         elif isinstance(model, torch.nn.Module):
             self.net = model.to(self.dtype)
             if sync_batchnorm:
@@ -81,6 +106,9 @@ class HorovodTorchAdapter(BackendBase):
         self.sync_batchnorm = sync_batchnorm
         self.buffers = [(n, b) for n, b in self.net.named_buffers() if b is not None]
         self.steps = 0  # optimizer steps taken: the randomness of the next one derives from it
+        if self.sharding is not None:
+            self._build_sharded(model, optimizer, seed)
+            return
         # DistributedOptimizer builds a new optimizer over the same param groups (with empty
         # state), so slots are filled in after wrapping, before the state is broadcast.
         self.opt = hvd.DistributedOptimizer(
@@ -88,7 +116,32 @@ class HorovodTorchAdapter(BackendBase):
             op=hvd.Average, backward_passes_per_step=accumulation_steps)
         self._zero_slots(optimizer)
         hvd.broadcast_parameters(self.net.state_dict(), root_rank=0)  # parameters and buffers
+        fresh = [p.detach().clone() for p in self.net.parameters()] if not self.opt.state else []
         hvd.broadcast_optimizer_state(self.opt, root_rank=0)
+        if fresh:  # Horovod made the state with a zero-gradient step (weight decay, count): undo
+            with torch.no_grad():
+                for p, before in zip(self.net.parameters(), fresh, strict=True):
+                    p.copy_(before)
+                for slots in self.opt.state.values():
+                    for value in slots.values():
+                        if torch.is_tensor(value):
+                            value.zero_()
+
+    def _build_sharded(self, model: Any, optimizer: Any, seed: int) -> None:
+        from adapters._torch_sharded import ShardedParameters, native_units, spec_units
+
+        if self.native:
+            units = native_units(self.torch, self.net, optimizer)
+            self.hvd.broadcast_parameters(self.net.state_dict(), root_rank=0)
+            arrays = {n: to_host(p, same) for n, p in self.net.named_parameters()}
+        else:
+            arrays = model.init(seed, self.dtype_name)
+            units = spec_units(arrays)
+            if not isinstance(optimizer, SGD | Adam):
+                native_units(self.torch, self.net, optimizer)  # its error for the optimizer
+        self.shards = ShardedParameters(self.torch, self.hvd, self.net, self.layout, arrays,
+                                        units, self.sharding.stage, optimizer, self.dtype)
+        self.layout = None  # the module's parameters are gone: the flat buffers hold them
 
     def _optimizer(self, spec: Any):
         torch = self.torch
@@ -155,8 +208,13 @@ class HorovodTorchAdapter(BackendBase):
             return tokens.reshape(len(out), -1).mean(dim=1)
         return ((out - y.reshape(out.shape)) ** 2).reshape(len(out), -1).mean(dim=1)
 
+    def _forwarding(self):
+        return self.shards.forwarding() if self.shards else contextlib.nullcontext()
+
     def train_step(self, x: np.ndarray, y: np.ndarray, lr: float | None) -> float:
-        if lr is not None:
+        if self.pipeline is not None:
+            return self.pipeline.train_step(x, y, lr)
+        if lr is not None and self.shards is None:
             for group in self.opt.param_groups:
                 group["lr"] = lr
         if self.native:
@@ -164,21 +222,24 @@ class HorovodTorchAdapter(BackendBase):
         self.net.train()
         xt, yt = self._tensors(x, y)
         k = self.accumulation_steps
-        self.opt.zero_grad()
+        (self.shards or self.opt).zero_grad()
         total = 0.0
         for xc, yc in zip(xt.chunk(k), yt.chunk(k), strict=True):
-            loss = self._per_sample(self.net(xc), yc).mean() / k
+            with self._forwarding():
+                loss = self._per_sample(self.net(xc), yc).mean() / k
             loss.backward()
             total += loss.item()
-        self.opt.step()
+        self.opt.step() if self.shards is None else self.shards.step(lr)
         self.steps += 1
         return total
 
     def evaluate(self, x: np.ndarray, y: np.ndarray) -> dict[str, float]:
+        if self.pipeline is not None:
+            return self.pipeline.evaluate(x, y)
         torch = self.torch
         self.net.eval()
         xt, yt = self._tensors(x, y)
-        with torch.no_grad():
+        with torch.no_grad(), self._forwarding():
             out = self.net(xt)
             result = {"loss_sum": float(self._per_sample(out, yt).sum()), "count": float(len(x))}
             if self.loss_name == "cross_entropy":
@@ -206,6 +267,8 @@ class HorovodTorchAdapter(BackendBase):
 
     def sync_state(self) -> None:
         """Rank 0's buffers (BatchNorm statistics) become every rank's."""
+        if self.pipeline is not None:
+            return self.pipeline.sync_state()
         if self.env.world_size > 1 and self.buffers and not self.sync_batchnorm:
             self.hvd.broadcast_parameters(self.buffers, root_rank=0)
 
@@ -213,7 +276,40 @@ class HorovodTorchAdapter(BackendBase):
     def _load_params(self, params: dict[str, np.ndarray]) -> None:
         self.load_state_dict({f"params/{k}": v for k, v in params.items()}, params_only=True)
 
+    def sharded_state(self):
+        """This rank's pieces of the sharded state (see ``toolkit.ShardedAdapter``)."""
+        if self.pipeline is not None:
+            return self.pipeline.sharded_state()
+        if self.shards is None:
+            raise ToolkitError("sharded_state() needs a Sharded layout",
+                               "build under toolkit.Sharded(stage=...), or use state_dict()")
+        replicated, pieces = self.shards.sharded_state()
+        return {**replicated, **self._model_state()}, pieces
+
+    def memory_bytes(self) -> dict[str, int]:
+        """Bytes this rank holds for parameters, gradients and optimizer state. Data parallel:
+        every parameter, a gradient of each parameter's size, every optimizer slot."""
+        if self.pipeline is not None:
+            return self.pipeline.memory_bytes()
+        if self.shards is not None:
+            return self.shards.memory_bytes()
+        params = sum(p.nbytes for _, p, _, _ in self.layout)
+        slots = sum(v.nbytes for state in self.opt.state.values() for v in state.values()
+                    if self.torch.is_tensor(v))
+        return {"params": params, "grads": params, "optimizer": slots}
+
+    def _model_state(self) -> dict[str, np.ndarray]:
+        """Buffers, and the step the randomness of native models derives from."""
+        out = {f"buffers/{name}": to_host(b, same) for name, b in self.buffers}
+        if self.native:
+            out["rng/step"] = np.asarray(self.steps, np.int64)
+        return out
+
     def state_dict(self) -> dict[str, np.ndarray]:
+        if self.pipeline is not None:
+            return self.pipeline.state_dict()
+        if self.shards is not None:
+            return {**self.shards.state_dict(), **self._model_state()}
         out, step = {}, None
         for name, p, _, from_torch in self.layout:
             out[f"params/{name}"] = to_host(p, from_torch)
@@ -224,19 +320,18 @@ class HorovodTorchAdapter(BackendBase):
                     out[f"opt/{_SLOTS.get(key, key)}/{name}"] = to_host(value, from_torch)
         if step is not None:
             out["opt/count"] = np.asarray(step, np.int64)
-        out.update({f"buffers/{name}": to_host(b, same) for name, b in self.buffers})
-        if self.native:
-            out["rng/step"] = np.asarray(self.steps, np.int64)
-        return out
+        return {**out, **self._model_state()}
 
     def load_state_dict(self, state: dict[str, np.ndarray], params_only: bool = False) -> None:
+        if self.pipeline is not None:
+            return self.pipeline.load_state_dict(state)
         torch = self.torch
 
         def tensor(a, to_torch, dtype=self.dtype):  # a copy: never alias the caller's array
             return torch.tensor(np.asarray(to_torch(np.asarray(a))), dtype=dtype)
 
         with torch.no_grad():
-            for name, p, to_torch, _ in self.layout:
+            for name, p, to_torch, _ in self.layout if self.shards is None else ():
                 p.copy_(tensor(state[f"params/{name}"], to_torch))
                 if params_only:
                     continue
@@ -248,10 +343,16 @@ class HorovodTorchAdapter(BackendBase):
                         slots[key] = tensor(state[f"opt/{_SLOTS.get(key, key)}/{name}"], to_torch)
             if params_only:
                 return
+            if self.shards is not None:
+                self.shards.load_state_dict(state)
             for name, b in self.buffers:
                 b.copy_(tensor(state[f"buffers/{name}"], same, b.dtype))
         if self.native:
             self.steps = int(state["rng/step"])
+
+    def pipeline_position(self) -> tuple[int, int]:
+        """This rank's (stage, replica) under a toolkit.Pipeline; (0, rank) otherwise."""
+        return self.pipeline.position if self.pipeline is not None else (0, self.env.rank)
 
     def shutdown(self) -> None:
         self.hvd.shutdown()

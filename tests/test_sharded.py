@@ -93,6 +93,7 @@ def test_fsdp_gpt_at_an_odd_world_size_and_its_memory(backend, launch, tmp_path)
 def train(launch, tmp, name, nproc, backend, layout, extra=()):
     args = [SCRIPT, "--backend", backend, "--steps", str(STEPS), "--layout", layout,
             "--checkpoint-every", str(EVERY), "--checkpoint-dir", str(tmp / "ckpt"),
+            "--batch-size", "48",  # divides over 2 and 3 ranks
             "--save-model", str(tmp / f"{name}.npz"), "--metrics-log",
             str(tmp / f"{name}.jsonl"), *extra]
     return launch("horovodrun-gloo" if nproc > 1 else "python", nproc, args, timeout=300)

@@ -18,7 +18,7 @@ from toolkit._data import Dataset, as_dataset
 from toolkit._env import LaunchEnv
 from toolkit._errors import ToolkitError
 from toolkit._history import History, ProgressLine
-from toolkit._layouts import Pipeline, Sharded, resolve_layout
+from toolkit._layouts import DataParallel, Pipeline, Sharded, resolve_layout
 from toolkit._partition import PipelineGrid, micro_batch_size
 from toolkit._preemption import PREEMPTED_EXIT_CODE, TrainingPreempted, noting_signals
 from toolkit._prefetch import BatchPrefetcher, load_batch
@@ -390,6 +390,11 @@ class Trainer:
         dataset = as_dataset(data, y, what="the evaluation data")
         world, rank = self.env.world_size, self.env.rank
         idx = shard_indices(len(dataset), world, rank)
+        if len(dataset) < world and not isinstance(self.layout, DataParallel):
+            # A rank without samples would skip evaluate(), whose collectives the others wait in.
+            raise ToolkitError(f"the evaluation data has {len(dataset)} samples, fewer than the "
+                               f"{world} ranks of layout {self.layout.name!r}",
+                               "evaluate on at least one sample per rank")
         # Every rank makes the same number of adapter.evaluate calls (a sharded model may
         # gather its parameters in each): as many as the largest share needs.
         calls = max(1, math.ceil(math.ceil(len(dataset) / world) / self.eval_batch_size))

@@ -29,6 +29,7 @@ def main() -> None:
     p.add_argument("--metrics-log", required=True)
     p.add_argument("--model", choices=("mlp", "gpt"), default="mlp")
     p.add_argument("--layout", default="data")
+    p.add_argument("--batch-size", type=int, default=64, help="global")
     args = p.parse_args()
 
     if args.model == "gpt":  # the equivalence preset: 2 blocks, width 32, 16-byte windows
@@ -39,7 +40,8 @@ def main() -> None:
         model = toolkit.MLP((64, 32, 10))
     adapter = adapters.get(args.backend)
     trainer = toolkit.Trainer(
-        adapter, model, toolkit.Adam(lr=3e-3), global_batch_size=64, layout=args.layout,
+        adapter, model, toolkit.Adam(lr=3e-3), global_batch_size=args.batch_size,
+        layout=args.layout,
         max_steps=args.steps, checkpoint_dir=args.checkpoint_dir,
         checkpoint_every=args.checkpoint_every, resume=args.resume,
         async_checkpoint=args.async_checkpoint, metrics_log=args.metrics_log, progress=False)

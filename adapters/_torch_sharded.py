@@ -1,0 +1,407 @@
+"""ZeRO stages 1-3 / FSDP for the ``horovod-torch`` backend, with Horovod's collectives only.
+
+The model's parameters live in one flat, padded buffer per unit (``toolkit._shards.FlatLayout``
+over the neutral names and shapes, so every backend cuts the same pieces): the whole buffer on
+every rank for stages 1 and 2, only this rank's shard for stage 3. The torch module never owns
+them: each parameter attribute of each submodule becomes a property (on a per-module subclass,
+the way ``torch.nn.utils.parametrize`` does it) that returns a view of its unit's current
+tensors, permuted into torch's layout where that differs (``Linear.weight`` is the neutral
+kernel transposed, ``Conv2d.weight`` the HWIO kernel as OIHW).
+
+A unit's tensors are made, once per forward pass, by ``UnitParams``, a
+``torch.autograd.Function``:
+
+- forward: stages 1/2: views of the full buffer; stage 3: ``hvd.allgather`` of the rank's shard
+  (all ranks' shards concatenated = the padded buffer), then views of it.
+- backward: the unit's gradients written into one flat padded buffer; stage 1 adds it to the
+  full gradient buffer (averaged with one grouped ``allreduce`` per step); stages 2 and 3
+  ``hvd.reducescatter(op=Average)`` it and add this rank's shard to the persistent gradient
+  shard. The backward of the gather is therefore a reduce-scatter, never Horovod's own
+  allgather gradient (a full-size allreduce). Stages 2 and 3 reduce each micro-batch's
+  gradient (with accumulation steps too): that is what keeps a full gradient from ever
+  building up on a rank; the sum is the same.
+
+Stage 3 frees a unit's gathered parameters once the forward moves on to the next unit, and
+gathers them again for its backward with *saved-tensor hooks*
+(``torch.autograd.graph.saved_tensors_hooks``), not activation checkpointing: when an operation
+saves a view of the gathered buffer for its backward (a matmul saves its weight), the pack hook
+stores (unit, offset, size, stride) instead of the tensor; the first unpack in the backward
+all-gathers the unit again, and ``UnitParams.backward`` (which runs after every use of the unit
+has had its backward) drops that copy. So no unit's forward is recomputed, a unit whose saved
+tensors hold none of its parameters is not gathered again, and between steps a rank holds only
+shards. A unit used twice in one forward (a tied embedding at the head) is gathered twice and
+reduce-scatters twice; both contributions add up in its gradient shard. As in any FSDP, every
+rank must touch the units in the same order (a native module's forward must not branch on its
+rank's data), since each first touch is a collective.
+
+The optimizer is ``toolkit/_reference.py``'s arithmetic on flat shards (Adam's bias corrections
+computed on the host in float64, as the data-parallel path's ``torch.optim`` does); padding
+elements get zero gradients and stay zero. Stages 1 and 2 then re-assemble the parameters with
+one grouped ``allgather`` of the updated shards.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+from typing import Any
+
+import numpy as np
+
+from toolkit import SGD, Adam, ToolkitError
+from toolkit._layouts import DataParallel, Sharded
+from toolkit._reference import adam_scalars, optimizer_slots
+from toolkit._shards import FlatLayout, unit_layouts
+
+SHARDABLE = ("horovod-torch shards toolkit.MLP/CNN/GPT specs, and native nn.Modules whose "
+             "trainable parameters are reached as module attributes (Linear, Conv, LayerNorm, "
+             "Embedding, ...); units are the module's top-level children")
+
+
+def check_layout(layout: Any) -> Sharded | None:
+    """The ``toolkit.Sharded`` layout this backend runs (None for data parallel)."""
+    if isinstance(layout, DataParallel):
+        return None
+    if not isinstance(layout, Sharded):
+        raise ToolkitError(f"horovod-torch cannot run layout {layout!r}",
+                           "pass toolkit.DataParallel() or toolkit.Sharded(stage=1|2|3)")
+    if layout.tensor_parallel > 1:
+        raise ToolkitError(
+            f"horovod-torch cannot split layers over ranks (layout {layout.name}, "
+            f"tensor_parallel={layout.tensor_parallel})",
+            "only jax-pjit splits layers: use tensor_parallel=1 or --backend jax-pjit")
+    return layout
+
+
+def native_units(torch, net, optimizer: Any) -> dict[str, list[str]]:
+    """Units of a native module (its top-level children; a parameter of the root module is a
+    unit of its own), or a ToolkitError for a module or optimizer this cannot shard soundly."""
+    if not isinstance(optimizer, SGD | Adam):
+        raise ToolkitError(
+            f"under a Sharded layout horovod-torch cannot use the optimizer {optimizer!r}",
+            "pass toolkit.SGD(...) or toolkit.Adam(...): the backend applies them to flat "
+            "shards itself (a torch.optim optimizer works with the data-parallel layout)")
+    recurrent = [n or type(m).__name__ for n, m in net.named_modules()
+                 if isinstance(m, torch.nn.RNNBase)]
+    if recurrent:
+        raise ToolkitError(f"cannot shard the recurrent module {recurrent[0]!r}: it keeps its "
+                           "own cached flat weights", SHARDABLE)
+    frozen = [n for n, p in net.named_parameters() if not p.requires_grad]
+    if frozen:
+        raise ToolkitError(f"cannot shard a module with frozen parameters ({frozen[0]!r}): the "
+                           "sharded optimizer updates every parameter", SHARDABLE)
+    units: dict[str, list[str]] = {}
+    for name, _ in net.named_parameters():
+        units.setdefault(name.split(".")[0], []).append(name)
+    if not units:
+        raise ToolkitError(f"the module {type(net).__name__} has no parameters to shard",
+                           SHARDABLE)
+    return units
+
+
+def _permutation(to_torch, shape: tuple[int, ...]) -> tuple[int, ...] | None:
+    """The axis permutation that ``to_torch`` applies to a neutral array of ``shape`` (None for
+    the identity), found by applying it to an array of element indices."""
+    index = np.arange(int(np.prod(shape))).reshape(shape)
+    moved = np.asarray(to_torch(index))
+    for perm in itertools.permutations(range(len(shape))):
+        if moved.shape == index.transpose(perm).shape and np.array_equal(
+                moved, index.transpose(perm)):
+            return None if perm == tuple(range(len(shape))) else perm
+    raise ToolkitError(f"a parameter of shape {shape} is not an axis permutation of its "
+                       "neutral layout", SHARDABLE)
+
+
+def _unit_function(torch):
+    class UnitParams(torch.autograd.Function):
+        """Forward: a unit's parameters (gathered in stage 3) as views; backward: their
+        gradients reduced (see the module docstring). ``record`` is this use of the unit."""
+
+        @staticmethod
+        def forward(ctx, source, record):
+            ctx.record = record
+            return record.owner._open(record, source)
+
+        @staticmethod
+        def backward(ctx, *grads):
+            ctx.record.owner._close(ctx.record, grads)
+            return None, None  # the gradient went into the owner's buffers
+
+    return UnitParams
+
+
+class _Use:
+    """One materialisation of one unit's parameters in one forward pass."""
+
+    __slots__ = ("owner", "unit", "ptr", "regathered")
+
+    def __init__(self, owner, unit: int):
+        self.owner, self.unit, self.ptr, self.regathered = owner, unit, None, None
+
+
+class _SavedView:
+    """What stage 3's pack hook saves instead of a view of a gathered buffer."""
+
+    __slots__ = ("use", "offset", "size", "stride")
+
+    def __init__(self, use: _Use, t):
+        self.use, self.offset, self.size, self.stride = use, t.storage_offset(), t.size(), \
+            t.stride()
+
+
+class ShardedParameters:
+    """A module's parameters, gradients and optimizer state sharded as ``Sharded(stage)``.
+
+    Duck-types the optimizer for the adapter's step: :meth:`zero_grad`, then every forward
+    inside :meth:`forwarding` and its backward, then :meth:`step`.
+
+    Args:
+        torch, hvd: the modules (imported by the adapter).
+        net: the torch module; its parameter attributes are re-routed to the flat buffers.
+        layout: ``(neutral name, torch parameter, to_torch, from_torch)`` per parameter.
+        arrays: neutral name -> initial value (numpy, neutral layout), in the model's order.
+        units: unit name -> neutral names in it.
+        stage: 1, 2 or 3.
+        optimizer: ``toolkit.SGD`` or ``toolkit.Adam``.
+        dtype: the torch dtype of every buffer.
+    """
+
+    def __init__(self, torch, hvd, net, layout, arrays: dict[str, np.ndarray],
+                 units: dict[str, list[str]], stage: int, optimizer: SGD | Adam, dtype):
+        self.torch, self.hvd, self.stage, self.spec = torch, hvd, stage, optimizer
+        self.rank, self.size = hvd.rank(), hvd.size()
+        self.layouts = [FlatLayout.from_shapes({n: np.shape(arrays[n]) for n in names},
+                                               self.size) for names in units.values()]
+        self.slot_names = optimizer_slots(optimizer)
+        self.count = 0  # Adam's step count
+        self.sources, self.grads, self.slots = [], [], []
+        for unit, flat_layout in enumerate(self.layouts):
+            flat = flat_layout.flatten({n: arrays[n] for n in flat_layout.names})
+            held = flat if stage < 3 else flat[self._owned(unit)]
+            self.sources.append(torch.tensor(held, dtype=dtype).requires_grad_())
+            grad_len = flat_layout.padded if stage == 1 else flat_layout.shard_size
+            self.grads.append(torch.zeros(grad_len, dtype=dtype))
+            self.slots.append({s: torch.zeros(flat_layout.shard_size, dtype=dtype)
+                               for s in self.slot_names})
+        self._fn = _unit_function(torch)
+        self._cache: dict[int, tuple] = {}  # unit -> its tensors in the current forward
+        self._live: dict[int, _Use] = {}  # storage address -> stage 3's current gathered unit
+        self._route(net, layout)
+
+    # ---------------------------------------------------------------------- the module's view
+    def _owned(self, unit: int) -> slice:
+        """This rank's elements of ``unit``'s padded buffer."""
+        n = self.layouts[unit].shard_size
+        return slice(self.rank * n, (self.rank + 1) * n)
+
+    def _route(self, net, layout) -> None:
+        """Every parameter attribute of ``net``'s modules becomes a property returning its view."""
+        where = {}
+        for name, param, to_torch, _ in layout:
+            unit = next(u for u, fl in enumerate(self.layouts) if name in fl.names)
+            index = self.layouts[unit].names.index(name)
+            where[id(param)] = (unit, index, _permutation(to_torch,
+                                                          self.layouts[unit].shapes[index]))
+        for module in net.modules():
+            routed = {attr: where[id(p)] for attr, p in module._parameters.items()
+                      if p is not None}
+            if not routed:
+                continue
+            props = {attr: property(lambda _, at=at: self.tensor(*at))
+                     for attr, at in routed.items()}
+            module.__class__ = type(type(module).__name__, (type(module),), props)
+            for attr in routed:
+                del module._parameters[attr]
+        for _, param, _, _ in layout:  # the flat buffers hold the state now: free the old
+            param.data = self.torch.empty(0, dtype=param.dtype)
+
+    def tensor(self, unit: int, index: int, perm: tuple[int, ...] | None):
+        """Parameter ``index`` of ``unit`` in torch's layout, for the current forward pass."""
+        tensors = self._cache.get(unit)
+        if tensors is None:
+            if self.stage == 3:  # the previous unit's gathered buffer is freed
+                self._cache.clear()
+                self._live.clear()
+            use = _Use(self, unit)
+            tensors = self._fn.apply(self.sources[unit], use)
+            self._cache[unit] = tensors
+            if self.stage == 3:
+                self._live[use.ptr] = use
+        t = tensors[index]
+        return t if perm is None else t.permute(perm)
+
+    @contextlib.contextmanager
+    def forwarding(self):
+        """Wrap each forward pass: stage 3's saved-tensor hooks, and no tensors kept after."""
+        self._cache.clear()
+        hooks = (self.torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+                 if self.stage == 3 else contextlib.nullcontext())
+        try:
+            with hooks:
+                yield
+        finally:
+            self._cache.clear()
+            self._live.clear()
+
+    def _pack(self, t):
+        try:
+            use = self._live.get(t.untyped_storage().data_ptr())
+        except RuntimeError:  # a tensor without storage: never one of ours
+            return t
+        return t if use is None else _SavedView(use, t)
+
+    def _unpack(self, saved):
+        if type(saved) is not _SavedView:
+            return saved
+        use = saved.use
+        if use.regathered is None:  # the unit's backward begins: gather it again
+            use.regathered = self._gather(use.unit, self.sources[use.unit].detach())
+        return use.regathered.as_strided(saved.size, saved.stride, saved.offset)
+
+    # ---------------------------------------------------------------------- collectives
+    def _gather(self, unit: int, shard):
+        return self.hvd.allgather(shard, name=f"zero.gather.{unit}")
+
+    def _open(self, use: _Use, source) -> tuple:
+        """UnitParams.forward: the unit's parameters as neutral-shaped views."""
+        full = self._gather(use.unit, source) if self.stage == 3 else source
+        use.ptr = full.untyped_storage().data_ptr()
+        fl = self.layouts[use.unit]
+        return tuple(full[o:o + n].view(s)
+                     for o, n, s in zip(fl.offsets, fl.sizes, fl.shapes, strict=True))
+
+    def _close(self, use: _Use, grads) -> None:
+        """UnitParams.backward: the unit's gradients, reduced into its gradient buffer."""
+        use.regathered = None  # every use of the unit has had its backward
+        fl, target = self.layouts[use.unit], self.grads[use.unit]
+        if self.stage == 1:
+            for o, n, g in zip(fl.offsets, fl.sizes, grads, strict=True):
+                if g is not None:
+                    target[o:o + n].add_(g.reshape(-1))
+            return
+        flat = target.new_zeros(fl.padded)
+        for o, n, g in zip(fl.offsets, fl.sizes, grads, strict=True):
+            if g is not None:
+                flat[o:o + n].copy_(g.reshape(-1))
+        hvd = self.hvd
+        target.add_(hvd.reducescatter(flat, op=hvd.Average, name=f"zero.grad.{use.unit}"))
+
+    # ---------------------------------------------------------------------- the update
+    def zero_grad(self) -> None:
+        for g in self.grads:
+            g.zero_()
+
+    def step(self, lr: float) -> None:
+        """Reduces (stage 1), updates this rank's shards, re-assembles (stages 1/2)."""
+        torch, hvd, spec = self.torch, self.hvd, self.spec
+        if self.stage == 1:
+            hvd.grouped_allreduce_(self.grads, op=hvd.Average, name="zero.grads")
+        step_size, c2_sqrt = 0.0, 1.0
+        if isinstance(spec, Adam):
+            self.count += 1
+            step_size, c2_sqrt = adam_scalars(spec, self.count, lr)
+        with torch.no_grad():
+            for unit, (source, grad, slots) in enumerate(
+                    zip(self.sources, self.grads, self.slots, strict=True)):
+                own = self._owned(unit)
+                param = source if self.stage == 3 else source[own]
+                _update(spec, param, grad[own] if self.stage == 1 else grad, slots, lr,
+                        step_size, c2_sqrt)
+            if self.stage < 3:
+                gathered = hvd.grouped_allgather(
+                    [s.detach()[self._owned(u)] for u, s in enumerate(self.sources)],
+                    name="zero.params")
+                for source, full in zip(self.sources, gathered, strict=True):
+                    source.copy_(full)
+
+    # ---------------------------------------------------------------------- state
+    def _full(self, unit: int, shard, what: str) -> np.ndarray:
+        with self.torch.no_grad():
+            return self.hvd.allgather(shard.detach(), name=f"zero.state.{what}.{unit}").numpy()
+
+    def state_dict(self) -> dict[str, np.ndarray]:
+        """Full tensors under the neutral names, on every rank (gathers the shards)."""
+        out: dict[str, np.ndarray] = {}
+        for unit, fl in enumerate(self.layouts):
+            source = self.sources[unit].detach()
+            flat = self._full(unit, source, "params") if self.stage == 3 else source.numpy()
+            out.update({f"params/{n}": a for n, a in fl.unflatten(flat).items()})
+            for slot, shard in self.slots[unit].items():
+                full = fl.unflatten(self._full(unit, shard, slot))
+                out.update({f"opt/{slot}/{n}": a for n, a in full.items()})
+        if isinstance(self.spec, Adam):
+            out["opt/count"] = np.asarray(self.count, np.int64)
+        return out
+
+    def load_state_dict(self, state: dict[str, np.ndarray]) -> None:
+        """Takes this rank's shards of full tensors (from :meth:`state_dict` or a checkpoint)."""
+        torch = self.torch
+        with torch.no_grad():
+            for unit, fl in enumerate(self.layouts):
+                params = {n: state[f"params/{n}"] for n in fl.names}
+                held = fl.flatten(params) if self.stage < 3 else fl.shard(params, self.rank)
+                self.sources[unit].copy_(torch.as_tensor(held))
+                for slot, shard in self.slots[unit].items():
+                    values = {n: state[f"opt/{slot}/{n}"] for n in fl.names}
+                    shard.copy_(torch.as_tensor(fl.shard(values, self.rank)))
+        if isinstance(self.spec, Adam):
+            self.count = int(state["opt/count"])
+
+    def sharded_state(self) -> tuple[dict[str, np.ndarray], dict[str, tuple]]:
+        """``(replicated, pieces)`` as ``toolkit.ShardedAdapter`` says (no buffers: the
+        adapter adds them)."""
+        replicated: dict[str, np.ndarray] = {}
+        pieces: dict[str, tuple] = {}
+        for unit, fl in enumerate(self.layouts):
+            owned = {name: (a, b, at) for name, a, b, at in fl.owned(self.rank)}
+
+            def cut(shard: np.ndarray, prefix: str, fl=fl, owned=owned) -> None:
+                for name, shape in zip(fl.names, fl.shapes, strict=True):
+                    a, b, at = owned.get(name, (0, 0, 0))
+                    pieces[prefix + name] = (shard[at:at + b - a].copy(), 0, shape)
+
+            source = self.sources[unit].detach().numpy()
+            if self.stage == 3:
+                cut(source, "params/")
+            else:
+                replicated.update({f"params/{n}": a for n, a in fl.unflatten(source).items()})
+            for slot, shard in self.slots[unit].items():
+                cut(shard.numpy(), f"opt/{slot}/")
+        if isinstance(self.spec, Adam):
+            replicated["opt/count"] = np.asarray(self.count, np.int64)
+        return replicated, pieces
+
+    def memory_bytes(self) -> dict[str, int]:
+        """Bytes of the buffers this rank holds between steps (their real sizes)."""
+        def nbytes(tensors) -> int:
+            return int(sum(t.numel() * t.element_size() for t in tensors))
+
+        return {"params": nbytes(self.sources), "grads": nbytes(self.grads),
+                "optimizer": nbytes(t for slots in self.slots for t in slots.values())}
+
+
+def spec_units(arrays: dict[str, np.ndarray]) -> dict[str, list[str]]:
+    """The units of a spec model (``toolkit._shards.units_of``: blocks, layers or convs)."""
+    return {unit: list(fl.names)
+            for unit, fl in unit_layouts({n: a.shape for n, a in arrays.items()}, 1).items()}
+
+
+def _update(spec, p, g, slots, lr: float, step_size: float, c2_sqrt: float) -> None:
+    """``toolkit._reference.apply_update`` in place on one flat shard."""
+    if isinstance(spec, SGD):
+        if spec.weight_decay:
+            g = g.add(p, alpha=spec.weight_decay)
+        if spec.momentum:
+            buf = slots["momentum"]
+            buf.mul_(spec.momentum).add_(g)
+            g = g.add(buf, alpha=spec.momentum) if spec.nesterov else buf
+        p.add_(g, alpha=-lr)
+        return
+    if spec.decoupled:
+        p.mul_(1 - lr * spec.weight_decay)
+    elif spec.weight_decay:
+        g = g.add(p, alpha=spec.weight_decay)
+    m, v = slots["mu"], slots["nu"]
+    m.mul_(spec.b1).add_(g, alpha=1 - spec.b1)
+    v.mul_(spec.b2).addcmul_(g, g, value=1 - spec.b2)
+    p.addcdiv_(m, v.sqrt().div_(c2_sqrt).add_(spec.eps), value=-step_size)
