@@ -19,6 +19,9 @@ Two kinds of model:
 
 Optimizers: ``toolkit.SGD``/``Adam`` (any model) or a Keras 3 optimizer (Keras models only,
 with its own learning rate or schedule: the Trainer passes ``lr=None``).
+
+Layouts: data parallel, or ``toolkit.Sharded(stage=1|2|3)`` (ZeRO / FSDP) for the spec models
+and optimizers, whose mechanism lives in ``adapters._tf_sharded``.
 """
 
 from __future__ import annotations
@@ -46,6 +49,14 @@ class HorovodTFAdapter(BackendBase):
     """TensorFlow + Horovod. See :class:`toolkit.Adapter` for the contract."""
 
     name = "horovod-tf"
+    _layout = None  # a toolkit.Sharded layout from set_layout, or None (data parallel)
+    sharded = None  # its state (adapters._tf_sharded.ShardedTF) once built
+
+    def set_layout(self, layout: Any) -> None:
+        """Shards the state ``build`` creates as ``layout`` (a ``toolkit.Sharded``) says."""
+        from adapters._tf_sharded import check_layout
+
+        self._layout = check_layout(self.name, layout)
 
     def setup(self, env: LaunchEnv) -> None:
         os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -74,6 +85,10 @@ class HorovodTFAdapter(BackendBase):
               accumulation_steps: int = 1, sync_batchnorm: bool = False,
               metrics: Any = None) -> None:
         tf = self.tf
+        if self._layout is not None:
+            from adapters._tf_sharded import check_shardable
+
+            check_shardable(self.name, self._layout, model, optimizer)
         self.loss_name, self.loss_fn = loss_name(loss), loss
         self.metrics = dict(metrics or {})
         self.accumulation_steps, self.seed = accumulation_steps, seed
@@ -82,7 +97,15 @@ class HorovodTFAdapter(BackendBase):
         self.keras_model: KerasNative | None = None
         self.is_gpt = False
         self.buffers: dict[str, Any] = {}
-        if self.native:
+        self.sharded = None
+        if self._layout is not None:  # a spec model and optimizer (check_shardable)
+            from adapters._tf_sharded import ShardedTF
+
+            self.spec, self.is_gpt = model, isinstance(model, GPT)
+            self.opt_spec, self.keras_opt, self.slots = optimizer, None, {}
+            self.sharded = ShardedTF(self, self._layout, model, optimizer,
+                                     model.init(seed, self.dtype_name))
+        elif self.native:
             self.keras_model = KerasNative(model, self.dtype_name, self.name)
             if self.sync_batchnorm:
                 from adapters._keras_sync_bn import convert_sync_batchnorm
@@ -94,7 +117,20 @@ class HorovodTFAdapter(BackendBase):
             self.is_gpt = isinstance(model, GPT)
             self.vars = {n: tf.Variable(v, name=n.replace(".", "_"))
                          for n, v in model.init(seed, self.dtype_name).items()}
-        self.names = list(self.vars)
+        if self.sharded is None:
+            self.names = list(self.vars)
+            self._build_optimizer(model, optimizer)
+        self.count = 0  # spec optimizer steps taken (Adam's t), kept on the host
+        self.steps = 0  # steps taken: a native model's randomness of the next one derives from it
+        if self.sharded is None:
+            self._broadcast_state()  # (the sharded state broadcasts rank 0's parameters itself)
+        self._step = tf.function(self._step_fn if self.sharded is None else
+                                 self.sharded.step_fn, reduce_retracing=True)
+        self._no_seeds = tf.zeros((0, 2), tf.int64)
+        self._eval = tf.function(self._eval_fn, reduce_retracing=True)
+
+    def _build_optimizer(self, model: Any, optimizer: Any) -> None:
+        tf = self.tf
         self.opt_spec, self.keras_opt = None, None
         self.slots: dict[str, Any] = {}
         if isinstance(optimizer, SGD | Adam):
@@ -112,12 +148,6 @@ class HorovodTFAdapter(BackendBase):
             raise ToolkitError(f"horovod-tf cannot build an optimizer from {optimizer!r}",
                                "pass toolkit.SGD(...)/toolkit.Adam(...) or a Keras 3 optimizer "
                                "(keras.optimizers.SGD/Adam/AdamW)")
-        self.count = 0  # spec optimizer steps taken (Adam's t), kept on the host
-        self.steps = 0  # steps taken: a native model's randomness of the next one derives from it
-        self._broadcast_state()
-        self._step = tf.function(self._step_fn, reduce_retracing=True)
-        self._no_seeds = tf.zeros((0, 2), tf.int64)
-        self._eval = tf.function(self._eval_fn, reduce_retracing=True)
 
     def _broadcast_state(self) -> None:
         hvd, tf = self.hvd, self.tf
@@ -128,6 +158,8 @@ class HorovodTFAdapter(BackendBase):
     # -------------------------------------------------------------------------- math
     def _forward(self, x, training: bool):
         tf, v = self.tf, self.vars
+        if self.sharded is not None and self.sharded.stage == 3:  # parameters gathered per unit
+            return self.sharded.forward(x)
         if self.native:
             return self.keras_model.model(x, training=training)
         if self.is_gpt:
@@ -162,12 +194,10 @@ class HorovodTFAdapter(BackendBase):
         return tf.reduce_mean(tf.square(out - tf.reshape(y, tf.shape(out))),
                               axis=tf.range(1, tf.rank(out)))
 
-    def _step_fn(self, x, y, scalars, seeds):
-        lr, step_size, c2_sqrt = scalars[0], scalars[1], scalars[2]  # one host copy per step
-        tf, hvd, k = self.tf, self.hvd, self.accumulation_steps
-        if self.native:
-            self.keras_model.reseed(seeds)
-        variables = [self.vars[n] for n in self.names]
+    def _local_grads(self, x, y, variables):
+        """This rank's gradients w.r.t. ``variables``, summed over the micro-batches, and its
+        mean loss (each micro-batch's mean divided by their number)."""
+        tf, k = self.tf, self.accumulation_steps
         grads = [tf.zeros_like(v) for v in variables]
         total = tf.constant(0.0, self.dtype)
         for xc, yc in zip(tf.split(x, k), tf.split(y, k), strict=True):
@@ -178,6 +208,15 @@ class HorovodTFAdapter(BackendBase):
             grads = [a if b is None else a + tf.convert_to_tensor(b)
                      for a, b in zip(grads, new, strict=True)]
             total += loss
+        return grads, total
+
+    def _step_fn(self, x, y, scalars, seeds):
+        lr, step_size, c2_sqrt = scalars[0], scalars[1], scalars[2]  # one host copy per step
+        hvd = self.hvd
+        if self.native:
+            self.keras_model.reseed(seeds)
+        variables = [self.vars[n] for n in self.names]
+        grads, total = self._local_grads(x, y, variables)
         grads = [hvd.allreduce(g, op=hvd.Average, name=f"grad_{i}")
                  for i, g in enumerate(grads)]
         if self.keras_opt is not None:
@@ -289,7 +328,9 @@ class HorovodTFAdapter(BackendBase):
 
     # -------------------------------------------------------------------------- state
     def state_dict(self) -> dict[str, np.ndarray]:
-        out = {f"params/{n}": to_host(v) for n, v in self.vars.items()}
+        """Full tensors on every rank (a sharded state is gathered)."""
+        out = (self.sharded.state_dict() if self.sharded is not None else
+               {f"params/{n}": to_host(v) for n, v in self.vars.items()})
         out.update({n: to_host(v) for n, v in self.slots.items()})
         if isinstance(self.opt_spec, Adam):
             out["opt/count"] = np.asarray(self.count, np.int64)
@@ -299,6 +340,11 @@ class HorovodTFAdapter(BackendBase):
         return out
 
     def load_state_dict(self, state: dict[str, np.ndarray]) -> None:
+        """Full tensors in; under a sharded layout each rank keeps its shards."""
+        if self.sharded is not None:
+            self.sharded.load_state_dict(state)
+            self.count = int(state.get("opt/count", self.count))
+            return
         for n, v in self.vars.items():
             assign(v, state[f"params/{n}"])
         for n, v in self.slots.items():
@@ -309,6 +355,26 @@ class HorovodTFAdapter(BackendBase):
             self.count = int(state["opt/count"])
         if self.native:
             self.steps = int(state["rng/step"])
+
+    def sharded_state(self) -> tuple[dict, dict]:
+        """``(replicated, pieces)`` of a sharded layout (see ``toolkit.ShardedAdapter``)."""
+        if self.sharded is None:
+            raise ToolkitError("sharded_state() needs a sharded layout; this run is data "
+                               "parallel", "use state_dict(), or train with "
+                               "layout=toolkit.Sharded(stage=...)")
+        replicated, pieces = self.sharded.sharded_state()
+        if isinstance(self.opt_spec, Adam):
+            replicated["opt/count"] = np.asarray(self.count, np.int64)
+        return replicated, pieces
+
+    def memory_bytes(self) -> dict[str, int]:
+        """Bytes of the parameters, gradients and optimizer state this rank holds (data
+        parallel: every parameter, a gradient as large, every slot)."""
+        if self.sharded is not None:
+            return self.sharded.memory_bytes()
+        params = sum(to_host(v).nbytes for v in self.vars.values())
+        return {"params": params, "grads": params,
+                "optimizer": sum(to_host(v).nbytes for v in self.slots.values())}
 
     def shutdown(self) -> None:
         self.hvd.shutdown()

@@ -1,0 +1,410 @@
+"""Sharded parameters (ZeRO stages 1-3 / FSDP) for the ``horovod-tf`` backend.
+
+The mechanism, with ``horovod.tensorflow``'s core ops inside the compiled step (``tf.function``);
+the semantics (units, flat padded shards, checkpoint pieces) are ``toolkit._shards``':
+
+- Every unit of ``toolkit._shards.unit_layouts`` (an MLP's ``layers.i``, a CNN's ``convs.i``, a
+  GPT's ``blocks.i`` with the embeddings in the first and ``ln_f``/``head`` in the last) is one
+  flat buffer padded to a multiple of the world size N; rank r owns elements [r*L, (r+1)*L).
+  Every collective below moves whole padded buffers, so Horovod's uneven split of a first
+  dimension (the first ``dim0 % N`` ranks get one row more) never arises.
+- Stage 1: each rank keeps the optimizer slots of its shard only. The local gradient of a unit
+  is flattened and averaged in full (``hvd.allreduce``) into a persistent full-size gradient
+  buffer; each rank updates its shard of the parameters with ``toolkit._reference``'s
+  arithmetic and the updated shards are re-assembled with ``hvd.allgather``.
+- Stage 2: as 1, but the flat gradient is ``hvd.reducescatter(op=hvd.Average)``-ed: each rank
+  keeps only its gradient shard (in a persistent buffer, so its size is real and measured).
+- Stage 3 (FSDP): the parameters live only as shards. Each unit's forward is one
+  ``tf.custom_gradient`` function of (its input activation, its shards): it all-gathers the
+  shards (once the previous unit's output exists: no prefetch, so one unit's parameters are
+  gathered at a time), runs the unit and drops them. Its gradient function gathers them
+  again once the backward pass reaches the unit (the gather depends on the incoming gradient,
+  so it cannot run early), recomputes the unit's forward under a ``tf.GradientTape`` and
+  reduce-scatters (average over ranks: the data-parallel mean) the gradient of the gathered
+  buffer into the shard's gradient. This is FSDP with per-unit activation checkpointing: only
+  the units' input activations are kept between forward and backward. (Not
+  ``tf.recompute_grad``: in a graph its recomputation has no data dependency on the backward
+  and may be scheduled during the forward, keeping gathered parameters alive.) Horovod's own
+  ``allgather`` gradient (a full allreduce, then a slice) is never used.
+
+Accumulation: stages 1/2 sum the micro-batches' gradients locally and reduce once per step. In
+stage 3 every micro-batch's backward reduce-scatters its gradient (FSDP's default: summing full
+gradients locally would need the full-size gradient buffers stage 3 exists to avoid); the
+result is the same sum of averages.
+
+Only the spec models (``toolkit.MLP``/``CNN``/``GPT``) and spec optimizers
+(``toolkit.SGD``/``Adam``) can be sharded here: the unit functions below are their forward
+passes (the same TF ops as ``horovod_tf._forward`` and ``_gpt_tf.gpt_forward``, so every stage
+computes what data parallel computes), and the optimizer's arithmetic is elementwise on flat
+shards. A Keras model or optimizer under a sharded layout is refused with a ToolkitError.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from toolkit import CNN, GPT, MLP, SGD, Adam, Sharded, ToolkitError
+from toolkit._reference import optimizer_slots
+from toolkit._shards import FlatLayout, unit_layouts
+
+
+def check_layout(backend: str, layout: Any) -> Sharded:
+    """``layout`` if this backend can run it, else a ToolkitError naming what is wrong."""
+    if not isinstance(layout, Sharded):
+        raise ToolkitError(f"{backend}.set_layout got {layout!r}",
+                           "pass toolkit.Sharded(stage=1|2|3)")
+    if layout.tensor_parallel > 1:
+        raise ToolkitError(f"{backend} cannot run tensor_parallel={layout.tensor_parallel} "
+                           f"(layout {layout.name!r})",
+                           "only jax-pjit splits layers: use tensor_parallel=1 or --backend "
+                           "jax-pjit")
+    return layout
+
+
+def check_shardable(backend: str, layout: Sharded, model: Any, optimizer: Any) -> None:
+    """A ToolkitError unless ``model`` and ``optimizer`` are specs this backend can shard."""
+    if not isinstance(model, MLP | CNN | GPT):
+        raise ToolkitError(
+            f"{backend} cannot shard a {type(model).__name__} under layout {layout.name!r}",
+            "sharded layouts in horovod-tf take the spec models toolkit.MLP, toolkit.CNN and "
+            "toolkit.GPT (split into flat per-unit shards); train a Keras model with the "
+            "data-parallel layout")
+    if not isinstance(optimizer, SGD | Adam):
+        raise ToolkitError(
+            f"{backend} cannot shard the optimizer {type(optimizer).__name__} under layout "
+            f"{layout.name!r}", "pass toolkit.SGD(...) or toolkit.Adam(...) (their arithmetic "
+            "runs on flat shards)")
+
+
+class ShardedTF:
+    """The sharded state of a spec model and optimizer on one rank, and its compiled step.
+
+    Built by ``HorovodTFAdapter.build`` under a ``toolkit.Sharded`` layout; the adapter keeps
+    the host side (Adam's step count and scalars, inputs, losses) and delegates the rest.
+
+    Args:
+        adapter: the set-up ``HorovodTFAdapter`` (its ``tf``, ``hvd``, ``dtype``, loss and
+            ``_local_grads``); for stages 1/2 this sets its ``vars`` (full parameters).
+        layout: the ``toolkit.Sharded`` layout.
+        spec: the model spec.
+        optimizer: the optimizer spec.
+        init: the spec's initial parameters (neutral name -> array, in ``init`` order).
+    """
+
+    def __init__(self, adapter: Any, layout: Sharded, spec: Any, optimizer: Any,
+                 init: dict[str, np.ndarray]):
+        tf, hvd = adapter.tf, adapter.hvd
+        self.adapter, self.tf, self.hvd = adapter, tf, hvd
+        self.stage, self.spec, self.opt = layout.stage, spec, optimizer
+        self.size, self.rank = hvd.size(), hvd.rank()
+        self.layouts = unit_layouts({n: a.shape for n, a in init.items()}, self.size)
+        self.units = list(self.layouts)
+        dtype = adapter.dtype
+        flats = {}  # rank 0's initial parameters, one flat buffer per unit
+        for u, lay in self.layouts.items():
+            flat = tf.constant(lay.flatten(init).astype(adapter.dtype_name))
+            flats[u] = hvd.broadcast(flat, root_rank=0, name=f"init_{u}").numpy()
+        if self.stage == 3:
+            adapter.vars = {}
+            self.params = {u: tf.Variable(self._mine(u, flats[u]), name=f"shard_{u}")
+                           for u in self.units}
+        else:
+            adapter.vars = {n: tf.Variable(a, name=n.replace(".", "_"))
+                            for u, lay in self.layouts.items()
+                            for n, a in lay.unflatten(flats[u]).items()}
+        adapter.names = list(init)
+        self.slots = {(slot, u): tf.Variable(tf.zeros([lay.shard_size], dtype), trainable=False)
+                      for slot in optimizer_slots(optimizer)
+                      for u, lay in self.layouts.items()}
+        self.grads = {u: tf.Variable(tf.zeros([lay.padded if self.stage == 1 else
+                                               lay.shard_size], dtype), trainable=False)
+                      for u, lay in self.layouts.items()}
+        if self.stage == 3:
+            self.unit_fns = unit_functions(tf, spec, len(self.units))
+
+    # ----------------------------------------------------------------------- flat buffers
+    def _mine(self, unit: str, flat: np.ndarray) -> np.ndarray:
+        size = self.layouts[unit].shard_size
+        return flat[self.rank * size:(self.rank + 1) * size]
+
+    def _flatten(self, unit: str, tensors: dict) -> Any:
+        """The unit's padded flat buffer of full tensors (zeros in the padding)."""
+        tf, lay = self.tf, self.layouts[unit]
+        parts = [tf.reshape(tensors[n], [-1]) for n in lay.names]
+        if lay.padded > lay.total:
+            parts.append(tf.zeros([lay.padded - lay.total], self.adapter.dtype))
+        return tf.concat(parts, 0)
+
+    def _owned(self, unit: str, tensors: dict) -> Any:
+        """This rank's shard of the unit's full tensors (only its pieces are sliced)."""
+        tf, lay = self.tf, self.layouts[unit]
+        parts = [tf.reshape(tensors[n], [-1])[a:b] for n, a, b, _ in lay.owned(self.rank)]
+        held = sum(b - a for _, a, b, _ in lay.owned(self.rank))
+        if held < lay.shard_size:
+            parts.append(tf.zeros([lay.shard_size - held], self.adapter.dtype))
+        return tf.concat(parts, 0)
+
+    def _unflatten(self, unit: str, flat: Any) -> dict:
+        tf, lay = self.tf, self.layouts[unit]
+        return {n: tf.reshape(flat[o:o + s], shape) for n, shape, o, s
+                in zip(lay.names, lay.shapes, lay.offsets, lay.sizes, strict=True)}
+
+    def _reduce_scatter(self, unit: str, flat: Any) -> Any:
+        """This rank's shard of the average over ranks of ``flat`` (a padded unit buffer)."""
+        shard = self.hvd.reducescatter(flat, op=self.hvd.Average)
+        return self.tf.reshape(shard, [self.layouts[unit].shard_size])
+
+    # ----------------------------------------------------------------------- stage 3
+    def forward(self, x: Any) -> Any:
+        """The model's output, unit by unit, each gathering its parameters (stage 3)."""
+        tf = self.tf
+        if isinstance(self.spec, GPT):
+            x = tf.convert_to_tensor(x)
+            if x.dtype not in (tf.int32, tf.int64):
+                x = tf.cast(x, tf.int64)
+        h = None
+        for i, (fn, needs) in enumerate(self.unit_fns):
+            h = self._run_unit(fn, [self.units[j] for j in needs], x, h, first=i == 0)
+        return h
+
+    def _run_unit(self, fn: Callable, needs: list[str], x: Any, h: Any, first: bool) -> Any:
+        """``fn(params, h, x)`` with the gathered parameters of the units ``needs``; the
+        first unit reads ``x`` (no gradient) instead of an input activation."""
+        tf, hvd = self.tf, self.hvd
+        shards = [tf.convert_to_tensor(self.params[u]) for u in needs]  # watched reads
+
+        def params_of(fulls):
+            out = {}
+            for u, full in zip(needs, fulls, strict=True):
+                out.update(self._unflatten(u, full))
+            return out
+
+        @tf.custom_gradient
+        def unit(*args):
+            h_in, mine = (None, args) if first else (args[0], args[1:])
+            if not first:  # gather once the previous unit is done, not all units at once
+                with tf.control_dependencies([h_in]):
+                    mine = [tf.identity(s) for s in mine]
+            out = fn(params_of([hvd.allgather(s) for s in mine]), h_in, x)
+
+            def grad(dout):
+                # Gather again only once the backward pass reaches this unit.
+                with tf.control_dependencies([dout]):
+                    again = [tf.identity(s) for s in mine]
+                fulls = [hvd.allgather(s) for s in again]
+                with tf.GradientTape() as tape:
+                    tape.watch(fulls)
+                    if not first:
+                        tape.watch(h_in)
+                    redo = fn(params_of(fulls), h_in, x)
+                sources = fulls if first else [h_in, *fulls]
+                grads = tape.gradient(redo, sources, output_gradients=dout,
+                                      unconnected_gradients=tf.UnconnectedGradients.ZERO)
+                dfull = grads if first else grads[1:]
+                dshards = [self._reduce_scatter(u, g) for u, g in zip(needs, dfull, strict=True)]
+                return dshards if first else [grads[0], *dshards]
+
+            return out, grad
+
+        return unit(*shards) if first else unit(h, *shards)
+
+    # ----------------------------------------------------------------------- the step
+    def step_fn(self, x, y, scalars, seeds):
+        """One compiled step: local gradients, the stage's reduction, the sharded update."""
+        del seeds  # spec models draw no randomness
+        lr, step_size, c2_sqrt = scalars[0], scalars[1], scalars[2]
+        tf, hvd, a = self.tf, self.hvd, self.adapter
+        if self.stage == 3:
+            grads, total = a._local_grads(x, y, [self.params[u] for u in self.units])
+            for u, g in zip(self.units, grads, strict=True):
+                self.grads[u].assign(g)
+                new = self._update(u, tf.convert_to_tensor(self.params[u]),
+                                   tf.convert_to_tensor(self.grads[u]), lr, step_size, c2_sqrt)
+                self.params[u].assign(new)
+            return total
+        grads, total = a._local_grads(x, y, [a.vars[n] for n in a.names])
+        grads = dict(zip(a.names, grads, strict=True))
+        for u, lay in self.layouts.items():
+            flat = self._flatten(u, grads)
+            if self.stage == 1:
+                self.grads[u].assign(hvd.allreduce(flat, op=hvd.Average))
+                lo = self.rank * lay.shard_size
+                g = tf.convert_to_tensor(self.grads[u])[lo:lo + lay.shard_size]
+            else:
+                self.grads[u].assign(self._reduce_scatter(u, flat))
+                g = tf.convert_to_tensor(self.grads[u])
+            new = self._update(u, self._owned(u, a.vars), g, lr, step_size, c2_sqrt)
+            for n, t in self._unflatten(u, hvd.allgather(new)).items():
+                a.vars[n].assign(t)
+        return total
+
+    def _update(self, unit, p, g, lr, step_size, c2_sqrt):
+        """``toolkit._reference.apply_update`` on a flat shard (``horovod_tf._apply``'s TF
+        ops, in the same order); returns the new shard. Padding stays zero."""
+        tf, spec = self.tf, self.opt
+        if isinstance(spec, SGD):
+            if spec.weight_decay:
+                g = g + spec.weight_decay * p
+            if spec.momentum:
+                buf = self.slots[("momentum", unit)]
+                new_buf = spec.momentum * buf + g
+                buf.assign(new_buf)
+                g = g + spec.momentum * new_buf if spec.nesterov else new_buf
+            return p - lr * g
+        if spec.decoupled:
+            p = p * (1 - lr * spec.weight_decay)
+        elif spec.weight_decay:
+            g = g + spec.weight_decay * p
+        m, v = self.slots[("mu", unit)], self.slots[("nu", unit)]
+        new_m = spec.b1 * m + (1 - spec.b1) * g
+        new_v = spec.b2 * v + (1 - spec.b2) * g * g
+        m.assign(new_m)
+        v.assign(new_v)
+        return p - step_size * new_m / (tf.sqrt(new_v) / c2_sqrt + spec.eps)
+
+    # ----------------------------------------------------------------------- state
+    def _gather_host(self, var: Any) -> np.ndarray:
+        return self.hvd.allgather(self.tf.convert_to_tensor(var)).numpy()
+
+    def state_dict(self) -> dict[str, np.ndarray]:
+        """Full tensors under the neutral names, on every rank (gathered)."""
+        out = {}
+        for u, lay in self.layouts.items():
+            if self.stage == 3:
+                out.update({f"params/{n}": a for n, a
+                            in lay.unflatten(self._gather_host(self.params[u])).items()})
+            else:
+                out.update({f"params/{n}": np.array(self.adapter.vars[n].numpy())
+                            for n in lay.names})
+        for (slot, u), var in self.slots.items():
+            out.update({f"opt/{slot}/{n}": a for n, a
+                        in self.layouts[u].unflatten(self._gather_host(var)).items()})
+        return out
+
+    def load_state_dict(self, state: dict[str, np.ndarray]) -> None:
+        """Takes this rank's shards of full tensors (as ``state_dict`` returns them)."""
+        np_dtype = self.adapter.dtype_name
+        for u, lay in self.layouts.items():
+            params = {n: state[f"params/{n}"] for n in lay.names}
+            if self.stage == 3:
+                self.params[u].assign(lay.shard(params, self.rank).astype(np_dtype))
+            else:
+                for n, a in params.items():
+                    self.adapter.vars[n].assign(np.asarray(a, np_dtype))
+        for (slot, u), var in self.slots.items():
+            lay = self.layouts[u]
+            slots = {n: state[f"opt/{slot}/{n}"] for n in lay.names}
+            var.assign(lay.shard(slots, self.rank).astype(np_dtype))
+
+    def sharded_state(self) -> tuple[dict[str, np.ndarray],
+                                     dict[str, tuple[np.ndarray, int, tuple[int, ...]]]]:
+        """``(replicated, pieces)`` as ``toolkit.ShardedAdapter`` says (no ``opt/count``: the
+        adapter adds it)."""
+        replicated, pieces = {}, {}
+        for u, lay in self.layouts.items():
+            if self.stage == 3:
+                pieces.update(_pieces(lay, self.rank, self.params[u].numpy(), "params/"))
+            else:
+                replicated.update({f"params/{n}": np.array(self.adapter.vars[n].numpy())
+                                   for n in lay.names})
+        for (slot, u), var in self.slots.items():
+            pieces.update(_pieces(self.layouts[u], self.rank, var.numpy(), f"opt/{slot}/"))
+        return replicated, pieces
+
+    def memory_bytes(self) -> dict[str, int]:
+        """Bytes of the variables this rank holds for parameters, gradients and slots."""
+        params = self.params.values() if self.stage == 3 else self.adapter.vars.values()
+        return {"params": _nbytes(params), "grads": _nbytes(self.grads.values()),
+                "optimizer": _nbytes(self.slots.values())}
+
+
+def _nbytes(variables) -> int:
+    return sum(math.prod(v.shape) * v.dtype.size for v in variables)
+
+
+def _pieces(lay: FlatLayout, rank: int, shard: np.ndarray, prefix: str) -> dict:
+    """This rank's piece of each tensor of ``lay`` (empty where it owns none), by full name."""
+    out = {f"{prefix}{n}": (np.zeros((0,), shard.dtype), 0, shape)
+           for n, shape in zip(lay.names, lay.shapes, strict=True)}
+    for n, a, b, at in lay.owned(rank):
+        out[f"{prefix}{n}"] = (np.array(shard[at:at + b - a]), 0,
+                               lay.shapes[lay.names.index(n)])
+    return out
+
+
+# --------------------------------------------------------------------------- unit forwards
+def unit_functions(tf, spec: Any, count: int) -> list[tuple[Callable, tuple[int, ...]]]:
+    """Per unit of ``toolkit._shards.units_of`` (``count`` of them): ``fn(params, h, x) -> h``
+    and the units whose parameters it reads (a tied GPT's last unit also reads the first
+    unit's ``tok_emb``). The first unit reads ``x``; the last returns the model's output."""
+    if isinstance(spec, GPT):
+        return [(_gpt_unit(tf, spec, i), (i, 0) if spec.tied and 0 < i == count - 1 else (i,))
+                for i in range(count)]
+    if isinstance(spec, CNN):
+        return [(_cnn_unit(tf, spec, i, i == count - 1), (i,)) for i in range(count)]
+    return [(_mlp_unit(tf, spec, i), (i,)) for i in range(count)]
+
+
+def _mlp_unit(tf, spec: MLP, i: int) -> Callable:
+    def fn(v, h, x):  # horovod_tf._forward's layer i
+        h = x if h is None else h
+        h = tf.matmul(h, v[f"layers.{i}.kernel"]) + v[f"layers.{i}.bias"]
+        if i < spec.num_layers - 1:
+            h = tf.nn.relu(h) if spec.activation == "relu" else tf.tanh(h)
+        return h
+
+    return fn
+
+
+def _cnn_unit(tf, spec: CNN, i: int, last: bool) -> Callable:
+    def fn(v, h, x):  # horovod_tf._forward's conv i (and the head in the last unit)
+        h = x if h is None else h
+        if i < len(spec.channels):
+            h = tf.nn.relu(tf.nn.conv2d(h, v[f"convs.{i}.kernel"], 1, "SAME")
+                           + v[f"convs.{i}.bias"])
+        if last:
+            h = tf.matmul(tf.reshape(h, [tf.shape(h)[0], -1]), v["head.kernel"]) \
+                + v["head.bias"]
+        return h
+
+    return fn
+
+
+def _gpt_unit(tf, spec: GPT, i: int) -> Callable:
+    """Block ``i`` of ``_gpt_tf.gpt_forward`` (the same ops in the same order), with the
+    embeddings before block 0 and ``ln_f``/``head`` after the last block."""
+    from adapters._gpt_tf import _dense, _gelu, _layer_norm, _lookup
+
+    heads, dh = spec.heads, spec.width // spec.heads
+    first, last = i == 0, i == spec.layers - 1
+
+    def fn(v, h, x):
+        B, T = tf.shape(x)[0], tf.shape(x)[1]
+        if first:
+            h = _lookup(tf, v["tok_emb"], x) + v["pos_emb"][:T]
+        dtype = h.dtype
+        scale = tf.constant(math.sqrt(dh), dtype)
+        causal = tf.linalg.band_part(tf.ones([T, T], tf.bool), -1, 0)  # key j <= query i
+        b = f"blocks.{i}"
+        qkv = _dense(tf, v, f"{b}.attn.qkv", _layer_norm(tf, v, f"{b}.ln1", h))
+        q, k, val = tf.unstack(tf.transpose(tf.reshape(qkv, [B, T, 3, heads, dh]),
+                                            [2, 0, 3, 1, 4]))
+        s = tf.matmul(q, k, transpose_b=True) / scale
+        p = tf.nn.softmax(tf.where(causal, s, tf.constant(float("-inf"), dtype)), axis=-1)
+        o = tf.reshape(tf.transpose(tf.matmul(p, val), [0, 2, 1, 3]), [B, T, spec.width])
+        h = h + _dense(tf, v, f"{b}.attn.proj", o)
+        m = _dense(tf, v, f"{b}.mlp.fc", _layer_norm(tf, v, f"{b}.ln2", h))
+        h = h + _dense(tf, v, f"{b}.mlp.proj", _gelu(tf, m))
+        if not last:
+            return h
+        f = _layer_norm(tf, v, "ln_f", h)
+        if spec.tied:
+            flat = tf.matmul(tf.reshape(f, [-1, spec.width]), v["tok_emb"], transpose_b=True)
+            return tf.reshape(flat, [B, T, spec.vocab])
+        return _dense(tf, v, "head", f)
+
+    return fn
