@@ -33,6 +33,7 @@ from adapters._common import (
     step_seed,
 )
 from adapters._torch_models import build_spec_model, same, to_host
+from adapters._torch_scheduler import load_scheduler_state, scheduler_state, split_scheduler
 from adapters._torch_sync_bn import convert_sync_batchnorm
 from toolkit import SGD, Adam, LaunchEnv, ToolkitError
 from toolkit._specs import ModelSpec, check_choice
@@ -47,6 +48,7 @@ class HorovodTorchAdapter(BackendBase):
     name = "horovod-torch"
     sharding = None  # the toolkit.Sharded layout, when set_layout chose one
     shards = None  # its adapters._torch_sharded.ShardedParameters, after build
+    scheduler = None  # a torch LR scheduler given with a native optimizer, after build
     pipeline = None  # adapters._torch_pipeline.TorchPipeline, when set_layout got a Pipeline
 
     # -------------------------------------------------------------------------- set-up
@@ -106,6 +108,7 @@ class HorovodTorchAdapter(BackendBase):
         self.sync_batchnorm = sync_batchnorm
         self.buffers = [(n, b) for n, b in self.net.named_buffers() if b is not None]
         self.steps = 0  # optimizer steps taken: the randomness of the next one derives from it
+        optimizer, self.scheduler = split_scheduler(torch, optimizer)
         if self.sharding is not None:
             self._build_sharded(model, optimizer, seed)
             return
@@ -230,6 +233,8 @@ class HorovodTorchAdapter(BackendBase):
             loss.backward()
             total += loss.item()
         self.opt.step() if self.shards is None else self.shards.step(lr)
+        if self.scheduler is not None:
+            self.scheduler.step()
         self.steps += 1
         return total
 
@@ -320,6 +325,8 @@ class HorovodTorchAdapter(BackendBase):
                     out[f"opt/{_SLOTS.get(key, key)}/{name}"] = to_host(value, from_torch)
         if step is not None:
             out["opt/count"] = np.asarray(step, np.int64)
+        if self.scheduler is not None:
+            out.update(scheduler_state(self.scheduler, self.opt))
         return {**out, **self._model_state()}
 
     def load_state_dict(self, state: dict[str, np.ndarray], params_only: bool = False) -> None:
@@ -345,6 +352,8 @@ class HorovodTorchAdapter(BackendBase):
                 return
             if self.shards is not None:
                 self.shards.load_state_dict(state)
+            if self.scheduler is not None:
+                load_scheduler_state(self.scheduler, self.opt, state)
             for name, b in self.buffers:
                 b.copy_(tensor(state[f"buffers/{name}"], same, b.dtype))
         if self.native:

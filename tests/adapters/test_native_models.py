@@ -105,3 +105,58 @@ def test_dtype_a_backend_cannot_run():
     with pytest.raises(ToolkitError, match="unknown dtype 'bfloat16'") as err:
         adapters.get("jax-pjit", dtype="bfloat16")
     assert "float32, float64" in str(err.value)
+
+
+def _torch_net_and_schedule(kind):
+    import torch
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(64, 16), torch.nn.ReLU(), torch.nn.Linear(16, 10))
+    opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+    lr_scheduler = torch.optim.lr_scheduler
+    if kind == "step":
+        sched = lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+    else:  # nested schedulers, a lambda and int milestones
+        sched = lr_scheduler.SequentialLR(opt, [
+            lr_scheduler.LambdaLR(opt, lambda step: (step + 1) / 3),
+            lr_scheduler.CosineAnnealingLR(opt, T_max=4)], milestones=[3])
+    return net, opt, sched
+
+
+@pytest.mark.parametrize("kind", ["step", "sequential"])
+def test_a_torch_lr_scheduler_is_stepped_checkpointed_and_resumed_bit_for_bit(kind, tmp_path):
+    (x, y), _ = load_digits()
+
+    def trainer(steps, ckpt, resume=None):
+        net, opt, sched = _torch_net_and_schedule(kind)
+        adapter = adapters.get("horovod-torch")
+        t = toolkit.Trainer(adapter, net, (opt, sched), global_batch_size=32, max_steps=steps,
+                            checkpoint_dir=ckpt, checkpoint_every=3, resume=resume,
+                            progress=False, env=ENV)
+        t.fit(x, y)
+        return t, opt
+
+    whole, opt = trainer(7, tmp_path / "a")
+    lrs = [opt.param_groups[0]["lr"]]
+    if kind == "step":  # stepped once per optimizer step: 7 steps, halved every 2
+        assert lrs[0] == pytest.approx(0.1 * 0.5 ** 3)
+    trainer(3, tmp_path / "b")  # stops after step 3 (its checkpoint)...
+    resumed, opt_b = trainer(7, tmp_path / "b", resume="latest")  # ...and goes on to 7
+    assert opt_b.param_groups[0]["lr"] == lrs[0]
+    a, b = whole.adapter.state_dict(), resumed.adapter.state_dict()
+    assert a.keys() == b.keys() and any(k.startswith("sched/") for k in a)
+    for k in a:
+        assert np.array_equal(a[k], b[k]), k
+
+
+def test_a_scheduler_of_another_optimizer_is_refused():
+    import torch
+
+    net, opt, _ = _torch_net_and_schedule("step")
+    other = torch.optim.SGD(net.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(other, step_size=2)
+    (x, y), _ = load_digits()
+    t = toolkit.Trainer(adapters.get("horovod-torch"), net, (opt, sched), global_batch_size=32,
+                        max_steps=1, progress=False, env=ENV)
+    with pytest.raises(ToolkitError, match="schedules another optimizer"):
+        t.fit(x, y)
