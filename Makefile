@@ -4,15 +4,20 @@ PY := $(VENV)/bin/python
 NP ?= 2
 PYTEST_ARGS ?=
 
-.PHONY: example test test-fast install install-slurm lint
+.PHONY: example test test-long test-fast install install-slurm lint
 
 ## make example: install, then train the digits MLP with horovod-torch on $(NP) processes
 example: install
 	TF_CPP_MIN_LOG_LEVEL=2 $(VENV)/bin/horovodrun -np $(NP) --gloo $(PY) examples/train_digits.py
 
-## make test: install (with the Slurm daemons), then run the whole test suite
+## make test: install (with the Slurm daemons), then run the test suite (all but `long`)
 test: install-slurm
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m pytest -m "not long" $(PYTEST_ARGS)
+
+## make test-long: the longest multi-process runs (every sharded stage and pipeline schedule
+## per backend, the bring-your-own examples)
+test-long: install-slurm
+	$(PY) -m pytest -m long $(PYTEST_ARGS)
 
 ## make test-fast: the suite without the multi-process (slow) tests
 test-fast: install

@@ -51,6 +51,7 @@ def final_state(ckpt):
     return latest.tensors
 
 
+@pytest.mark.long
 @pytest.mark.slow
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_example_learns_and_resumes_bit_for_bit(script, launch, tmp_path):

@@ -50,7 +50,9 @@ def test_tensor_parallel_is_refused_where_layers_are_not_split(backend):
 # at 2 and 3 ranks. AdamW exercises every optimizer slot and the decoupled decay.
 @pytest.mark.slow
 @pytest.mark.parametrize("backend", SHARDED)
-@pytest.mark.parametrize("stage, world_sizes", [(1, "3"), (2, "3"), (3, "2,3")])
+@pytest.mark.parametrize("stage, world_sizes", [
+    pytest.param(1, "3", marks=pytest.mark.long), pytest.param(2, "3", marks=pytest.mark.long),
+    (3, "2,3")])
 def test_every_stage_equals_the_reference(backend, stage, world_sizes, launch, tmp_path):
     job, rows = equivalence(launch, tmp_path, "--backends", backend, "--layout",
                             f"sharded:{stage}", "--world-sizes", world_sizes, "--steps", "20",
@@ -69,6 +71,7 @@ def replicated_bytes(model_name: str, slots: int) -> int:
     return params * (2 + slots)
 
 
+@pytest.mark.long
 @pytest.mark.slow
 @pytest.mark.parametrize("backend", SHARDED)
 def test_fsdp_gpt_at_an_odd_world_size_and_its_memory(backend, launch, tmp_path):
@@ -143,7 +146,9 @@ def kill_then_resume(launch, tmp, source, target):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("backend", SHARDED)
+@pytest.mark.parametrize("backend", [
+    b if b in ("horovod-torch", "jax-pjit") else pytest.param(b, marks=pytest.mark.long)
+    for b in SHARDED])
 def test_sharded_kill_and_resume_is_bit_for_bit(backend, launch, tmp_path, uninterrupted,
                                                read_metrics):
     kill_then_resume(launch, tmp_path, (2, backend, "sharded:3"), (2, backend, "sharded:3"))
@@ -168,6 +173,7 @@ def _moves():
             for s, t in cases if s[0] in SHARDED and t[0] in SHARDED]
 
 
+@pytest.mark.long
 @pytest.mark.slow
 @pytest.mark.parametrize("source, target", _moves())
 def test_sharded_checkpoint_resumes_elsewhere(source, target, launch, tmp_path, uninterrupted,

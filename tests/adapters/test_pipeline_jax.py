@@ -82,6 +82,7 @@ def test_1f1b_holds_fewer_activations_than_gpipe():
     assert held["1f1b"][0] * 4 == held["gpipe"][0]  # box slots: 2 against 8
 
 
+@pytest.mark.long
 @pytest.mark.slow  # in one process, but compiling the GPT's stage programs takes a while
 def test_tied_gpt_float32_and_its_checkpoint_pieces():
     model = toolkit.GPT(vocab=256, context=16, width=32, layers=2, heads=2)
@@ -181,6 +182,7 @@ def results(job) -> dict[int, dict]:
     return out
 
 
+@pytest.mark.long
 @pytest.mark.slow
 @pytest.mark.parametrize("nproc,argv,tolerance", [
     (2, ["--layout", "pipeline:2:4:1f1b", "--model", "gpt", "--dtype", "float32",

@@ -50,6 +50,7 @@ def results(job, ranks: int) -> list[dict]:
     return sorted(rows, key=lambda r: r["rank"])
 
 
+@pytest.mark.long
 @pytest.mark.slow
 @pytest.mark.parametrize(("schedule", "ranks"),
                          [("gpipe", 2), ("interleaved-1f1b", 2), ("1f1b", 4)])
@@ -78,6 +79,7 @@ def test_pipeline_equals_the_reference(launch, tmp_path, schedule, ranks):
     assert rows[-1]["mlp"]["bytes"]["params"] == last * 8
 
 
+@pytest.mark.long
 @pytest.mark.slow
 def test_measured_bubble_and_peak_activations(launch, tmp_path):
     """S = 2, M = 8: the measured idle fraction of GPipe and 1F1B beside (S-1)/(M+S-1) = 1/9,

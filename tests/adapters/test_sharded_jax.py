@@ -45,6 +45,7 @@ def gpt_data(n=32, context=8, vocab=32):
     return tokens[:-1].reshape(n, context), tokens[1:].reshape(n, context)
 
 
+@pytest.mark.long
 @pytest.mark.slow
 def test_collectives_against_numpy_with_large_chunks_across_two_processes(launch):
     job = launch("horovodrun-gloo", 2, ["tests/scripts/jax_sharded_worker.py"], timeout=300)
@@ -129,6 +130,7 @@ def test_tensor_parallel_gpt_equals_the_reference():
     assert [s.data.shape for s in fc.addressable_shards] == [(1, 4 * 16 * 16 // 2)] * 2
 
 
+@pytest.mark.long
 @pytest.mark.slow
 def test_tensor_parallel_on_two_processes_of_two_devices(launch, tmp_path):
     """A (data=2, model=2) mesh across processes: equals the float64 reference."""

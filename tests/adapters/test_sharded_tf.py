@@ -133,6 +133,7 @@ def check_layouts(results):
         assert r["layouts"]["gpt_stage3"]["eval_keys"] == ["val_accuracy", "val_loss"]
 
 
+@pytest.mark.long
 @pytest.mark.slow
 def test_three_ranks_under_gloo(launch):
     results = run_worker(launch, "horovodrun-gloo", 3,
@@ -142,6 +143,7 @@ def test_three_ranks_under_gloo(launch):
     check_layouts(results)
 
 
+@pytest.mark.long
 @pytest.mark.slow
 def test_two_ranks_under_mpi(launch):
     """The collectives and the gradient shards again, over MPI (state and layouts do not

@@ -76,6 +76,7 @@ def test_what_cannot_be_sharded_is_refused_clearly():
         train(net, Adam(lr=0.1), "sharded:1", steps=1)
 
 
+@pytest.mark.long
 @pytest.mark.slow
 @pytest.mark.parametrize("launcher", ["horovodrun-gloo", "horovodrun-mpi"])
 def test_collectives_match_numpy_with_large_chunks(launcher, launch):
@@ -87,6 +88,7 @@ def test_collectives_match_numpy_with_large_chunks(launcher, launch):
                 "fsdp.reducescatter_backward"} <= set(row)
 
 
+@pytest.mark.long
 @pytest.mark.slow
 def test_stages_train_alike_hold_their_shards_and_checkpoint_pieces(launch):
     """Data parallel and stages 1-3 on a GPT over 3 ranks (uneven shards), with accumulation,
