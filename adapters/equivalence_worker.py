@@ -28,10 +28,15 @@ def main() -> None:
         p.add_argument(name, type=int, required=True)
     p.add_argument("--local-devices", type=int, default=None)
     args = p.parse_args()
-    out, env = Path(args.out), toolkit.current_env()
+    env = toolkit.current_env()
+    # Several layouts (comma-separated) run one after the other in the same processes, each
+    # with a fresh adapter: one launch instead of one per layout. Results go to OUT/<i>/.
+    for i, name in enumerate(args.layout.split(",")):
+        run_layout(args, toolkit.parse_layout(name), Path(args.out) / str(i), env)
 
+
+def run_layout(args, layout, out: Path, env) -> None:
     adapter = adapters.get(args.backend, dtype=args.dtype, local_devices=args.local_devices)
-    layout = toolkit.parse_layout(args.layout)
     able = {toolkit.Sharded: toolkit.ShardedAdapter, toolkit.Pipeline: PipelineAdapter}
     if not isinstance(layout, toolkit.DataParallel) and not isinstance(adapter,
                                                                       able[type(layout)]):
@@ -62,7 +67,7 @@ def main() -> None:
     trainer = toolkit.Trainer(adapter, make_model(args.model),
                               make_optimizer(args.optimizer, args.steps),
                               global_batch_size=args.batch_size, max_steps=args.steps,
-                              seed=args.seed, progress=False, layout=layout)
+                              seed=args.seed, progress=False, layout=layout, env=env)
     history = trainer.fit(x, y)
     params = {k[len("params/"):]: v for k, v in adapter.state_dict().items()
               if k.startswith("params/")}

@@ -127,7 +127,7 @@ def worker_command(args, backend: str, world_size: int, launcher: str, out: Path
     worker = [sys.executable, "-m", "adapters.equivalence_worker", "--backend", backend,
               "--model", args.model, "--optimizer", args.optimizer, "--steps", str(args.steps),
               "--batch-size", str(args.batch_size), "--dtype", args.dtype,
-              "--seed", str(args.seed), "--layout", args.layout, "--out", str(out)]
+              "--seed", str(args.seed), "--layout", ",".join(args.layouts), "--out", str(out)]
     if args.local_devices and backend.startswith("jax-"):
         worker += ["--local-devices", str(args.local_devices)]
     if world_size == 1:
@@ -141,30 +141,41 @@ def worker_command(args, backend: str, world_size: int, launcher: str, out: Path
     return ["srun", "-n", str(world_size), "--mpi=pmix", "--kill-on-bad-exit=1", *worker]
 
 
-def run_one(args, backend: str, world_size: int, launcher: str, workdir: Path) -> dict:
+def run_one(args, backend: str, world_size: int, launcher: str, workdir: Path) -> list[dict]:
+    """One launch of ``backend`` on ``world_size`` ranks, running every layout in turn; a
+    result per layout."""
     out = workdir / f"{backend}-{world_size}"
     out.mkdir(parents=True, exist_ok=True)
     cmd = worker_command(args, backend, world_size, launcher, out)
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "TF_CPP_MIN_LOG_LEVEL": "2"}
     used = "python" if world_size == 1 else launcher
-    base = {"backend": backend, "world_size": world_size, "launcher": used}
+    bases = [{"backend": backend, "world_size": world_size, "launcher": used, "layout": layout}
+             for layout in args.layouts]
+    timeout = args.timeout * len(args.layouts)
     try:
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True,
-                              timeout=args.timeout, stdin=subprocess.DEVNULL)
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout,
+                              stdin=subprocess.DEVNULL)
+        failure = None
     except FileNotFoundError as err:
-        return {**base, "status": "skipped", "reason": f"launcher not found: {err.filename}"}
+        return [{**b, "status": "skipped", "reason": f"launcher not found: {err.filename}"}
+                for b in bases]
     except subprocess.TimeoutExpired:
-        return {**base, "status": "fail", "reason": f"timed out after {args.timeout} s"}
-    result_file = out / "result.json"
-    if not result_file.exists():
-        tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
-        return {**base, "status": "fail",
-                "reason": f"exit {proc.returncode}: " + " | ".join(tail)}
-    result = {**base, **json.loads(result_file.read_text())}
-    if result["status"] == "ok":
-        with np.load(out / "params.npz") as f:
-            result["params"] = {k: f[k] for k in f.files}
-    return result
+        proc, failure = None, f"timed out after {timeout:g} s"
+    results = []
+    for i, base in enumerate(bases):
+        result_file = out / str(i) / "result.json"
+        if not result_file.exists():
+            if failure is None:
+                tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
+                failure = f"exit {proc.returncode}: " + " | ".join(tail)
+            results.append({**base, "status": "fail", "reason": failure})
+            continue
+        result = {**base, **json.loads(result_file.read_text())}
+        if result["status"] == "ok":
+            with np.load(out / str(i) / "params.npz") as f:
+                result["params"] = {k: f[k] for k in f.files}
+        results.append(result)
+    return results
 
 
 def _comparable(name: str, array: np.ndarray) -> np.ndarray:
@@ -193,16 +204,16 @@ def compare(result: dict, ref_losses: list[float], ref_params: dict, dtype: str)
             "max_abs_param_dev": param_dev, "status": "pass" if passed else "fail"}
 
 
-def format_table(rows: list[dict], baseline: dict[int, float]) -> str:
-    header = ("backend", "world", "launcher", "final loss", "max rel loss dev",
+def format_table(rows: list[dict], baseline: dict[tuple[int, str], float]) -> str:
+    header = ("backend", "world", "launcher", "layout", "final loss", "max rel loss dev",
               "max abs param dev", "ms/step", "vs torch", "result")
     lines = [header]
     for r in rows:
         ok = "final_loss" in r
         step_ms = r.get("step_seconds", 0) * 1e3
-        base = baseline.get(r["world_size"])
+        base = baseline.get((r["world_size"], r.get("layout", "data_parallel")))
         lines.append((
-            r["backend"], str(r["world_size"]), r["launcher"],
+            r["backend"], str(r["world_size"]), r["launcher"], r.get("layout", "data_parallel"),
             f"{r['final_loss']:.8f}" if ok else "-",
             f"{r['max_rel_loss_dev']:.2e}" if ok else "-",
             f"{r['max_abs_param_dev']:.2e}" if ok else "-",
@@ -254,8 +265,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--launcher", choices=LAUNCHERS, default="auto")
     p.add_argument("--layout", default="data",
-                   help="data, sharded:1|2|3 (every layout is compared with the same "
-                        "one-process reference)")
+                   help="data, sharded:1|2|3, pipeline:S:M[:schedule], or several of them "
+                        "comma-separated (run one after another in each launch); every layout "
+                        "is compared with the same one-process reference")
     p.add_argument("--local-devices", type=int, default=None,
                    help="CPU devices per process for the JAX backends")
     p.add_argument("--timeout", type=float, default=600, help="seconds per run")
@@ -279,7 +291,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     make_optimizer(args.optimizer, args.steps)
     from toolkit._layouts import parse_layout
 
-    args.layout = parse_layout(args.layout).name
+    args.layouts = [parse_layout(name).name for name in args.layout.split(",")]
+    args.layout = ",".join(args.layouts)
     return args
 
 
@@ -291,11 +304,11 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="equivalence-") as tmp:
         for backend in args.backends:
             for world_size in args.world_sizes:
-                result = run_one(args, backend, world_size, launcher, Path(tmp))
-                rows.append(compare(result, ref_losses, ref_params, args.dtype))
-                print(f"  ran {backend} x{world_size}: {rows[-1]['status']}", file=sys.stderr,
-                      flush=True)
-    baseline = {r["world_size"]: r["step_seconds"] for r in rows
+                for result in run_one(args, backend, world_size, launcher, Path(tmp)):
+                    rows.append(compare(result, ref_losses, ref_params, args.dtype))
+                    print(f"  ran {backend} x{world_size} {result['layout']}: "
+                          f"{rows[-1]['status']}", file=sys.stderr, flush=True)
+    baseline = {(r["world_size"], r["layout"]): r["step_seconds"] for r in rows
                 if r["backend"] == "horovod-torch" and "final_loss" in r}
     print(f"equivalence: {args.model} + {args.optimizer}, layout {args.layout}, {args.steps} "
           f"steps, global batch "
