@@ -71,11 +71,14 @@ def main() -> None:
                    f"{len(corpus.train):,} training bytes; validation unigram entropy "
                    f"{entropy:.3f} nats/byte")
     trainer.fit(train)  # max_steps=0: sets up (and resumes) without training
+    loaded = waited = 0.0  # input loading, and how much of it training waited for
     while trainer.global_step < args.steps:  # train in intervals, evaluating after each
         interval = trainer.global_step // args.eval_every + 1
         trainer.max_steps = min(args.steps, interval * args.eval_every)
         began = time.perf_counter()
         history = trainer.fit(train)
+        loaded += trainer.prefetch_stats["load_seconds"]
+        waited += trainer.prefetch_stats["wait_seconds"]
         steps = trainer.global_step - history.first_step
         tokens = steps * args.batch_size * args.context / (time.perf_counter() - began)
         v = trainer.evaluate(val_head)["val_loss"]
@@ -86,6 +89,10 @@ def main() -> None:
     toolkit.print0(f"done: world_size {trainer.env.world_size}  steps {trainer.global_step}  "
                    f"val_loss {final:.4f} nats/byte = {final / entropy:.2f} x the unigram "
                    f"entropy {entropy:.3f}")
+    if loaded > 0:
+        hidden = max(0.0, 1 - waited / loaded)
+        toolkit.print0(f"input: {loaded:.2f} s loading batches, {waited:.2f} s of it waited for "
+                       f"({hidden:.0%} hidden behind compute by the prefetch thread)")
     params = {k[len("params/"):]: v for k, v in trainer.adapter.state_dict().items()
               if k.startswith("params/")}
     text = sample(model, params, PROMPT, args.sample_bytes, args.seed)

@@ -39,12 +39,18 @@ def test_the_example_prints_what_a_user_needs(one_process):
                      r"(\d+\.\d+) x the unigram entropy", out)
     assert done and float(done.group(1)) < np.log(256), out
     assert "sample: def __init__(self" in out
+    hidden = re.search(r"^input: (\d+\.\d+) s loading batches, (\d+\.\d+) s of it waited for "
+                       r"\((\d+)% hidden behind compute", out, re.M)
+    assert hidden and 0 <= int(hidden.group(3)) <= 100, out
     assert job.stderr.count("tensorflow") == 0, job.stderr  # no other framework's chatter
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("launcher", ["horovodrun-gloo", "mpirun", "srun"])
-@pytest.mark.parametrize("backend", ["horovod-torch", "jax-pjit"])
+@pytest.mark.parametrize("backend, launcher", [  # every launcher once in make test
+    pytest.param(b, launcher, marks=[] if (b, launcher) in {
+        ("horovod-torch", "horovodrun-gloo"), ("horovod-torch", "mpirun"),
+        ("jax-pjit", "srun")} else [pytest.mark.long])
+    for launcher in ("horovodrun-gloo", "mpirun", "srun") for b in ("horovod-torch", "jax-pjit")])
 def test_two_ranks_reproduce_one_process(backend, launcher, launch, tmp_path, one_process,
                                          read_metrics):
     job = launch(launcher, 2, args(tmp_path, "two", backend))
