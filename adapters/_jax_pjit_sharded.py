@@ -37,8 +37,8 @@ from adapters._jax_sharded import (
     check_sharded_optimizer,
     local_range,
     nbytes,
+    state_head,
 )
-from toolkit import Adam, ToolkitError
 from toolkit._reference import optimizer_slots
 
 
@@ -190,18 +190,8 @@ class PjitSharding:
         """``(replicated, pieces)`` (see :class:`toolkit.ShardedAdapter`): this process's
         devices' consecutive shards of each unit (``FlatLayout.owned``), or with tensor
         parallelism, its consecutive part of each split tensor flattened over all devices."""
-        if self.layout is None:
-            raise ToolkitError(f"{self.name}: sharded_state() needs a sharded layout",
-                               "call set_layout(toolkit.Sharded(stage=...)) before build")
-        replicated = dict(self.model.flat_state(self._host(self.model_state)))
-        if isinstance(self.opt_spec, Adam):
-            replicated["opt/count"] = np.asarray(self.count, np.int64)
-        stores = [(f"opt/{slot}", s) for slot, s in self.opt_state.items()]
-        if self.layout.stage == 3:
-            stores.append(("params", self.params))
-        else:
-            replicated.update({f"params/{n}": v
-                               for n, v in self._host_named(self.params).items()})
+        replicated, stores = state_head(self, self._host(self.model_state),
+                                        lambda: self._host_named(self.params))
         pieces = {}
         for prefix, store in stores:
             if not self.split:

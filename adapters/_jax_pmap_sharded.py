@@ -31,10 +31,11 @@ from adapters._jax_sharded import (
     check_layout,
     check_sharded_optimizer,
     nbytes,
+    state_head,
     unit_forward,
     unit_named,
 )
-from toolkit import Adam, ToolkitError
+from toolkit import ToolkitError
 from toolkit._reference import optimizer_slots
 
 AXIS = "batch"
@@ -186,18 +187,9 @@ class PmapSharding:
     def sharded_state(self):
         """``(replicated, pieces)`` (see :class:`toolkit.ShardedAdapter`): this process's
         devices' consecutive shards of each unit, cut into pieces by ``FlatLayout.owned``."""
-        if self.layout is None:
-            raise ToolkitError(f"{self.name}: sharded_state() needs a sharded layout",
-                               "call set_layout(toolkit.Sharded(stage=...)) before build")
-        replicated = dict(self.model.flat_state(self._local(self.model_state)))
-        if isinstance(self.opt_spec, Adam):
-            replicated["opt/count"] = np.asarray(self.count, np.int64)
-        stores = [(f"opt/{slot}", s) for slot, s in self.opt_state.items()]
-        if self.layout.stage == 3:
-            stores.append(("params", self.params))
-        else:
-            replicated.update({f"params/{n}": v for n, v in
-                               self.units.named(self._gathered(self.params, True)).items()})
+        replicated, stores = state_head(
+            self, self._local(self.model_state),
+            lambda: self.units.named(self._gathered(self.params, True)))
         pieces = {}
         for prefix, store in stores:
             for unit, stacked in store.items():

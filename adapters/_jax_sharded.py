@@ -103,6 +103,25 @@ def check_layout(backend: str, layout: Any, tensor_parallel_ok: bool = False) ->
     return layout
 
 
+def state_head(adapter: Any, model_state: dict, named_params: Any):
+    """The part of ``sharded_state`` both JAX mixins share: ``(replicated, stores)``, where
+    ``replicated`` holds the model state (host arrays), Adam's step count and, below stage 3,
+    the parameters (``named_params()``: name -> host array), and ``stores`` lists the
+    ``(prefix, sharded store)`` pairs each process cuts into pieces."""
+    if adapter.layout is None:
+        raise ToolkitError(f"{adapter.name}: sharded_state() needs a sharded layout",
+                           "call set_layout(toolkit.Sharded(stage=...)) before build")
+    replicated = dict(adapter.model.flat_state(model_state))
+    if isinstance(adapter.opt_spec, Adam):
+        replicated["opt/count"] = np.asarray(adapter.count, np.int64)
+    stores = [(f"opt/{slot}", s) for slot, s in adapter.opt_state.items()]
+    if adapter.layout.stage == 3:
+        stores.append(("params", adapter.params))
+    else:
+        replicated.update({f"params/{n}": v for n, v in named_params().items()})
+    return replicated, stores
+
+
 def nbytes(tree: Any) -> int:
     """Bytes of every device buffer of this process in ``tree`` (addressable shards)."""
     import jax

@@ -17,15 +17,16 @@ from toolkit._contract import Adapter
 from toolkit._data import Dataset, as_dataset
 from toolkit._env import LaunchEnv
 from toolkit._errors import ToolkitError
+from toolkit._evaluation import check_metrics, evaluate
 from toolkit._history import History, ProgressLine
-from toolkit._layouts import DataParallel, Pipeline, Sharded, resolve_layout
+from toolkit._layouts import Pipeline, Sharded, resolve_layout
 from toolkit._partition import PipelineGrid, micro_batch_size
 from toolkit._preemption import PREEMPTED_EXIT_CODE, TrainingPreempted, noting_signals
-from toolkit._prefetch import BatchPrefetcher, load_batch
+from toolkit._prefetch import BatchPrefetcher
 from toolkit._rank0 import current_env, print0
 from toolkit._resume import describe as _describe
 from toolkit._resume import find_checkpoint, restore
-from toolkit._sampler import GlobalBatchSampler, shard_indices
+from toolkit._sampler import GlobalBatchSampler
 from toolkit._specs import LOSSES, OptimizerSpec, check_choice, learning_rate, lr_scale
 
 __all__ = ["PREEMPTED_EXIT_CODE", "History", "Trainer", "TrainingPreempted"]
@@ -139,7 +140,7 @@ class Trainer:
         self.adapter = adapter
         self.model, self.optimizer, self.loss = model, optimizer, loss
         self.sync_batchnorm = sync_batchnorm
-        self.metrics = _check_metrics(metrics, builtin_accuracy=loss == "cross_entropy")
+        self.metrics = check_metrics(metrics, builtin_accuracy=loss == "cross_entropy")
         self.layout = resolve_layout(layout, adapter)
         self.global_batch_size = global_batch_size
         self.epochs, self.max_steps = epochs, max_steps
@@ -386,31 +387,9 @@ class Trainer:
         sums are added across ranks, so the result is exactly that of one process evaluating
         everything.
         """
-        self.adapter.sync_state()  # every rank evaluates with rank 0's BatchNorm statistics
-        dataset = as_dataset(data, y, what="the evaluation data")
-        world, rank = self.env.world_size, self.env.rank
-        idx = shard_indices(len(dataset), world, rank)
-        if len(dataset) < world and not isinstance(self.layout, DataParallel):
-            # A rank without samples would skip evaluate(), whose collectives the others wait in.
-            raise ToolkitError(f"the evaluation data has {len(dataset)} samples, fewer than the "
-                               f"{world} ranks of layout {self.layout.name!r}",
-                               "evaluate on at least one sample per rank")
-        # Every rank makes the same number of adapter.evaluate calls (a sharded model may
-        # gather its parameters in each): as many as the largest share needs.
-        calls = max(1, math.ceil(math.ceil(len(dataset) / world) / self.eval_batch_size))
-        keys = ("loss_sum", "correct", "count", *self.metrics)
-        local = np.zeros(len(keys))
-        for part in np.array_split(idx, calls):
-            if len(part):
-                sums = self.adapter.evaluate(*load_batch(dataset, part))
-                local += [float(sums.get(k, 0.0)) for k in keys]
-        sums = self.adapter.allreduce(local, "sum")
-        out = {"val_loss": float(sums[0] / sums[2])}
-        if self.loss == "cross_entropy":
-            out["val_accuracy"] = float(sums[1] / sums[2])
-        out.update({f"val_{name}": float(sums[3 + i] / sums[2])
-                    for i, name in enumerate(self.metrics)})
-        return out
+        return evaluate(self.adapter, self.env, self.layout, as_dataset(
+            data, y, what="the evaluation data"), self.eval_batch_size, self.metrics,
+            with_accuracy=self.loss == "cross_entropy")
 
     def _log_records(self, records) -> None:
         if self.metrics_log is None or self.env.rank != 0:
@@ -419,22 +398,6 @@ class Trainer:
         with open(self.metrics_log, "a") as f:
             for record in records:
                 f.write(json.dumps({"time": round(time.time(), 3), **record}) + "\n")
-
-
-def _check_metrics(metrics: Any, builtin_accuracy: bool) -> dict[str, Any]:
-    """Evaluation metrics: names (valid identifiers, not ``loss``; ``accuracy`` only when the
-    loss is not ``cross_entropy``, which reports its own) to callables."""
-    metrics = dict(metrics or {})
-    taken = ("loss", "accuracy") if builtin_accuracy else ("loss",)
-    for name, fn in metrics.items():
-        if not (isinstance(name, str) and name.isidentifier()) or name in taken:
-            raise ToolkitError(f"metric name {name!r} cannot be used",
-                               f"use an identifier other than {' and '.join(map(repr, taken))} "
-                               "(it is reported as val_<name>)")
-        if not callable(fn):
-            raise ToolkitError(f"metric {name!r} is {fn!r}, not a callable",
-                               "pass fn(outputs, labels) -> one value per sample")
-    return metrics
 
 
 def _is_native(optimizer: Any) -> bool:
