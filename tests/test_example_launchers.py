@@ -50,9 +50,18 @@ def test_single_process_run_learns(reference, read_metrics):
     assert curve[-5:].mean() < 0.5 * curve[:5].mean()
 
 
+# make test runs each backend under two launchers and each launcher with two backends; the
+# rest of the matrix is long (make test-long).
+IN_CI = {("horovod-torch", "horovodrun-gloo"), ("horovod-torch", "mpirun"),
+         ("horovod-tf", "horovodrun-mpi"), ("horovod-tf", "mpirun"),
+         ("jax-pmap", "horovodrun-gloo"), ("jax-pmap", "srun"),
+         ("jax-pjit", "horovodrun-mpi"), ("jax-pjit", "srun")}
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("launcher", LAUNCHERS)
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend, launcher", [
+    pytest.param(b, launcher, marks=[] if (b, launcher) in IN_CI else [pytest.mark.long])
+    for launcher in LAUNCHERS for b in BACKENDS])
 def test_two_ranks_reproduce_one_process(backend, launcher, launch, tmp_path, reference,
                                          read_metrics):
     job = launch(launcher, 2, example_args(tmp_path, launcher, backend))

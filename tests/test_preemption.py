@@ -49,7 +49,7 @@ def test_a_stop_signal_checkpoints_and_exits_75(signame, start, launch, tmp_path
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("target", ["tasks", "batch shell"])
+@pytest.mark.parametrize("target", [pytest.param("tasks", marks=pytest.mark.long), "batch shell"])
 def test_slurm_preemption_requeues_and_matches_an_uninterrupted_run(
         target, slurm_jobs, launch, tmp_path):
     args = ["--steps", "2500", "--checkpoint-every", "100"]

@@ -15,6 +15,8 @@ SCRIPT = "tests/scripts/resumable.py"
 STEPS, KILL_AT = 100, 60  # 22 steps per epoch: step 60 is in the middle of epoch 3
 TOLERANCE = 1e-5
 OTHER_BACKENDS = ["jax-pjit", "horovod-tf", "jax-pmap"]
+IN_CI = {("horovod-torch", "horovod-tf"), ("horovod-torch", "jax-pjit"),
+         ("jax-pmap", "horovod-torch")}
 
 
 def launcher_for(nproc):
@@ -81,7 +83,8 @@ def assert_close_continuation(tmp_path, uninterrupted, read_metrics):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("saved, resumed", [(2, 1), (2, 4), (4, 2)])
+@pytest.mark.parametrize("saved, resumed", [(2, 1), (2, 4),
+                                            pytest.param(4, 2, marks=pytest.mark.long)])
 def test_resume_on_another_world_size(saved, resumed, launch, tmp_path, uninterrupted,
                                       read_metrics):
     out = kill_then_resume(launch, tmp_path, save=(saved, "horovod-torch"),
@@ -91,8 +94,10 @@ def test_resume_on_another_world_size(saved, resumed, launch, tmp_path, uninterr
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("source, target", [("horovod-torch", b) for b in OTHER_BACKENDS]
-                         + [(b, "horovod-torch") for b in OTHER_BACKENDS])
+@pytest.mark.parametrize("source, target", [  # every backend once in make test, all pairs long
+    pytest.param(s, t, marks=[] if (s, t) in IN_CI else [pytest.mark.long])
+    for s, t in [("horovod-torch", b) for b in OTHER_BACKENDS]
+    + [(b, "horovod-torch") for b in OTHER_BACKENDS]])
 def test_resume_in_another_backend(source, target, launch, tmp_path, uninterrupted,
                                    read_metrics):
     out = kill_then_resume(launch, tmp_path, save=(2, source), resume=(2, target))
