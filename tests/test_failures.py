@@ -1,5 +1,8 @@
 """Bad input and failing ranks: a clear error, a non-zero exit, and never a hang."""
 
+import re
+import time
+
 import pytest
 
 import toolkit
@@ -65,3 +68,19 @@ def test_a_failing_rank_ends_the_whole_job(launch, launcher, mode, tmp_path):
         assert "[rank 1/2]" in job.stderr and "injected failure on rank 1" in job.stderr, job
     # The last good checkpoint (step 4, before rank 1's fifth step) is intact.
     assert toolkit.CheckpointStore(tmp_path / "ckpt").load("latest").step == 4
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("launcher", ["mpirun", "srun"])
+def test_a_rank_killed_mid_pipeline_schedule_ends_the_job(launch, launcher):
+    """Under Pipeline(2, 4), rank 1 SIGKILLs itself at its second step's backward of
+    micro-batch 1, while rank 0 waits in the round's alltoall (horovodrun:
+    tests/adapters/test_pipeline_torch.py)."""
+    job = launch(launcher, 2, ["tests/scripts/pipeline_torch_worker.py", "crash"], timeout=120,
+                 env={"CRASH_RANK": "1"})
+    ended = time.time()
+    killed = re.search(r"killing rank 1 at B1 at time ([0-9.]+)", job.stdout)
+    assert killed, job
+    assert job.returncode != 0, job
+    assert ended - float(killed.group(1)) < 60, job  # the rest of the job ends, no hang
+    assert FAILED_RANK_1[launcher, "kill"] in job.stdout + job.stderr, job

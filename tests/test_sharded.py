@@ -128,10 +128,11 @@ def uninterrupted(launch, tmp_path_factory):
     return get
 
 
-def kill_then_resume(launch, tmp, source, target):
+def kill_then_resume(launch, tmp, source, target, extra=()):
     """Trains ``source = (nproc, backend, layout)`` until it dies after the checkpoint of step
-    KILL_AT, then resumes as ``target``; returns the resumed job."""
-    killed = train(launch, tmp, "killed", *source, extra=["--kill-after", str(KILL_AT)])
+    KILL_AT, then resumes as ``target`` (``extra``: more arguments for both); returns the
+    resumed job."""
+    killed = train(launch, tmp, "killed", *source, extra=["--kill-after", str(KILL_AT), *extra])
     assert killed.returncode != 0, killed
     newest = toolkit.CheckpointStore(tmp / "ckpt").checkpoints()[-1]
     ckpt = read_checkpoint(newest)
@@ -139,7 +140,7 @@ def kill_then_resume(launch, tmp, source, target):
     # Every rank wrote its own pieces: nothing was gathered onto rank 0.
     assert ckpt.meta["shard_ranks"] == source[0]
     assert len({p.name[:12] for p in newest.glob("shard-r*.npy")}) == source[0]
-    resumed = train(launch, tmp, "resumed", *target, extra=["--resume", "latest"])
+    resumed = train(launch, tmp, "resumed", *target, extra=["--resume", "latest", *extra])
     assert resumed.returncode == 0, resumed
     assert f"resumed from {newest}" in resumed.stdout, resumed
     return resumed

@@ -30,6 +30,7 @@ def main() -> None:
     p.add_argument("--model", choices=("mlp", "gpt"), default="mlp")
     p.add_argument("--layout", default="data")
     p.add_argument("--batch-size", type=int, default=64, help="global")
+    p.add_argument("--mlp", default="64,32,10", help="the digits MLP's widths")
     args = p.parse_args()
 
     if args.model == "gpt":  # the equivalence preset: 2 blocks, width 32, 16-byte windows
@@ -37,7 +38,7 @@ def main() -> None:
         model = make_model("gpt")
     else:
         (x, y), _ = load_digits()
-        model = toolkit.MLP((64, 32, 10))
+        model = toolkit.MLP(tuple(int(w) for w in args.mlp.split(",")))
     adapter = adapters.get(args.backend)
     trainer = toolkit.Trainer(
         adapter, model, toolkit.Adam(lr=3e-3), global_batch_size=args.batch_size,
