@@ -21,34 +21,18 @@ from typing import Any
 import numpy as np
 
 from adapters._jax import JaxBackendBase, LocalMean, apply_optimizer
+from adapters._jax_pipeline_executor import PipelineAbility
 from adapters._jax_pjit_sharded import PjitSharding
-from toolkit import Pipeline, ToolkitError
+from toolkit import ToolkitError
 
 
-class JaxPjitAdapter(PjitSharding, JaxBackendBase):
-    """JAX with jit over a device mesh. See :class:`toolkit.Adapter` for the contract, and
-    :class:`toolkit.ShardedAdapter` for the sharded layouts."""
+class JaxPjitAdapter(PipelineAbility, PjitSharding, JaxBackendBase):
+    """JAX with jit over a device mesh. See :class:`toolkit.Adapter` for the contract,
+    :class:`toolkit.ShardedAdapter` for the sharded layouts and
+    :class:`toolkit._contract.PipelineAdapter` for the pipeline layout."""
 
     name = "jax-pjit"
-    pipeline = None  # an adapters._jax_pipeline_pjit.PjitPipeline under toolkit.Pipeline
-
-    def set_layout(self, layout: Any) -> None:
-        if isinstance(layout, Pipeline):
-            from adapters._jax_pipeline_pjit import PjitPipeline
-
-            self.pipeline = PjitPipeline(self, layout)  # one sample share per replica
-            return
-        super().set_layout(layout)
-
-    def pipeline_position(self) -> tuple[int, int]:
-        """This process's ``(stage, replica)`` (``(0, rank)`` without a pipeline)."""
-        return self.pipeline.pipeline_position() if self.pipeline else (0, self.env.rank)
-
-    def sharded_state(self):
-        return self.pipeline.sharded_state() if self.pipeline else super().sharded_state()
-
-    def memory_bytes(self) -> dict[str, int]:
-        return self.pipeline.memory_bytes() if self.pipeline else super().memory_bytes()
+    executor = "adapters._jax_pipeline_pjit:PjitPipeline"  # under toolkit.Pipeline
 
     def build(self, model: Any, optimizer: Any, loss: Any, *, seed: int = 0,
               accumulation_steps: int = 1, sync_batchnorm: bool = False,

@@ -1,6 +1,9 @@
 """The ``jax-pmap`` backend: ``jax.pmap`` over the local devices, gradients averaged with
 ``lax.pmean``; several processes join through ``jax.distributed`` (Gloo on CPU).
 
+Pipeline stages (``toolkit.Pipeline``, see ``adapters/_jax_pipeline_pmap.py``): pmap over every
+process's devices, stages exchanging activations and gradients with ``lax.ppermute``.
+
 ``pmap`` is in maintenance mode in current JAX; it works on the pinned JAX 0.10.2. New code
 should prefer ``jax-pjit`` (``jax.jit`` over a device ``Mesh``), which gives the same data
 parallelism, lets the compiler place the collectives, and extends to sharded parameters.
@@ -13,20 +16,28 @@ from typing import Any
 import numpy as np
 
 from adapters._jax import JaxBackendBase, LocalMean, apply_optimizer
+from adapters._jax_pipeline_executor import PipelineAbility
 from adapters._jax_pmap_sharded import PmapSharding
 from toolkit import ToolkitError
 
 
-class JaxPmapAdapter(PmapSharding, JaxBackendBase):
-    """JAX with pmap. See :class:`toolkit.Adapter` for the contract, and
+class JaxPmapAdapter(PipelineAbility, PmapSharding, JaxBackendBase):
+    """JAX with pmap. See :class:`toolkit.Adapter` for the contract,
     :class:`toolkit.ShardedAdapter` for the sharded layouts (``adapters/_jax_pmap_sharded.py``:
-    explicit ``lax.all_gather`` / ``lax.psum_scatter`` on flat per-unit buffers)."""
+    explicit ``lax.all_gather`` / ``lax.psum_scatter`` on flat per-unit buffers) and
+    :class:`toolkit._contract.PipelineAdapter` for the pipeline layout
+    (``adapters/_jax_pipeline_pmap.py``: ``lax.ppermute`` between device indices)."""
 
     name = "jax-pmap"
+    executor = "adapters._jax_pipeline_pmap:PmapPipeline"  # under toolkit.Pipeline
 
     def build(self, model: Any, optimizer: Any, loss: Any, *, seed: int = 0,
               accumulation_steps: int = 1, sync_batchnorm: bool = False,
               metrics: Any = None) -> None:
+        if self.pipeline is not None:
+            return self.pipeline.build(model, optimizer, loss, seed=seed, metrics=metrics,
+                                       accumulation_steps=accumulation_steps,
+                                       sync_batchnorm=sync_batchnorm)
         self._compiled_for = None  # the step compiles anew for this model
         jax = self.jax
         from jax.sharding import Mesh, NamedSharding, PartitionSpec
@@ -61,6 +72,8 @@ class JaxPmapAdapter(PmapSharding, JaxBackendBase):
         return params, opt_state, model_state, total
 
     def train_step(self, x: np.ndarray, y: np.ndarray, lr: float | None) -> float:
+        if self.pipeline is not None:
+            return self.pipeline.train_step(x, y, lr)
         d, k = len(self.devices), self.accumulation_steps
         if len(x) % (d * k):
             raise ToolkitError(
@@ -87,18 +100,24 @@ class JaxPmapAdapter(PmapSharding, JaxBackendBase):
         return self.jax.tree_util.tree_map(lambda a: np.asarray(a[0]), tree)
 
     def evaluate(self, x: np.ndarray, y: np.ndarray) -> dict[str, float]:
+        if self.pipeline is not None:
+            return self.pipeline.evaluate(x, y)
         params = self._full_params() if self.layout is not None else self._local(self.params)
         sums = self._jeval(params, self._local(self.model_state), self._inputs(x),
                            self._labels(y))
         return self._eval_result(sums, len(x))
 
     def state_dict(self) -> dict[str, np.ndarray]:
+        if self.pipeline is not None:
+            return self.pipeline.state_dict()
         if self.layout is not None:
             return self._sharded_state_dict()
         return self._export(self._local(self.params), self._local(self.opt_state),
                             self._local(self.model_state))
 
     def load_state_dict(self, state: dict[str, np.ndarray]) -> None:
+        if self.pipeline is not None:
+            return self.pipeline.load_state_dict(state)
         if self.layout is not None:
             self._load_sharded(state)
             return

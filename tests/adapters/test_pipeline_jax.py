@@ -1,8 +1,11 @@
-"""jax-pjit pipeline stages (adapters/_jax_pipeline*.py) against the float64 numpy reference.
+"""jax-pjit and jax-pmap pipeline stages (adapters/_jax_pipeline*.py) against the float64 numpy
+reference.
 
-In this process (2 CPU devices, conftest): S = 2 stages, D = 1, every schedule, spec and native
-models, checkpoint pieces, timelines and bad input. Under horovodrun (slow): the stages in
-different processes, D = 1 and D = 2 (4 devices), ppermute across processes.
+In this process (2 CPU devices, conftest), both backends: S = 2 stages, D = 1, every schedule,
+state round trips, activations held and bad input; jax-pjit also native models, checkpoint
+pieces and timelines. Under horovodrun (slow): the stages in different processes, D = 1 and
+D = 2 (4 devices), ppermute across processes (jax-pjit; jax-pmap at D = 2 with two devices per
+process).
 """
 
 from __future__ import annotations
@@ -26,10 +29,11 @@ sys.path.insert(0, str(ROOT / "tests" / "scripts"))
 from pipeline_jax_worker import attach  # noqa: E402
 
 STEPS, BATCH = 6, 32
+BACKENDS = ("jax-pjit", "jax-pmap")
 
 
-def pipelined(layout: str, dtype: str = "float64"):
-    adapter = adapters.get("jax-pjit", dtype=dtype)
+def pipelined(layout: str, dtype: str = "float64", backend: str = "jax-pjit"):
+    adapter = adapters.get(backend, dtype=dtype)
     adapter.setup(toolkit.current_env())
     return adapter, attach(adapter, toolkit.parse_layout(layout), samples="process")
 
@@ -52,12 +56,13 @@ def deviations(losses, state, model, optimizer, steps=STEPS, names=None):
     return loss_dev, param_dev
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("layout,layers", [("pipeline:2:4:gpipe", 1), ("pipeline:2:8:1f1b", 1),
                                            ("pipeline:2:4:interleaved-1f1b:2", 3)])
-def test_stages_in_one_process_equal_the_reference(layout, layers):
+def test_stages_in_one_process_equal_the_reference(backend, layout, layers):
     model = toolkit.MLP((64, *[32] * layers, 10))
     optimizer = toolkit.Adam(lr=1e-3)
-    adapter, pipe = pipelined(layout)
+    adapter, pipe = pipelined(layout, backend=backend)
     losses = fit(adapter, model, optimizer)
     loss_dev, param_dev = deviations(losses, adapter.state_dict(), model, optimizer)
     assert loss_dev < 1e-10 and param_dev < 1e-10, (loss_dev, param_dev)
@@ -71,10 +76,11 @@ def test_stages_in_one_process_equal_the_reference(layout, layers):
     assert all(r["end"] >= r["start"] for r in last)
 
 
-def test_1f1b_holds_fewer_activations_than_gpipe():
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_1f1b_holds_fewer_activations_than_gpipe(backend):
     held = {}
     for schedule in ("gpipe", "1f1b"):
-        adapter, pipe = pipelined(f"pipeline:2:8:{schedule}")
+        adapter, pipe = pipelined(f"pipeline:2:8:{schedule}", backend=backend)
         fit(adapter, make_model("mlp"), toolkit.SGD(lr=0.05), steps=2)
         held[schedule] = (pipe.memory_bytes()["activations"],
                           peak_in_flight([r for r in pipe.timeline() if r["step"] == 1]))
@@ -105,15 +111,16 @@ def test_tied_gpt_float32_and_its_checkpoint_pieces():
         assert axis == 0 and np.array_equal(piece.reshape(shape), state[name])
 
 
-def test_state_round_trip_continues_identically():
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_state_round_trip_continues_identically(backend):
     model, optimizer = make_model("mlp"), toolkit.Adam(lr=1e-3)
-    adapter, _ = pipelined("pipeline:2:4:1f1b")
+    adapter, _ = pipelined("pipeline:2:4:1f1b", backend=backend)
     x, y = load_data("mlp", "float64")
     adapter.build(model, optimizer, "cross_entropy")
     adapter.train_step(x[:32], y[:32], 1e-3)
     saved = adapter.state_dict()
     first = float(adapter.train_step(x[32:64], y[32:64], 1e-3))
-    other, _ = pipelined("pipeline:2:8:gpipe")  # another schedule loads the same tensors
+    other, _ = pipelined("pipeline:2:8:gpipe", backend=backend)  # another schedule, same tensors
     other.build(model, optimizer, "cross_entropy", seed=5)
     other.load_state_dict(saved)
     assert float(other.train_step(x[32:64], y[32:64], 1e-3)) == pytest.approx(first, rel=1e-13)
@@ -146,20 +153,21 @@ def test_native_list_of_flax_modules():
     assert pipe.staged.piece_names == [("0.kernel", "0.bias"), ("2.kernel", "2.bias")]
 
 
-def test_bad_input_is_a_clear_error():
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_bad_input_is_a_clear_error(backend):
     import flax.linen as nn
 
     spec, opt = make_model("mlp"), toolkit.SGD(lr=0.1)
-    adapter, _ = pipelined("pipeline:3:4")  # 2 devices here
+    adapter, _ = pipelined("pipeline:3:4", backend=backend)  # 2 devices here
     with pytest.raises(toolkit.ToolkitError, match="2 devices .* do not divide into 3"):
         adapter.build(toolkit.MLP((64, 32, 32, 10)), opt, "cross_entropy")
-    adapter, _ = pipelined("pipeline:2:3:gpipe")
+    adapter, _ = pipelined("pipeline:2:3:gpipe", backend=backend)
     adapter.build(spec, opt, "cross_entropy")
     x, y = load_data("mlp", "float64")
     with pytest.raises(toolkit.ToolkitError, match="3 micro-batches do not divide the local "
                                                    "batch of 16"):
         adapter.train_step(x[:16], y[:16], 0.1)
-    adapter, _ = pipelined("pipeline:2:4")
+    adapter, _ = pipelined("pipeline:2:4", backend=backend)
     module = nn.Dense(10)
     with pytest.raises(toolkit.ToolkitError, match="needs a sequential model"):
         adapter.build((module, {"params": {}}), opt, "cross_entropy")
@@ -168,7 +176,7 @@ def test_bad_input_is_a_clear_error():
     with pytest.raises(toolkit.ToolkitError, match="CNN"):
         adapter.build(toolkit.CNN(image_shape=(8, 8, 1), channels=(4,), classes=10), opt,
                       "cross_entropy")
-    adapter, _ = pipelined("pipeline:2:4:interleaved-1f1b:2")
+    adapter, _ = pipelined("pipeline:2:4:interleaved-1f1b:2", backend=backend)
     with pytest.raises(toolkit.ToolkitError, match="2 stages x 2 chunks for a model of 2"):
         adapter.build(spec, opt, "cross_entropy")
 
@@ -182,16 +190,29 @@ def results(job) -> dict[int, dict]:
     return out
 
 
-@pytest.mark.long
+LONG = pytest.mark.long
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("nproc,argv,tolerance", [
-    (2, ["--layout", "pipeline:2:4:1f1b", "--model", "gpt", "--dtype", "float32",
-         "--batch-size", "16"], 1e-5),
-    (2, ["--layout", "pipeline:2:8:gpipe", "--local-devices", "2", "--model", "mlp"], 1e-10),
-    (4, ["--layout", "pipeline:2:8:1f1b", "--model", "mlp", "--optimizer", "sgd"], 1e-10),
+@pytest.mark.parametrize("backend,nproc,argv,tolerance", [
+    pytest.param("jax-pjit", 2, ["--layout", "pipeline:2:4:1f1b", "--model", "gpt", "--dtype",
+                                 "float32", "--batch-size", "16"], 1e-5, marks=LONG),
+    pytest.param("jax-pjit", 2, ["--layout", "pipeline:2:8:gpipe", "--local-devices", "2",
+                                 "--model", "mlp"], 1e-10, marks=LONG),
+    pytest.param("jax-pjit", 4, ["--layout", "pipeline:2:8:1f1b", "--model", "mlp",
+                                 "--optimizer", "sgd"], 1e-10, marks=LONG),
+    # pmap's grouped psum over a stage's replicas, the replicas in one process (D = 2)
+    pytest.param("jax-pmap", 2, ["--layout", "pipeline:2:8:gpipe", "--local-devices", "2",
+                                 "--model", "mlp"], 1e-10, marks=LONG),
+    pytest.param("jax-pmap", 2, ["--layout", "pipeline:2:4:1f1b", "--model", "gpt", "--dtype",
+                                 "float32", "--batch-size", "16"], 1e-5, marks=LONG),
+    pytest.param("jax-pmap", 4, ["--layout", "pipeline:2:4:interleaved-1f1b:2", "--layers",
+                                 "3", "--model", "mlp", "--optimizer", "sgd"], 1e-10,
+                 marks=LONG),
 ])
-def test_stages_across_processes_equal_the_reference(launch, tmp_path, nproc, argv, tolerance):
-    job = launch("horovodrun-gloo", nproc, [WORKER, *argv, "--steps", "20",
+def test_stages_across_processes_equal_the_reference(launch, tmp_path, backend, nproc, argv,
+                                                     tolerance):
+    job = launch("horovodrun-gloo", nproc, [WORKER, "--backend", backend, *argv, "--steps", "20",
                                              "--pieces-dir", str(tmp_path)], timeout=400)
     assert job.returncode == 0, job
     got = results(job)

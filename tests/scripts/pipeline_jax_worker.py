@@ -1,10 +1,11 @@
-"""A jax-pjit pipeline run beside the float64 reference (tests/adapters/test_pipeline_jax.py).
+"""A jax-pjit or jax-pmap pipeline run beside the float64 reference
+(tests/adapters/test_pipeline_jax.py).
 
-    python tests/scripts/pipeline_jax_worker.py --layout pipeline:2:4:1f1b --model mlp ...
+    python tests/scripts/pipeline_jax_worker.py --backend jax-pmap --layout pipeline:2:4:1f1b ...
 
-Until the Trainer accepts a ``toolkit.Pipeline`` for JAX, the executor is attached to the adapter
-here (what the adapter's ``set_layout`` will do) and the Trainer runs its ordinary loop: sampler,
-loss averaging and checkpoints are the Trainer's own. Rank 0 prints one ``RESULT {json}`` line:
+The adapter's own executor is attached (``attach``: a process that holds several stages gives
+each device its own samples) and the Trainer runs its ordinary loop: sampler, loss averaging and
+checkpoints are the Trainer's own. Rank 0 prints one ``RESULT {json}`` line:
 per-step losses, their largest relative deviation from ``toolkit.equivalence.reference``, the
 largest absolute parameter deviation, and the measured timeline's idle fraction.
 """
@@ -25,24 +26,23 @@ from toolkit.equivalence import _comparable, load_data, make_model, make_optimiz
 
 
 def attach(adapter, layout, samples="replica"):
-    """The delegation the adapter's ``set_layout`` will do for a ``toolkit.Pipeline``.
+    """The adapter's own pipeline executor for ``layout`` (what ``set_layout`` makes), kept
+    when the Trainer calls ``set_layout`` again.
 
     ``samples="replica"``: the Trainer runs ``layout`` (its sampler gives a pipeline replica's
     processes the same samples); ``"process"``: the Trainer runs data parallel (every process
     its own samples, e.g. one process holding both stages on two devices)."""
-    from adapters._jax_pipeline_pjit import PjitPipeline
-
-    pipe = PjitPipeline(adapter, layout, samples=samples)
-    for name in ("build", "train_step", "evaluate", "state_dict", "load_state_dict",
-                 "sharded_state", "memory_bytes", "sync_state", "pipeline_position"):
-        setattr(adapter, name, getattr(pipe, name))
+    adapter.set_layout(layout)
+    if samples != "replica":
+        adapter.pipeline = type(adapter.pipeline)(adapter, layout, samples=samples)
     adapter.set_layout = lambda given: None  # the executor exists already
-    return pipe
+    return adapter.pipeline
 
 
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--layout", required=True)
+    p.add_argument("--backend", default="jax-pjit", choices=("jax-pjit", "jax-pmap"))
     p.add_argument("--model", default="mlp")
     p.add_argument("--optimizer", default="adam")
     p.add_argument("--dtype", default="float64")
@@ -62,7 +62,7 @@ def main() -> None:
     p.add_argument("--no-reference", action="store_true")
     args = p.parse_args()
     env = toolkit.current_env()
-    adapter = adapters.get("jax-pjit", dtype=args.dtype, local_devices=args.local_devices)
+    adapter = adapters.get(args.backend, dtype=args.dtype, local_devices=args.local_devices)
     adapter.setup(env)
     layout = toolkit.parse_layout(args.layout)
     samples = "replica" if env.world_size % layout.stages == 0 else "process"

@@ -1,0 +1,300 @@
+"""The host side of the JAX pipeline executors (jax-pjit's and jax-pmap's).
+
+``PipelineExecutor``: checks, the staged state, the step's round loop with its
+``toolkit.StageRecorder`` timing, evaluation and checkpoints; a subclass places arrays and wraps
+``adapters._jax_pipeline_programs.StagePrograms`` in its mechanism. ``PipelineAbility``: the
+adapter mixin that makes a ``toolkit.Pipeline`` layout an executor and delegates to it.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import time
+from typing import Any
+
+import numpy as np
+
+from adapters._common import loss_name
+from adapters._jax import LocalMean, make_optimizer
+from adapters._jax_pipeline import RoundPlan, eval_sums, stage_model
+from adapters._jax_pipeline_programs import StagePrograms
+from toolkit import SGD, Adam, Pipeline, ToolkitError
+from toolkit._partition import micro_batch_size
+from toolkit._reference import optimizer_slots
+from toolkit._schedules import pipeline_schedule
+from toolkit._timeline import TIMELINE_ENV, StageRecorder, append_timeline
+
+
+class PipelineExecutor:
+    """The host side of a JAX pipeline layout; the adapter delegates ``build``, ``train_step``,
+    ``evaluate``, ``state_dict``, ``load_state_dict``, ``sharded_state``, ``memory_bytes`` and
+    ``pipeline_position`` to it.
+
+    Args:
+        adapter: the (set up) JAX adapter; its ``jax``, ``env``, dtype, optimizer scalars
+            (``_scalars``), ``_inputs``/``_labels`` and ``barrier`` are used.
+        layout: a ``toolkit.Pipeline``.
+        samples: ``"replica"`` (the Trainer under a Pipeline layout: the sampler gives the
+            ``S`` processes of a pipeline replica the same local batch, each local device its
+            ``1/L`` slice) or ``"process"`` (every process its own samples, e.g. one process
+            holding both stages: each device takes a ``1/L`` slice and a replica's batch is its
+            ``S`` devices' slices gathered). Either way the loss is the global batch's mean.
+        keep_steps: steps of timeline records kept (the latest).
+
+    A subclass's ``_setup_devices`` sets ``where``, the global index of each local device (in
+    ``local_devices``' order; device ``i`` is stage ``i // D`` of replica ``i % D``), and it
+    provides ``_collectives`` (the mechanism), ``_per_stage``, ``_zeros``, ``_batch``,
+    ``_scalars``, ``_full`` and ``_compile`` (setting ``_prepare``, ``_compute``, ``_exchange``,
+    ``_update``).
+    """
+
+    def __init__(self, adapter: Any, layout: Pipeline, samples: str = "replica",
+                 keep_steps: int = 4):
+        if samples not in ("replica", "process"):
+            raise ToolkitError(f"samples={samples!r}", "use 'replica' or 'process'")
+        if not isinstance(layout, Pipeline):
+            raise ToolkitError(f"{layout!r} is not a toolkit.Pipeline",
+                               "pass toolkit.Pipeline(stages=..., micro_batches=...)")
+        self.a, self.layout, self.keep_steps = adapter, layout, keep_steps
+        self.samples = samples
+        self.schedule = pipeline_schedule(layout.schedule, layout.stages, layout.micro_batches,
+                                          layout.chunks)
+        self.plan = RoundPlan(self.schedule)
+        self.step_index = 0
+        self.recorders: dict[int, StageRecorder] = {}
+
+    # ------------------------------------------------------------------ build
+    def build(self, model: Any, optimizer: Any, loss: Any, *, seed: int = 0,
+              accumulation_steps: int = 1, sync_batchnorm: bool = False,
+              metrics: Any = None) -> None:
+        a, jax = self.a, self.a.jax
+        name, S = a.name, self.layout.stages
+        if accumulation_steps != 1:
+            raise ToolkitError(f"{name}: accumulation_steps={accumulation_steps} with a pipeline",
+                               "the pipeline's micro-batches accumulate already: use "
+                               "accumulation_steps=1 and Pipeline(micro_batches=...)")
+        if not isinstance(optimizer, SGD | Adam):
+            raise ToolkitError(f"{name}: a pipeline updates flat per-stage vectors with the "
+                               f"toolkit's elementwise optimizers, not {type(optimizer).__name__}",
+                               "pass toolkit.SGD(...) or toolkit.Adam(...)")
+        devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
+        if len(devices) % S:
+            raise ToolkitError(
+                f"{name}: {len(devices)} devices ({a.env.world_size} processes x "
+                f"{jax.local_device_count()} local) do not divide into {S} pipeline stages",
+                f"launch a multiple of {S} devices in all, or use a number of stages that "
+                f"divides {len(devices)}")
+        if self.samples == "replica" and a.env.world_size % S:
+            raise ToolkitError(
+                f"{name}: {a.env.world_size} processes are not a multiple of the {S} pipeline "
+                f"stages", f"launch a multiple of {S} processes (the sampler gives each "
+                "pipeline replica of processes its samples)")
+        self.staged = stage_model(model, self.layout, seed, a.dtype_name, name)
+        self.loss_name, self.loss_fn = loss_name(loss), loss
+        a.loss_name, a.loss_fn = self.loss_name, loss  # the adapter's _labels reads it
+        self.metrics = dict(metrics or {})
+        a.opt_spec, a.count, a.steps = optimizer, 0, 0
+        self.tx = make_optimizer(optimizer, name)
+        self.D = len(devices) // S
+        self._setup_devices(devices)
+        self._index_of = dict(zip(self.local_devices, self.where, strict=True))
+        host = self.staged.flatten(self.staged.init, a.dtype_name)
+        if a.env.world_size > 1:  # rank 0's initial parameters become everyone's
+            from jax.experimental import multihost_utils
+
+            host = np.asarray(multihost_utils.broadcast_one_to_all(host))
+        self.slots = optimizer_slots(optimizer)
+        self._set_state(host, {s: np.zeros_like(host) for s in self.slots})
+        self.grads = self._zeros((self.staged.length,))
+        self.ctrl = [(self._per_stage(r.ctrl), [self._per_stage(w.ctrl) for w in r.waves])
+                     for r in self.plan.rounds]
+        local = [(i // self.D, i % self.D) for i in self.where]
+        self.local_stages = sorted({s for s, _ in local})
+        self.position = (local[0][0], local[0][1] // jax.local_device_count())
+        self.recorders = {s: StageRecorder(s, min(d for t, d in local if t == s))
+                          for s in self.local_stages}
+        self._compiled_for = None
+
+    def _set_state(self, params: np.ndarray, opt: dict[str, np.ndarray]) -> None:
+        self.params = self._per_stage(params)
+        self.opt_state = {s: self._per_stage(v) for s, v in opt.items()}
+
+    def _programs(self, n: int, x_shape, x_dtype) -> StagePrograms:
+        """The bodies for a global batch of ``n`` rows (each process's ``n / P`` rows)."""
+        jax, S, D, M = self.a.jax, self.layout.stages, self.D, self.layout.micro_batches
+        gather = self.samples == "process"
+        # "process": every process's samples differ, a replica gathers its S devices' shares;
+        # "replica": a replica's S processes hold the same samples (n counts them S times).
+        mb = micro_batch_size(n // D if gather else n // (S * D), M)
+        return StagePrograms(jax, self.staged, self.loss_fn, self.tx, self._collectives(), M,
+                             mb, 1.0 / n if gather else S / n, gather,
+                             jax.ShapeDtypeStruct((mb,) + tuple(x_shape[1:]), x_dtype),
+                             self.a.dtype)
+
+    # ------------------------------------------------------------------ training
+    def train_step(self, x: np.ndarray, y: np.ndarray, lr: float | None) -> LocalMean:
+        """One step on this process's samples; returns the global batch's mean loss (the same
+        on every process, so the Trainer's average over processes is that mean)."""
+        a, jax = self.a, self.a.jax
+        local = jax.local_device_count()
+        if len(x) % local:
+            raise ToolkitError(
+                f"{a.name}: the local batch of {len(x)} samples does not split over {local} "
+                "local devices", f"use a global batch divisible by all {jax.device_count()} "
+                "devices")
+        n = len(x) * a.env.world_size
+        replica_batch = n // self.D // (1 if self.samples == "process" else self.layout.stages)
+        if replica_batch % self.layout.micro_batches:
+            micro_batch_size(replica_batch, self.layout.micro_batches)  # its error and hint
+        xi, yi = a._inputs(x), a._labels(y)
+        shapes = (xi.shape, xi.dtype, yi.shape, yi.dtype)
+        if self._compiled_for != shapes:
+            self._compile(n, xi, yi)
+            self._compiled_for = shapes
+        step, clock = self.step_index, time.time
+        xs, ys = self._prepare[0](self._batch(xi)), self._prepare[1](self._batch(yi))
+        for (ctrl, waves), rnd in zip(self.ctrl, self.plan.rounds, strict=True):
+            if any(act is not None for act in rnd.compute):
+                start = clock()
+                self.grads, self.box, self.losses = self._compute(
+                    self.params, self.grads, self.box, self.losses, xs, ys, ctrl)
+                self.box.block_until_ready()
+                end = clock()
+                for s in self.local_stages:
+                    if rnd.compute[s] is not None:
+                        self.recorders[s].add(rnd.compute[s], start, end, step)
+            for wctrl, wave in zip(waves, rnd.waves, strict=True):
+                start = clock()
+                self.box = self._exchange[(wave.forward, wave.backward)](self.box, wctrl)
+                self.box.block_until_ready()
+                end = clock()
+                for s in self.local_stages:
+                    for act in wave.actions[s]:
+                        self.recorders[s].add(act, start, end, step)
+        scalars = self._scalars(a._scalars(lr))
+        a.steps += 1
+        self.params, self.opt_state, self.grads, loss = self._update(
+            self.params, self.opt_state, self.grads, self.losses, scalars)
+        self.step_index += 1
+        folder = os.environ.get(TIMELINE_ENV)
+        for s, rec in self.recorders.items():
+            if folder:  # TOOLKIT_PIPELINE_TIMELINE=DIR: python -m toolkit.pipeline_timeline DIR
+                append_timeline([r for r in rec.records if r["step"] == step], folder, s,
+                                rec.replica)
+            rec.records = [r for r in rec.records if r["step"] > step - self.keep_steps]
+        return LocalMean([loss.addressable_data(0)])
+
+    def pipeline_position(self) -> tuple[int, int]:
+        """This process's ``(stage, replica)``: its first device's stage, and which of the
+        stage's processes it is (``toolkit.PipelineGrid``'s position with one device each)."""
+        return self.position
+
+    def timeline(self) -> list[dict]:
+        """This process's recorded actions (``toolkit.StageRecorder`` records, every local
+        stage), of the latest ``keep_steps`` steps."""
+        return [r for rec in self.recorders.values() for r in rec.records]
+
+    # ------------------------------------------------------------------ evaluation, state
+    def _named(self, flat) -> dict[str, np.ndarray]:
+        return self.staged.unflatten(self._full(flat))
+
+    def evaluate(self, x: np.ndarray, y: np.ndarray) -> dict[str, float]:
+        """Local sums over ``x`` (the whole model on this process's first device)."""
+        params = self._named(self.params)
+        if not hasattr(self, "_jeval"):
+            self._jeval = self.a.jax.jit(eval_sums(self.staged, self.loss_fn, self.loss_name,
+                                                   self.metrics))
+        sums = self._jeval(params, self.a._inputs(x), self.a._labels(y))
+        return {**{k: float(v) for k, v in sums.items()}, "count": float(len(x))}
+
+    def state_dict(self) -> dict[str, np.ndarray]:
+        """Full tensors under the neutral names, on every process."""
+        out = {f"params/{n}": v for n, v in self._named(self.params).items()}
+        for slot, flat in self.opt_state.items():
+            out.update({f"opt/{slot}/{n}": v for n, v in self._named(flat).items()})
+        if isinstance(self.a.opt_spec, Adam):
+            out["opt/count"] = np.asarray(self.a.count, np.int64)
+        return out
+
+    def load_state_dict(self, state: dict[str, np.ndarray]) -> None:
+        dtype, names = self.a.dtype_name, self.staged.names()
+        missing = [f"params/{n}" for n in names if f"params/{n}" not in state]
+        if missing:
+            raise ToolkitError(f"the state lacks {missing[:3]} (of {len(missing)})",
+                               "load a checkpoint of the same model")
+        params = self.staged.flatten({n: state[f"params/{n}"] for n in names}, dtype)
+        opt = {s: self.staged.flatten({n: state[f"opt/{s}/{n}"] for n in names}, dtype)
+               for s in self.slots}
+        self._set_state(params, opt)
+        if "opt/count" in state:
+            self.a.count = int(state["opt/count"])
+
+    def _replica0_rows(self, arr) -> dict[int, np.ndarray]:
+        """Stage -> its flat vector, for the stages whose replica 0 is a local device."""
+        rows = {}
+        for shard in arr.addressable_shards:
+            i = self._index_of[shard.device]
+            if i % self.D == 0:
+                rows[i // self.D] = np.asarray(shard.data).reshape(-1)
+        return rows
+
+    def sharded_state(self):
+        """``(replicated, pieces)`` for a checkpoint: replica 0 of each stage gives each of its
+        parameters (and optimizer slots) whole as one flat piece, a shared one only from its
+        first holder; every other process gives an empty piece of every name."""
+        replicated = ({"opt/count": np.asarray(self.a.count, np.int64)}
+                      if isinstance(self.a.opt_spec, Adam) else {})
+        trees = {"params": self.params, **{f"opt/{s}": v for s, v in self.opt_state.items()}}
+        pieces = {}
+        for prefix, arr in trees.items():
+            mine = self._replica0_rows(arr)
+            for name in self.staged.names():
+                s = self.staged.owner_stage(name)
+                off, shape = self.staged.offsets[s][name]
+                piece = (mine[s][off:off + int(np.prod(shape))].copy() if s in mine
+                         else np.zeros(0, self.a.dtype_name))
+                pieces[f"{prefix}/{name}"] = (piece, 0, shape)
+        return replicated, pieces
+
+    def memory_bytes(self) -> dict[str, int]:
+        """Bytes on this process's devices between steps, from the arrays' own shards."""
+        def held(*arrays):
+            return int(sum(s.data.nbytes for a in arrays for s in a.addressable_shards))
+
+        out = {"params": held(self.params), "grads": held(self.grads),
+               "optimizer": held(*self.opt_state.values())}
+        if hasattr(self, "box"):
+            out["activations"] = held(self.box)
+        return out
+
+    def sync_state(self) -> None:
+        """Nothing to synchronise: pipeline stages carry parameters only."""
+
+
+class PipelineAbility:
+    """The :class:`toolkit._contract.PipelineAdapter` ability of a JAX adapter (a mixin before
+    its sharded mixin): ``set_layout`` with a ``toolkit.Pipeline`` makes ``pipeline`` an
+    executor (``executor`` names its class as ``"module:Class"``); ``build``, ``train_step``,
+    ``evaluate``, ``state_dict`` and ``load_state_dict`` of the adapter hand over to it when
+    ``pipeline`` is set."""
+
+    pipeline = None  # the executor under toolkit.Pipeline
+    executor = ""
+
+    def set_layout(self, layout: Any) -> None:
+        if isinstance(layout, Pipeline):
+            module, cls = self.executor.split(":")
+            self.pipeline = getattr(importlib.import_module(module), cls)(self, layout)
+            return
+        super().set_layout(layout)
+
+    def pipeline_position(self) -> tuple[int, int]:
+        """This process's ``(stage, replica)`` (``(0, rank)`` without a pipeline)."""
+        return self.pipeline.pipeline_position() if self.pipeline else (0, self.env.rank)
+
+    def sharded_state(self):
+        return self.pipeline.sharded_state() if self.pipeline else super().sharded_state()
+
+    def memory_bytes(self) -> dict[str, int]:
+        return self.pipeline.memory_bytes() if self.pipeline else super().memory_bytes()
