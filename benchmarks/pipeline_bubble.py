@@ -9,9 +9,10 @@ same number of parameters (``--width``, ``--layers`` hidden layers), SGD, random
 cost of a step does not depend on their values). For each schedule, every stage records when
 each of its actions starts and ends (``TOOLKIT_PIPELINE_TIMELINE``); after ``--warmup`` steps,
 rank 0 prints per step the idle fraction (1 - compute / (S x the step's span); waiting, sends
-and receives count as idle), the formula (S-1)/(M+S-1), and the idle fraction the same schedule
-would have with this step's measured forward and backward times per stage
-(``toolkit.simulate_schedule``: what unequal stages alone explain). The median over steps is
+and receives count as idle), the formula (S-1)/(M+S-1), and the idle fraction the executor's rounds
+would have with this step's measured forward and backward times per stage and free messages
+(``toolkit.lockstep_idle_fraction``: what unequal stages alone explain; the rest is messages
+and waiting on a shared machine). The median over steps is
 the result. Then data parallel on the same processes for the step-time ratio.
 
 On 2 CPU cores both stages share the machine with everything else running: measure on a quiet
@@ -45,16 +46,16 @@ def stage_times(records: list[dict], stages: int) -> tuple[list[float], list[flo
 
 
 def measure(records: list[dict], name: str, M: int, steps: range):
-    """Median, min and max measured idle fraction over ``steps``, the median simulated one
-    with each step's measured stage times, the last step's peak in flight and stage times."""
+    """Median, min and max measured idle fraction over ``steps``, the median one the rounds
+    would have with each step's measured stage times and free messages, the last step's peak
+    in flight and stage times."""
     idle, equal = [], []
     for step in steps:
         picked = select(records, step)
         fwd, bwd = stage_times(picked, 2)
-        sim = toolkit.simulate_schedule(toolkit.pipeline_schedule(name, 2, M), forward=fwd,
-                                        backward=bwd)
         idle.append(idle_fraction(picked))
-        equal.append(sim.idle_fraction)
+        equal.append(toolkit.lockstep_idle_fraction(toolkit.pipeline_schedule(name, 2, M),
+                                                    forward=fwd, backward=bwd))
     return (statistics.median(idle), min(idle), max(idle), statistics.median(equal),
             peak_in_flight(picked), fwd, bwd)
 

@@ -22,6 +22,7 @@ from toolkit._partition import (
 from toolkit._pipeline import (
     LockstepRound,
     Simulation,
+    lockstep_idle_fraction,
     lockstep_rounds,
     simulate_schedule,
     validate_schedule,
@@ -40,8 +41,8 @@ __all__ = [
     "PipelineGrid", "SGD", "Schedule", "Sharded", "ShardedAdapter", "Simulation", "StageRecorder",
     "TokenWindows", "ToolkitError", "Trainer", "TrainingPreempted", "WarmupCosine", "atomic_open",
     "bubble_formula", "current_env", "detect_launch_env", "expand_nodelist", "learning_rate",
-    "lockstep_rounds", "lr_scale", "micro_batch_size", "parse_layout", "partition_layers",
-    "partition_model", "pipeline_schedule", "print0", "read_checkpoint", "read_timeline", "run",
-    "save0", "shard_indices", "simulate_schedule", "validate_schedule",
+    "lockstep_idle_fraction", "lockstep_rounds", "lr_scale", "micro_batch_size", "parse_layout",
+    "partition_layers", "partition_model", "pipeline_schedule", "print0", "read_checkpoint",
+    "read_timeline", "run", "save0", "shard_indices", "simulate_schedule", "validate_schedule",
 ]
 __version__ = "0.1.0"

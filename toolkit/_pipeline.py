@@ -310,3 +310,36 @@ def simulate_schedule(schedule: Schedule, forward: float | Sequence[float] = 1.0
                            blocking)
     return Simulation(schedule, tuple(map(tuple, starts)), tuple(map(tuple, ends)),
                       peak_activations(schedule))
+
+
+def lockstep_idle_fraction(schedule: Schedule, forward: float | Sequence[float] = 1.0,
+                           backward: float | Sequence[float] | None = None) -> float:
+    """The idle fraction of ``schedule`` as the toolkit's executors run it: its
+    ``lockstep_rounds``, each stage's computes back to back, and after every round that passes
+    messages one exchange over the whole pipeline that every stage waits for (an ``alltoall``
+    or a ``ppermute`` wave; rounds without messages pass no barrier). Messages take no time.
+    ``forward``/``backward`` as in ``simulate_schedule``.
+
+    Equal to ``simulate_schedule``'s for GPipe at any S and for 1F1B at S = 2; higher where
+    a round's exchange makes a stage wait for another's longer compute (1F1B at S > 2,
+    interleaving).
+
+    Example:
+        >>> from toolkit import pipeline_schedule
+        >>> round(lockstep_idle_fraction(pipeline_schedule("1f1b", 2, 8)), 4)
+        0.1111
+    """
+    S, v = schedule.stages, schedule.chunks
+    f = _per_stage("forward", forward, S)
+    b = _per_stage("backward", tuple(2 * t for t in f) if backward is None else backward, S)
+    clock, busy = [0.0] * S, 0.0
+    for rnd in lockstep_rounds(schedule):
+        for s, a in enumerate(rnd.compute):
+            if a is not None:
+                took = (f if a.kind == "F" else b)[s] / v
+                clock[s] += took
+                busy += took
+        if rnd.messages:
+            clock = [max(clock)] * S
+    total = S * max(clock)
+    return 1.0 - busy / total if total else 0.0
