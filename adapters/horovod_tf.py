@@ -20,8 +20,10 @@ Two kinds of model:
 Optimizers: ``toolkit.SGD``/``Adam`` (any model) or a Keras 3 optimizer (Keras models only,
 with its own learning rate or schedule: the Trainer passes ``lr=None``).
 
-Layouts: data parallel, or ``toolkit.Sharded(stage=1|2|3)`` (ZeRO / FSDP) for the spec models
-and optimizers, whose mechanism lives in ``adapters._tf_sharded``.
+Layouts: data parallel; ``toolkit.Sharded(stage=1|2|3)`` (ZeRO / FSDP) for the spec models
+and optimizers, whose mechanism lives in ``adapters._tf_sharded``; ``toolkit.Pipeline`` (spec
+models or a Keras ``Sequential``, spec optimizers), run by ``adapters._tf_pipeline`` to which
+the contract's methods below delegate.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from adapters._common import (
     missing_framework,
 )
 from adapters._keras_native import KerasNative, assign, is_keras_optimizer, to_host
+from adapters._tf_update import apply_update
 from toolkit import CNN, GPT, SGD, Adam, LaunchEnv, ToolkitError
 from toolkit._reference import adam_scalars, optimizer_slots
 from toolkit._specs import ModelSpec, check_choice
@@ -51,11 +54,19 @@ class HorovodTFAdapter(BackendBase):
     name = "horovod-tf"
     _layout = None  # a toolkit.Sharded layout from set_layout, or None (data parallel)
     sharded = None  # its state (adapters._tf_sharded.ShardedTF) once built
+    pipeline = None  # adapters._tf_pipeline.TFPipeline, when set_layout got a toolkit.Pipeline
 
     def set_layout(self, layout: Any) -> None:
-        """Shards the state ``build`` creates as ``layout`` (a ``toolkit.Sharded``) says."""
+        """Shards (``toolkit.Sharded``) or cuts into stages (``toolkit.Pipeline``) what
+        ``build`` creates, as ``layout`` says."""
         from adapters._tf_sharded import check_layout
+        from toolkit import Pipeline
 
+        if isinstance(layout, Pipeline):
+            from adapters._tf_pipeline import TFPipeline
+
+            self.pipeline = TFPipeline(self, layout)
+            return
         self._layout = check_layout(self.name, layout)
 
     def setup(self, env: LaunchEnv) -> None:
@@ -84,6 +95,10 @@ class HorovodTFAdapter(BackendBase):
     def build(self, model: Any, optimizer: Any, loss: Any, *, seed: int = 0,
               accumulation_steps: int = 1, sync_batchnorm: bool = False,
               metrics: Any = None) -> None:
+        if self.pipeline is not None:
+            return self.pipeline.build(model, optimizer, loss, seed=seed, metrics=metrics,
+                                       accumulation_steps=accumulation_steps,
+                                       sync_batchnorm=sync_batchnorm)
         tf = self.tf
         if self._layout is not None:
             from adapters._tf_sharded import check_shardable
@@ -222,35 +237,16 @@ class HorovodTFAdapter(BackendBase):
         if self.keras_opt is not None:
             self.keras_opt.apply_gradients(zip(grads, variables, strict=True))
         else:
-            self._apply(dict(zip(self.names, grads, strict=True)), lr, step_size, c2_sqrt)
+            apply_update(self.tf, self.opt_spec, self.vars, self.slots,
+                         dict(zip(self.names, grads, strict=True)), lr, step_size, c2_sqrt)
         return total
 
-    def _apply(self, grads, lr, step_size, c2_sqrt) -> None:
-        """toolkit._reference.apply_update, in TF ops."""
-        tf, spec = self.tf, self.opt_spec
-        for name in self.names:
-            p, g = self.vars[name], grads[name]
-            if isinstance(spec, SGD):
-                if spec.weight_decay:
-                    g = g + spec.weight_decay * p
-                if spec.momentum:
-                    buf = self.slots[f"opt/momentum/{name}"]
-                    buf.assign(spec.momentum * buf + g)
-                    g = g + spec.momentum * buf if spec.nesterov else buf
-                p.assign_sub(lr * g)
-                continue
-            if spec.decoupled:
-                p.assign(p * (1 - lr * spec.weight_decay))
-            elif spec.weight_decay:
-                g = g + spec.weight_decay * p
-            m, v = self.slots[f"opt/mu/{name}"], self.slots[f"opt/nu/{name}"]
-            m.assign(spec.b1 * m + (1 - spec.b1) * g)
-            v.assign(spec.b2 * v + (1 - spec.b2) * g * g)
-            p.assign_sub(step_size * m / (tf.sqrt(v) / c2_sqrt + spec.eps))
-
     def _eval_fn(self, x, y):
+        return self._eval_sums(self._forward(x, training=False), y)
+
+    def _eval_sums(self, out, y):
+        """Sums over ``out``'s samples: the loss, the correct predictions, each metric."""
         tf = self.tf
-        out = self._forward(x, training=False)
         loss_sum = tf.reduce_sum(self._per_sample_loss(out, y))
         correct = tf.constant(0.0, tf.float64)
         if self.loss_name == "cross_entropy":
@@ -259,7 +255,7 @@ class HorovodTFAdapter(BackendBase):
         extra = {}
         for name, fn in self.metrics.items():
             values = fn(out, y)
-            check_per_sample(values.shape, x.shape[0], what=f"metric {name!r}")
+            check_per_sample(values.shape, out.shape[0], what=f"metric {name!r}")
             extra[name] = tf.reduce_sum(values)
         return loss_sum, correct, extra
 
@@ -289,15 +285,19 @@ class HorovodTFAdapter(BackendBase):
         self.count += 1
         step_size, c2_sqrt = (adam_scalars(self.opt_spec, self.count, lr)
                               if isinstance(self.opt_spec, Adam) else (0.0, 1.0))
+        scalars = self.tf.constant([lr, step_size, c2_sqrt], self.dtype)
+        if self.pipeline is not None:
+            return self.pipeline.train_step(x, y, scalars)
         seeds = (self.keras_model.seeds(self.seed, self.steps, self.env.rank) if self.native
                  else self._no_seeds)
         with _toolkit_errors():
-            loss = self._step(*self._inputs(x, y),
-                              self.tf.constant([lr, step_size, c2_sqrt], self.dtype), seeds)
+            loss = self._step(*self._inputs(x, y), scalars, seeds)
         self.steps += 1
         return loss  # a scalar tensor: the Trainer converts it when it averages losses
 
     def evaluate(self, x: np.ndarray, y: np.ndarray) -> dict[str, float]:
+        if self.pipeline is not None:
+            return self.pipeline.evaluate(x, y)
         with _toolkit_errors():
             loss_sum, correct, extra = self._eval(*self._inputs(x, y))
         result = {"loss_sum": float(loss_sum), "count": float(len(x)),
@@ -322,13 +322,19 @@ class HorovodTFAdapter(BackendBase):
 
     def sync_state(self) -> None:
         """Rank 0's non-trainable variables (BatchNorm statistics) become every rank's."""
+        if self.pipeline is not None:
+            return self.pipeline.sync_state()
         if self.env.world_size > 1 and self.buffers and not self.sync_batchnorm:
             for var in self.buffers.values():
                 var.assign(self.hvd.broadcast(self.tf.convert_to_tensor(var), root_rank=0))
 
     # -------------------------------------------------------------------------- state
     def state_dict(self) -> dict[str, np.ndarray]:
-        """Full tensors on every rank (a sharded state is gathered)."""
+        """Full tensors on every rank (a sharded or staged state is gathered)."""
+        return self.pipeline.state_dict() if self.pipeline is not None else self._state()
+
+    def _state(self) -> dict[str, np.ndarray]:
+        """This rank's state (under a pipeline, its stage's variables: ``build`` set them)."""
         out = (self.sharded.state_dict() if self.sharded is not None else
                {f"params/{n}": to_host(v) for n, v in self.vars.items()})
         out.update({n: to_host(v) for n, v in self.slots.items()})
@@ -340,7 +346,8 @@ class HorovodTFAdapter(BackendBase):
         return out
 
     def load_state_dict(self, state: dict[str, np.ndarray]) -> None:
-        """Full tensors in; under a sharded layout each rank keeps its shards."""
+        """Full tensors in; under a sharded layout each rank keeps its shards, under a pipeline
+        its stage's tensors (``vars``, ``slots`` and ``buffers`` are the stage's)."""
         if self.sharded is not None:
             self.sharded.load_state_dict(state)
             self.count = int(state.get("opt/count", self.count))
@@ -357,7 +364,10 @@ class HorovodTFAdapter(BackendBase):
             self.steps = int(state["rng/step"])
 
     def sharded_state(self) -> tuple[dict, dict]:
-        """``(replicated, pieces)`` of a sharded layout (see ``toolkit.ShardedAdapter``)."""
+        """``(replicated, pieces)`` of a sharded or pipeline layout (see
+        ``toolkit.ShardedAdapter``)."""
+        if self.pipeline is not None:
+            return self.pipeline.sharded_state()
         if self.sharded is None:
             raise ToolkitError("sharded_state() needs a sharded layout; this run is data "
                                "parallel", "use state_dict(), or train with "
@@ -369,12 +379,16 @@ class HorovodTFAdapter(BackendBase):
 
     def memory_bytes(self) -> dict[str, int]:
         """Bytes of the parameters, gradients and optimizer state this rank holds (data
-        parallel: every parameter, a gradient as large, every slot)."""
+        parallel: every parameter, a gradient as large, every slot; a pipeline: its stage's)."""
         if self.sharded is not None:
             return self.sharded.memory_bytes()
         params = sum(to_host(v).nbytes for v in self.vars.values())
         return {"params": params, "grads": params,
                 "optimizer": sum(to_host(v).nbytes for v in self.slots.values())}
+
+    def pipeline_position(self) -> tuple[int, int]:
+        """This rank's (stage, replica) under a toolkit.Pipeline; (0, rank) otherwise."""
+        return self.pipeline.position if self.pipeline is not None else (0, self.env.rank)
 
     def shutdown(self) -> None:
         self.hvd.shutdown()

@@ -20,7 +20,7 @@ from toolkit._errors import ToolkitError
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
 # The backends whose adapters run toolkit.Pipeline (named in the error for the others).
-PIPELINE_BACKENDS = ("horovod-torch", "jax-pjit", "jax-pmap")
+PIPELINE_BACKENDS = ("horovod-torch", "horovod-tf", "jax-pmap", "jax-pjit")
 LAYOUT_FORMS = "data, sharded:1|2|3, pipeline:STAGES:MICRO_BATCHES[:gpipe|1f1b|interleaved-1f1b]"
 
 

@@ -1,14 +1,19 @@
-"""Multi-rank checks of horovod-torch's pipeline stages; prints one RESULT line per rank.
+"""Multi-rank checks of the Horovod backends' pipeline stages; prints one RESULT line per rank.
 
     horovodrun -np 2 --gloo python tests/scripts/pipeline_torch_worker.py equivalence SCHEDULE
+    horovodrun -np 2 --gloo python tests/scripts/pipeline_torch_worker.py equivalence SCHEDULE \
+        DIR horovod-tf
     horovodrun -np 2 --gloo python tests/scripts/pipeline_torch_worker.py bubble DIR
+    horovodrun -np 2 --gloo python tests/scripts/pipeline_torch_worker.py keras
 
 ``equivalence``: the digits MLP and a small tied GPT trained with the Trainer under
 ``Pipeline(2, 4, SCHEDULE)`` in float64, against the one-process numpy reference (losses and
-final parameters), then a checkpoint written by every rank read back as the full model.
+final parameters), then a checkpoint written by every rank read back as the full model; with
+the backend ``horovod-tf`` as a third argument the same checks run on that backend.
 ``bubble``: an MLP whose micro-batches take tens of milliseconds, S = 2, M = 8, GPipe then 1F1B
 with the timeline recorded into DIR; the measured idle fraction and peak in-flight activations.
-``crash`` (with ``CRASH_RANK``): that rank is killed in the middle of its second step.
+``crash [BACKEND]`` (with ``CRASH_RANK``): that rank is killed in the middle of its second step.
+``keras``: horovod-tf, a Keras Sequential cut into 2 stages against data parallel.
 
 ``PipelinedTorch`` attaches ``adapters._torch_pipeline.TorchPipeline`` to the horovod-torch
 adapter with the same few delegating lines ``adapters/horovod_torch.py`` carries once wired.
@@ -71,12 +76,23 @@ def _crash_mid_schedule(pipeline) -> None:
     pipeline._compute = compute
 
 
-def crash() -> None:
+def crash(backend: str = "horovod-torch") -> None:
     """Trains under Pipeline(2, 4); CRASH_RANK dies in the middle of a step's schedule."""
+    import adapters
     from toolkit.datasets import load_digits
 
+    adapter = PipelinedTorch() if backend == "horovod-torch" else adapters.get(backend)
+    if backend != "horovod-torch":
+        attach = adapter.set_layout
+
+        def set_layout(layout):
+            attach(layout)
+            if os.environ.get("CRASH_RANK") == str(adapter.env.rank):
+                _crash_mid_schedule(adapter.pipeline)
+
+        adapter.set_layout = set_layout
     (x, y), _ = load_digits()
-    toolkit.Trainer(PipelinedTorch(), toolkit.MLP((64, 32, 10)), toolkit.SGD(lr=0.1),
+    toolkit.Trainer(adapter, toolkit.MLP((64, 32, 10)), toolkit.SGD(lr=0.1),
                     layout="pipeline:2:4", global_batch_size=32, max_steps=1000,
                     progress=False).fit(x, y)
 
@@ -98,9 +114,15 @@ def _mlp_eval(state: dict, x: np.ndarray, y: np.ndarray) -> dict:
             "val_accuracy": float((h.argmax(axis=1) == y).mean())}
 
 
-def equivalence(schedule: str, folder: str) -> None:
+def equivalence(schedule: str, folder: str, backend: str = "horovod-torch") -> None:
     """Float64 training under Pipeline(2, 4, schedule) against the numpy reference (an
-    interleaved schedule: 2 chunks per stage of 4-layer models)."""
+    interleaved schedule: 2 chunks per stage of 4-layer models) on ``backend``."""
+    import adapters
+
+    def pipelined():
+        return (PipelinedTorch(dtype="float64") if backend == "horovod-torch" else
+                adapters.get(backend, dtype="float64"))
+
     from toolkit._reference import reference_run
     from toolkit.datasets import load_digits
     from toolkit.equivalence import load_data, make_model, make_optimizer
@@ -117,7 +139,7 @@ def equivalence(schedule: str, folder: str) -> None:
         ref_losses, ref_params = reference_run(model, opt, "cross_entropy", x, y,
                                                global_batch_size=16, steps=steps, seed=0,
                                                dtype="float64")
-        adapter = PipelinedTorch(dtype="float64")
+        adapter = pipelined()
         ckpt_dir = os.path.join(folder, f"{name}-{schedule}")
         trainer = toolkit.Trainer(adapter, model, opt, layout=layout, checkpoint_every=3,
                                   global_batch_size=16, max_steps=steps, progress=False,
@@ -136,8 +158,8 @@ def equivalence(schedule: str, folder: str) -> None:
             "bytes": adapter.memory_bytes()}
         if name == "mlp":  # resumed from step 3: bit for bit here, and onto data parallel
             middle = os.path.join(ckpt_dir, "step_000000003")
-            for resumed, where in ((PipelinedTorch(dtype="float64"), layout),
-                                   (HorovodTorchAdapter(dtype="float64"), "data")):
+            for resumed, where in ((pipelined(), layout),
+                                   (adapters.get(backend, dtype="float64"), "data")):
                 toolkit.Trainer(resumed, model, opt, layout=where, global_batch_size=16,
                                 max_steps=steps, progress=False, resume=middle).fit(x, y)
                 again = resumed.state_dict()
@@ -201,6 +223,39 @@ def bubble(folder: str, batch: str = "512", steps: str = "4") -> None:
     emit(result)
 
 
+def keras_sequential() -> None:
+    """horovod-tf: a float64 Keras Sequential (every rank draws other initial values: rank
+    0's are broadcast) cut into 2 stages, against data parallel on the same ranks."""
+    import keras
+
+    import adapters
+    from toolkit.datasets import load_digits
+
+    keras.config.set_floatx("float64")
+    (x, y), _ = load_digits(dtype="float64")
+    result, runs = {"rank": toolkit.current_env().rank}, {}
+    for layout in ("pipeline:2:4:1f1b", "data"):
+        keras.utils.set_random_seed(toolkit.current_env().rank)
+        net = keras.Sequential([keras.Input((64,)), keras.layers.Dense(32, activation="relu"),
+                                keras.layers.Dense(32, activation="tanh"),
+                                keras.layers.Dense(10)])
+        adapter = adapters.get("horovod-tf", dtype="float64")
+        history = toolkit.Trainer(adapter, net, toolkit.SGD(lr=0.1, momentum=0.9),
+                                  layout=layout, global_batch_size=16, max_steps=4,
+                                  progress=False).fit(x, y)
+        runs[layout] = (np.asarray(history.losses), adapter.state_dict())
+        if layout != "data":
+            result["params"] = adapter.memory_bytes()["params"]
+    (piped, piped_state), (data, data_state) = runs.values()
+    names = sorted(k for k in data_state if k.startswith("params/"))
+    result.update(names=names, same_names=sorted(piped_state) == sorted(data_state),
+                  loss_dev=float(np.max(np.abs(piped - data) / np.abs(data))),
+                  param_dev=max(float(np.max(np.abs(piped_state[k] - data_state[k])))
+                                for k in names))
+    emit(result)
+
+
 if __name__ == "__main__":
-    modes = {"equivalence": equivalence, "bubble": bubble, "crash": crash}
+    modes = {"equivalence": equivalence, "bubble": bubble, "crash": crash,
+             "keras": keras_sequential}
     toolkit.run(lambda: modes[sys.argv[1]](*sys.argv[2:]))

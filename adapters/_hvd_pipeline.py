@@ -1,0 +1,324 @@
+"""What the Horovod backends' pipeline executors share, framework-free (numpy only).
+
+``horovod-torch`` (``_torch_pipeline.py``) and ``horovod-tf`` (``_tf_pipeline.py``) run a
+``toolkit.Pipeline`` the same way; this base class holds everything but the tensors' arithmetic:
+
+- the rank grid (``toolkit.PipelineGrid``: rank ``r`` is stage ``r // D`` of replica ``r % D``),
+  the schedule (``toolkit.pipeline_schedule``) regrouped into lockstep rounds
+  (``toolkit.lockstep_rounds``), and the loop over them: each round every rank runs at most one
+  forward or backward (the subclass's ``_compute``), then the round's messages move in **one**
+  ``hvd.alltoall`` over the whole world with a split for each receiving rank and zero for the
+  others. Every rank calls it once per round (rounds without messages are skipped everywhere),
+  so nothing can deadlock, under any launcher, with a plain ``hvd.init()``. (Horovod has no
+  send/recv; process sets would need registering at ``hvd.init``, before the layout is known.)
+- a message's layout: a flat buffer ``[ndim, *shape, values...]`` in the backend's dtype
+  (``pack``/``unpack``), several messages to one rank concatenated in the schedule's order;
+- the gradient-reduction plan: after the rounds every rank sends its flat gradient to each
+  rank of its stage (itself included) and a tied parameter's (a GPT's ``tok_emb`` on the first
+  and the last stage) to the other stage's ranks too, in one more alltoall; each receiver sums
+  the copies in rank order, so every replica (and both holders of a tied parameter) apply the
+  same bits (Megatron-LM's embedding group);
+- the step's loss: the last stage's, gathered so every rank of a replica returns it;
+- evaluation: every rank's ``(x, y)`` goes to its replica's first stage (inputs) and last stage
+  (labels), and the activations through the pieces;
+- timelines (``toolkit.StageRecorder``; ``TOOLKIT_PIPELINE_TIMELINE=DIR`` appends each step's
+  records to ``DIR/stage<S>-replica<D>.jsonl``);
+- the state of the full model under neutral names (``state_dict`` gathers every tensor from
+  its owner, replica 0 of the first stage holding it; ``sharded_state`` gives the checkpoint
+  store each tensor whole from its owner and an empty piece from every other rank).
+
+A subclass provides ``hvd``, ``adapter`` (its ``dtype_name``), ``cut`` (``names_by_stage``,
+``shapes``, ``buffers``, ``buffer_specs``), ``slots`` and the hooks ``_alltoall``,
+``_allgather``, ``_host``, ``_activation``, ``_compute``, ``_local``, ``_replicated`` and
+``_set_buffer``.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+import numpy as np
+
+from toolkit import SGD, Adam, ToolkitError
+from toolkit._layouts import Pipeline
+from toolkit._partition import PipelineGrid
+from toolkit._pipeline import lockstep_rounds
+from toolkit._schedules import pipeline_schedule
+from toolkit._timeline import TIMELINE_ENV, StageRecorder, append_timeline
+
+
+def check_pipeline(layout: Any, world_size: int) -> PipelineGrid:
+    """The rank grid of ``layout`` on ``world_size`` ranks, or a ToolkitError."""
+    if not isinstance(layout, Pipeline):
+        raise ToolkitError(f"{layout!r} is not a toolkit.Pipeline", "e.g. Pipeline(2, 4)")
+    if layout.schedule == "interleaved-1f1b" and layout.stages == 1 and layout.chunks > 1:
+        raise ToolkitError("interleaved-1f1b with 1 stage has no neighbour to interleave with",
+                           "use 2 or more stages, or chunks=1")
+    return PipelineGrid(world_size, layout.stages)
+
+
+def check_build(backend: str, optimizer: Any, accumulation_steps: int,
+                sync_batchnorm: bool) -> None:
+    """The build options a pipeline refuses, each with a ToolkitError."""
+    if accumulation_steps != 1:
+        raise ToolkitError(f"accumulation_steps={accumulation_steps} with a pipeline layout",
+                           "the pipeline's micro-batches already split each local batch: "
+                           "use accumulation_steps=1 and Pipeline(micro_batches=...)")
+    if sync_batchnorm:
+        raise ToolkitError("sync_batchnorm is not available with a pipeline layout",
+                           "use sync_batchnorm=False (each replica keeps its statistics)")
+    if not isinstance(optimizer, SGD | Adam):
+        raise ToolkitError(f"under a pipeline layout {backend} cannot use the optimizer "
+                           f"{optimizer!r}", "pass toolkit.SGD(...) or toolkit.Adam(...): "
+                           "each stage builds it over its own parameters")
+
+
+def pack(array: np.ndarray, dtype) -> np.ndarray:
+    """``[ndim, *shape, values...]`` as one flat buffer of ``dtype``."""
+    array = np.asarray(array)
+    return np.concatenate([np.asarray([array.ndim, *array.shape], dtype),
+                           array.reshape(-1).astype(dtype, copy=False)])
+
+
+def unpack(buf: np.ndarray, offset: int) -> tuple[np.ndarray, int]:
+    """The array packed at ``offset`` of ``buf``, and the offset after it."""
+    ndim = int(buf[offset])
+    shape = [int(d) for d in buf[offset + 1:offset + 1 + ndim]]
+    start = offset + 1 + ndim
+    size = int(np.prod(shape))
+    return buf[start:start + size].reshape(shape), start + size
+
+
+class HvdPipeline:
+    """The framework-free part of a Horovod pipeline executor (see the module's docstring)."""
+
+    def __init__(self, env, layout: Pipeline):
+        self.env, self.layout = env, layout
+        self.grid = check_pipeline(layout, env.world_size)
+        self.stage = self.grid.stage_of(env.rank)
+        self.replica = self.grid.replica_of(env.rank)
+        self.schedule = pipeline_schedule(layout.schedule, layout.stages, layout.micro_batches,
+                                          layout.chunks)
+        self.rounds = lockstep_rounds(self.schedule)
+        self.timeline_dir = os.environ.get(TIMELINE_ENV) or None
+        self.peak_activations = 0  # most micro-batches whose forward graph was held at once
+        self.exchange_seconds: list[float] = []  # the last step's round alltoalls, in order
+
+    @property
+    def position(self) -> tuple[int, int]:
+        """This rank's (stage, replica)."""
+        return self.stage, self.replica
+
+    @property
+    def np_dtype(self) -> np.dtype:
+        return np.dtype(self.adapter.dtype_name)
+
+    def _start(self, mine: list[str]) -> None:
+        """After build: the reduction plan for this stage's parameters ``mine`` (in order), and
+        the timeline's common origin (a barrier)."""
+        grid, names = self.grid, self.cut.names_by_stage
+        self.mine = list(mine)
+        order = list(self.cut.shapes)
+        # shared[(s, t)]: the names stages s and t both hold, in the model's order
+        self.shared = {(s, t): [n for n in order if n in names[s] and n in names[t]]
+                       for s in range(grid.stages) for t in range(grid.stages) if s != t}
+        self.reduce = grid.replicas > 1 or any(self.shared.values())
+        self.steps = 0
+        self.recorder = StageRecorder(self.stage, self.replica)
+        self.adapter.barrier()
+        self.recorder.origin = time.time()
+
+    # ------------------------------------------------------------------------------ messages
+    def _exchange(self, outgoing: dict[int, np.ndarray], dtype) -> dict[int, np.ndarray]:
+        """One alltoall over the world: ``outgoing[rank]`` (flat) to each rank; returns what
+        each rank sent here (ranks that sent nothing are absent). Every rank must call it."""
+        splits = [0] * self.env.world_size
+        parts = []
+        for r in sorted(outgoing):
+            parts.append(np.asarray(outgoing[r]).reshape(-1).astype(dtype, copy=False))
+            splits[r] = parts[-1].size
+        buf = np.concatenate(parts) if parts else np.zeros(0, dtype)
+        got, sizes = self._alltoall(buf, splits)
+        ends = np.cumsum(sizes)
+        return {r: got[ends[r] - n:ends[r]] for r, n in enumerate(sizes) if n}
+
+    def _pass_messages(self, rnd) -> None:
+        rank, dtype = self.grid.rank, self.np_dtype
+        out: dict[int, list] = {}
+        expected = []
+        for sender, receiver, send, recv in rnd.messages:
+            if sender == self.stage:
+                payload = self.outbox.pop((send.kind, send.micro_batch, send.chunk))
+                out.setdefault(rank(receiver, self.replica), []).append(
+                    pack(self._host(payload), dtype))
+            if receiver == self.stage:
+                expected.append((rank(sender, self.replica), recv))
+        start = time.time()
+        got = self._exchange({r: np.concatenate(ts) for r, ts in out.items()}, dtype)
+        end = time.time()
+        self.exchange_seconds.append(end - start)
+        offsets: dict[int, int] = {}
+        for src, recv in expected:
+            array, offsets[src] = unpack(got[src], offsets.get(src, 0))
+            key = (recv.micro_batch, recv.chunk)
+            if recv.kind == "RECV_F":
+                self.inbox_f[key] = self._activation(array, grad=True)
+            else:
+                self.inbox_b[key] = self._activation(array, grad=False)
+        for sender, receiver, send, recv in rnd.messages:
+            if self.stage in (sender, receiver):
+                mine = send if sender == self.stage else recv
+                self.recorder.add(mine, start, end, self.steps)
+
+    # ------------------------------------------------------------------------------ steps
+    def _is_last(self, chunk: int) -> bool:
+        """Whether this stage's local ``chunk`` is the model's last piece."""
+        return chunk * self.grid.stages + self.stage == self.grid.stages * self.layout.chunks - 1
+
+    def _run_rounds(self) -> float:
+        """The schedule's rounds (fresh in/outboxes), then the gradient reduction (the
+        subclass's ``_gradients``/``_set_gradients``); returns the replica's loss."""
+        self.inputs, self.outputs, self.outbox, self.inbox_f, self.inbox_b = {}, {}, {}, {}, {}
+        self.loss, self.exchange_seconds = 0.0, []
+        first = len(self.recorder.records)
+        for rnd in self.rounds:
+            action = rnd.compute[self.stage]
+            if action is not None:
+                with self.recorder.action(action, self.steps):
+                    self._compute(action)
+            if rnd.messages:
+                self._pass_messages(rnd)
+        if self.reduce:
+            self._set_gradients(self._reduce_gradients(self._gradients()))
+        losses = self._allgather(np.asarray([self.loss], np.float64))
+        if self.timeline_dir:
+            append_timeline(self.recorder.records[first:], self.timeline_dir, self.stage,
+                            self.replica)
+        return float(losses[self.grid.rank(self.grid.stages - 1, self.replica)])
+
+    def _reduce_gradients(self, grads: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """Each parameter's gradient averaged over the replicas of its stage (a tied
+        parameter's summed over the stages holding it), every contribution added in rank
+        order."""
+        grid = self.grid
+        outgoing = {}
+        for r in range(self.env.world_size):
+            other = grid.stage_of(r)
+            names = self.mine if other == self.stage else self.shared.get((self.stage, other))
+            if names:
+                outgoing[r] = np.concatenate([grads[n].reshape(-1) for n in names])
+        got = self._exchange(outgoing, self.np_dtype)
+        total: dict[str, np.ndarray] = {}
+        for src in sorted(got):  # rank order: the same sum on every receiving rank
+            other = grid.stage_of(src)
+            names = self.mine if other == self.stage else self.shared[(other, self.stage)]
+            offset = 0
+            for n in names:
+                size = grads[n].size
+                part = got[src][offset:offset + size]
+                offset += size
+                total[n] = part.copy() if n not in total else total[n] + part
+        return {n: (total[n] / grid.replicas).reshape(grads[n].shape) for n in self.mine}
+
+    # ------------------------------------------------------------------------------ evaluation
+    def _eval_data(self, x: np.ndarray, y: np.ndarray):
+        """Every replica rank's ``(x, y)``: the inputs concatenated on the first stage, the
+        labels on the last (``None`` elsewhere)."""
+        grid = self.grid
+        f64 = np.float64
+        first, last = grid.rank(0, self.replica), grid.rank(grid.stages - 1, self.replica)
+        outgoing = {first: [pack(np.asarray(x, f64), f64)]}
+        outgoing.setdefault(last, []).append(pack(np.asarray(y, f64), f64))
+        got = self._exchange({r: np.concatenate(v) for r, v in outgoing.items()}, f64)
+        xs, ys = [], []
+        for src in grid.pipeline_ranks(self.replica):
+            offset = 0
+            if self.env.rank == first:
+                part, offset = unpack(got[src], offset)
+                xs.append(part)
+            if self.env.rank == last:
+                ys.append(unpack(got[src], offset)[0])
+        return (np.concatenate(xs).astype(x.dtype) if xs else None,
+                np.concatenate(ys).astype(y.dtype) if ys else None)
+
+    def _through(self, h: Any, run) -> Any:
+        """``h`` (the first stage's inputs) through every piece: ``run(chunk, h)`` on this
+        stage's pieces, the activations handed on between stages; the last stage's output."""
+        grid, S = self.grid, self.grid.stages
+        V = S * self.layout.chunks
+        for k in range(V):
+            if k % S == self.stage:
+                h = run(k // S, h)
+            if k < V - 1 and S > 1:  # hand the activations on to piece k+1's stage
+                src, dst = k % S, (k + 1) % S
+                out = ({grid.rank(dst, self.replica): pack(self._host(h), self.np_dtype)}
+                       if self.stage == src else {})
+                got = self._exchange(out, self.np_dtype)
+                if self.stage == dst:
+                    h = self._activation(unpack(got[grid.rank(src, self.replica)], 0)[0],
+                                         grad=False)
+        return h
+
+    def _is_eval_output(self) -> bool:
+        return self.env.rank == self.grid.rank(self.grid.stages - 1, self.replica)
+
+    def _empty_sums(self) -> dict[str, float]:
+        return {"loss_sum": 0.0, "count": 0.0, "correct": 0.0,
+                **dict.fromkeys(self.adapter.metrics, 0.0)}
+
+    # ------------------------------------------------------------------------------ state
+    def _catalogue(self) -> list[tuple[str, tuple[int, ...], np.dtype, int]]:
+        """Every tensor of the full model's state: (key, shape, dtype, owner rank)."""
+        grid, names = self.grid, self.cut.names_by_stage
+        dtype = self.np_dtype
+        out = []
+        for n, shape in self.cut.shapes.items():
+            owner = grid.rank(min(s for s in range(grid.stages) if n in names[s]), 0)
+            out.append((f"params/{n}", shape, dtype, owner))
+            out += [(f"opt/{slot}/{n}", shape, dtype, owner) for slot in self.slots]
+        for n, (stage, shape, buf_dtype) in self.cut.buffer_specs.items():
+            out.append((f"buffers/{n}", shape, buf_dtype, grid.rank(stage, 0)))
+        return out
+
+    def state_dict(self) -> dict[str, np.ndarray]:
+        """The whole model and optimizer state, on every rank (a collective: one allgather
+        of a float64 buffer, lossless for float32, float64 and integer counters)."""
+        rank = self.env.rank
+        catalogue, local = self._catalogue(), self._local()
+        mine = [local[key].reshape(-1).astype(np.float64)
+                for key, _, _, owner in catalogue if owner == rank]
+        everything = self._allgather(np.concatenate(mine) if mine else np.zeros(0))
+        out, offset = {}, 0
+        for owner in range(self.env.world_size):  # allgather concatenates in rank order
+            for key, shape, dtype, who in catalogue:
+                if who == owner:
+                    size = int(np.prod(shape))
+                    out[key] = everything[offset:offset + size].reshape(shape).astype(dtype)
+                    offset += size
+        return {**out, **self._replicated()}
+
+    def sharded_state(self):
+        """``(replicated, pieces)`` for ``CheckpointStore.save(..., shards=pieces)``: each
+        tensor whole from its owner, an empty piece from every other rank."""
+        local, rank = self._local(), self.env.rank
+        pieces = {key: (local[key].reshape(-1) if owner == rank else np.zeros(0, dtype), 0,
+                        shape) for key, shape, dtype, owner in self._catalogue()}
+        return self._replicated(), pieces
+
+    def sync_state(self) -> None:
+        """Replica 0's buffers (BatchNorm statistics) of each stage become its replicas'."""
+        if self.grid.replicas == 1 or not self.cut.buffer_specs:
+            return
+        grid = self.grid
+        flat = [self._host(b).reshape(-1).astype(np.float64) for _, b in self.cut.buffers]
+        outgoing = {}
+        if self.replica == 0 and flat:
+            outgoing = {r: np.concatenate(flat) for r in grid.stage_ranks(self.stage)[1:]}
+        got = self._exchange(outgoing, np.float64)
+        if self.replica and flat:
+            parts = np.split(got[grid.rank(self.stage, 0)],
+                             np.cumsum([f.size for f in flat])[:-1])
+            for (_, b), part in zip(self.cut.buffers, parts, strict=True):
+                self._set_buffer(b, part.reshape(np.shape(self._host(b))))

@@ -1,0 +1,201 @@
+"""Pipeline stages (``toolkit.Pipeline``) for the ``horovod-tf`` backend.
+
+The rounds, messages, gradient reduction, evaluation plumbing, timelines and the full-model
+state are the Horovod executors' shared part (``adapters/_hvd_pipeline.py``: one
+``hvd.alltoall(tensor, splits=...)`` of ``horovod.tensorflow`` per lockstep round,
+``[ndim, *shape, values...]`` messages, replicas' and tied parameters' gradients summed in rank
+order). This module is the TensorFlow side: the rounds run eagerly, each piece's forward and
+the update are compiled ``tf.function``s.
+
+- each rank holds its stage's pieces (``_tf_stages.py``: spec models with the data-parallel
+  model's names, initialisation and ops; a Keras ``Sequential`` cut by layer index);
+- a forward runs the piece under a ``tf.GradientTape`` that is **kept** per (micro-batch,
+  chunk) until that micro-batch's backward (no recomputation: the schedule's in-flight
+  activations are really held, as ``peak_activations`` counts). The backward is
+  ``tape.gradient(out, [input] + variables, output_gradients=grad)``: the input's gradient is
+  the message back to the previous stage, the variables' are summed over the micro-batches;
+- the last stage's loss is each micro-batch's mean over its samples divided by ``M`` (the local
+  batch's mean, as data parallel's accumulation steps), gathered so every rank of a replica
+  returns it;
+- the update is ``toolkit.SGD``/``Adam``'s arithmetic on the stage's own variables, the same
+  function the data-parallel step applies (``_tf_update.apply_update``), with the adapter's
+  host-side step count and Adam scalars; Keras optimizers are refused under a pipeline.
+
+Every schedule of ``toolkit.pipeline_schedule`` runs (gpipe, 1f1b, interleaved-1f1b): the
+lockstep rounds carry the chunks. A Keras model's Dropout is re-seeded per step from (seed,
+step, rank) as in data parallel.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from adapters._common import loss_name
+from adapters._hvd_pipeline import HvdPipeline, check_build
+from adapters._keras_native import assign
+from adapters._tf_stages import cut_model
+from adapters._tf_update import apply_update
+from toolkit import GPT
+from toolkit._layouts import Pipeline
+from toolkit._partition import micro_batch_size
+from toolkit._reference import optimizer_slots
+from toolkit._schedules import Action
+from toolkit._specs import ModelSpec
+
+
+class TFPipeline(HvdPipeline):
+    """Runs a ``toolkit.Pipeline`` for a ``HorovodTFAdapter`` (its ``setup`` done), with the
+    adapter contract's methods (``build``, ``train_step``, ``evaluate``, ``state_dict``, ...).
+
+    The adapter keeps the host side it has in data parallel (``count``, the Adam scalars, input
+    conversion, the per-sample loss, the evaluation sums); ``build`` points its ``vars``,
+    ``names``, ``slots`` and ``buffers`` at this stage's."""
+
+    def __init__(self, adapter, layout: Pipeline):
+        super().__init__(adapter.env, layout)
+        self.adapter, self.tf, self.hvd = adapter, adapter.tf, adapter.hvd
+
+    # ------------------------------------------------------------------------------ build
+    def build(self, model: Any, optimizer: Any, loss: Any, *, seed: int = 0,
+              accumulation_steps: int = 1, sync_batchnorm: bool = False,
+              metrics: Any = None) -> None:
+        a = self.adapter
+        check_build(a.name, optimizer, accumulation_steps, sync_batchnorm)
+        a.loss_name, a.loss_fn, a.metrics = loss_name(loss), loss, dict(metrics or {})
+        a.accumulation_steps, a.seed, a.sync_batchnorm = 1, seed, False
+        a.native, a.is_gpt = not isinstance(model, ModelSpec), isinstance(model, GPT)
+        a.spec, a.sharded, a.keras_opt = model, None, None
+        self.cut = cut_model(self.tf, model, self.layout, self.stage, a)
+        a.keras_model, self.native = self.cut.keras, self.cut.native
+        a.vars, a.buffers = self.cut.variables, dict(self.cut.buffers)
+        a.names = list(a.vars)
+        a._build_optimizer(model, optimizer)  # zero slots over this stage's variables
+        self.slots = optimizer_slots(optimizer)
+        a.count = a.steps = 0
+        tf = self.tf
+        # Each piece's forward and the update compiled (a tape records a tf.function call as
+        # one op and differentiates it with the function's compiled gradient).
+        self.forwards = [tf.function(p.forward, reduce_retracing=True) for p in self.cut.pieces]
+        self.update = tf.function(
+            lambda grads, s: apply_update(tf, a.opt_spec, a.vars, a.slots, grads, s[0], s[1],
+                                          s[2]), reduce_retracing=True)
+        self._start(a.names)
+
+    @property
+    def steps(self) -> int:
+        return self.adapter.steps
+
+    @steps.setter
+    def steps(self, value: int) -> None:
+        self.adapter.steps = value
+
+    # ------------------------------------------------------------------------------ hooks
+    def _alltoall(self, buf: np.ndarray, splits: list[int]) -> tuple[np.ndarray, list[int]]:
+        tf = self.tf
+        got, received = self.hvd.alltoall(tf.constant(buf), splits=tf.constant(splits, tf.int32))
+        return got.numpy(), [int(n) for n in received.numpy()]
+
+    def _allgather(self, flat: np.ndarray) -> np.ndarray:
+        return self.hvd.allgather(self.tf.constant(flat)).numpy()
+
+    def _host(self, tensor) -> np.ndarray:
+        return np.asarray(tensor.numpy() if hasattr(tensor, "numpy") else tensor)
+
+    def _activation(self, array: np.ndarray, grad: bool):
+        return self.tf.constant(array)  # (a tape watches it explicitly)
+
+    def _gradients(self) -> dict[str, np.ndarray]:
+        return {n: (self.grads[n].numpy() if n in self.grads else
+                    np.zeros(self.cut.shapes[n], self.np_dtype)) for n in self.adapter.names}
+
+    def _set_gradients(self, grads: dict[str, np.ndarray]) -> None:
+        self.grads = {n: self.tf.constant(g) for n, g in grads.items()}
+
+    def _set_buffer(self, buffer, array: np.ndarray) -> None:
+        assign(buffer, array)
+
+    # ------------------------------------------------------------------------------ steps
+    def _compute(self, action: Action) -> None:
+        tf, a = self.tf, self.adapter
+        m, c = action.micro_batch, action.chunk
+        key, piece = (m, c), self.cut.pieces[action.chunk]
+        first, last = piece.index == 0, self._is_last(c)
+        if action.kind == "F":
+            inp = self.xs[m] if first else self.inbox_f.pop(key)
+            with tf.GradientTape() as tape:
+                if not first:
+                    tape.watch(inp)
+                out = self.forwards[c](inp, True)
+                if last:
+                    losses = a._per_sample_loss(out, self.ys[m])
+                    out = tf.cast(tf.reduce_mean(losses), a.dtype) / self.layout.micro_batches
+            if last:
+                self.loss += float(out)
+            else:
+                self.outbox[("SEND_F", m, c)] = out
+            self.inputs[key], self.outputs[key] = (tape, inp), out
+            self.peak_activations = max(self.peak_activations, len(self.outputs))
+            return
+        (tape, inp), out = self.inputs.pop(key), self.outputs.pop(key)
+        variables = [a.vars[n] for n in piece.names]
+        sources = variables if first else [inp, *variables]
+        grads = tape.gradient(out, sources,
+                              output_gradients=None if last else self.inbox_b.pop(key))
+        if not first:
+            self.outbox[("SEND_B", m, c)] = grads[0]
+            grads = grads[1:]
+        for n, g in zip(piece.names, grads, strict=True):
+            if g is not None:
+                g = tf.convert_to_tensor(g)
+                self.grads[n] = g if n not in self.grads else self.grads[n] + g
+
+    def train_step(self, x: np.ndarray, y: np.ndarray, scalars) -> float:
+        """One pipelined step on this replica's local batch with the adapter's
+        ``[lr, step_size, c2_sqrt]``; returns the replica's mean loss (on every rank of it)."""
+        tf, a, M = self.tf, self.adapter, self.layout.micro_batches
+        micro_batch_size(len(x), M)  # a clear error when M does not divide the local batch
+        if self.native:
+            a.keras_model.reseed(tf.constant(a.keras_model.seeds(a.seed, self.steps,
+                                                                 self.env.rank)))
+        xt, yt = a._inputs(x, y)
+        self.xs, self.ys = tf.split(xt, M), tf.split(yt, M)
+        self.grads: dict[str, Any] = {}
+        loss = self._run_rounds()
+        grads = {n: self.grads.get(n, tf.zeros_like(a.vars[n])) for n in a.names}
+        self.update(grads, scalars)
+        self.steps += 1
+        self.xs = self.ys = self.grads = None
+        return loss
+
+    def evaluate(self, x: np.ndarray, y: np.ndarray) -> dict[str, float]:
+        """Every rank's ``(x, y)`` runs through its replica's pipeline (inputs gathered on the
+        first stage, labels on the last); the last stage returns the sums of all of them and
+        the other ranks zeros, so the Trainer's sum across ranks is unchanged."""
+        a = self.adapter
+        xs, ys = self._eval_data(x, y)
+        h = a._inputs(xs, np.zeros(0))[0] if xs is not None else None
+        h = self._through(h, lambda c, h: self.forwards[c](h, False))
+        if not self._is_eval_output():
+            return self._empty_sums()
+        if len(ys) == 0:
+            return {**self._empty_sums(), "count": 0.0}
+        loss_sum, correct, extra = a._eval_sums(h, a._inputs(np.zeros(0), ys)[1])
+        result = {"loss_sum": float(loss_sum), "count": float(len(ys)),
+                  **{name: float(v) for name, v in extra.items()}}
+        if a.loss_name == "cross_entropy":
+            result["correct"] = float(correct)
+        return result
+
+    # ------------------------------------------------------------------------------ state
+    # (load_state_dict and memory_bytes are the adapter's own: its variables are this stage's)
+    def _local(self) -> dict[str, np.ndarray]:
+        """This rank's tensors under their neutral keys (each stage's, on every replica)."""
+        return {k: v for k, v in self.adapter._state().items() if k not in _REPLICATED}
+
+    def _replicated(self) -> dict[str, np.ndarray]:
+        return {k: v for k, v in self.adapter._state().items() if k in _REPLICATED}
+
+
+_REPLICATED = ("opt/count", "rng/step")  # the same on every rank: not gathered
