@@ -91,9 +91,10 @@ def main() -> None:
     p.add_argument("--backend", default="horovod-torch")
     p.add_argument("--micro-batches", type=int, default=8)
     p.add_argument("--batch-size", type=int, default=512, help="global, in samples")
-    p.add_argument("--width", type=int, default=1024)
-    p.add_argument("--layers", type=int, default=4,
-                   help="layers, each width x width (even: equal halves)")
+    p.add_argument("--width", type=int, default=2048)
+    p.add_argument("--layers", type=int, default=2,
+                   help="width x width layers between the 64-wide input and the 10 classes "
+                        "(even: equal stages)")
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--schedules", default="gpipe,1f1b")
@@ -108,10 +109,13 @@ def main() -> None:
         raise toolkit.ToolkitError(f"world size {env.world_size}: this benchmark cuts 2 stages "
                                    "(one per process)", "launch it with -np 2")
     width, M = args.width, args.micro_batches
-    model = toolkit.MLP((width,) * (args.layers + 1))
+    # 64 -> width, the square layers, width -> 10: the first stage's backward needs no input
+    # gradient and the last stage's first layer is the square one, so an even number of
+    # square layers gives both stages the same forward and backward work.
+    model = toolkit.MLP((64,) + (width,) * (args.layers + 1) + (10,))
     formula = toolkit.bubble_formula("gpipe", 2, M)[1]
-    toolkit.print0(f"{args.backend}: S = 2, M = {M}, MLP {args.layers} layers of "
-                   f"{width}x{width}, batch {args.batch_size}, {args.steps} steps "
+    toolkit.print0(f"{args.backend}: S = 2, M = {M}, MLP 64-{width} + {args.layers} x "
+                   f"{width}x{width} + {width}-10, batch {args.batch_size}, {args.steps} steps "
                    f"(first {args.warmup} not counted); formula (S-1)/(M+S-1) = {formula:.3f}",
                    env=env)
     rows, step_time = [], {}
