@@ -83,8 +83,8 @@ def assert_close_continuation(tmp_path, uninterrupted, read_metrics):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("saved, resumed", [(2, 1), (2, 4),
-                                            pytest.param(4, 2, marks=pytest.mark.long)])
+@pytest.mark.parametrize("saved, resumed", [  # 2 -> 3 (sharded) is in tests/test_sharded.py
+    (2, 1), pytest.param(2, 4, marks=pytest.mark.long), pytest.param(4, 2, marks=pytest.mark.long)])
 def test_resume_on_another_world_size(saved, resumed, launch, tmp_path, uninterrupted,
                                       read_metrics):
     out = kill_then_resume(launch, tmp_path, save=(saved, "horovod-torch"),

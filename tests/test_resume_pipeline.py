@@ -51,7 +51,7 @@ def test_pipeline_kill_and_resume_is_bit_for_bit(launch, tmp_path, uninterrupted
 @pytest.mark.slow
 @pytest.mark.parametrize("target", [
     (2, "horovod-torch", "data"),
-    (2, "horovod-torch", "sharded:3"),
+    pytest.param((2, "horovod-torch", "sharded:3"), marks=pytest.mark.long),
     pytest.param((3, "horovod-torch", "pipeline:3:4:gpipe"), marks=pytest.mark.long),
     pytest.param((2, "jax-pjit", "pipeline:2:2:gpipe"), marks=pytest.mark.long),
     pytest.param((2, "horovod-tf", "sharded:2"), marks=pytest.mark.long),
