@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from toolkit import ToolkitError
+from toolkit import SGD, Adam, ToolkitError
 from toolkit._specs import DTYPES, check_choice
 
 
@@ -66,3 +66,19 @@ def check_per_sample(shape: tuple, batch: int, what: str = "the loss function") 
             f"{what} returned shape {tuple(shape)} for a batch of {batch} samples",
             f"return one loss per sample, shape ({batch},): e.g. reduction='none', then a "
             "mean over every axis but the first")
+
+
+def check_build(backend: str, optimizer: object, accumulation_steps: int,
+                sync_batchnorm: bool) -> None:
+    """The build options a pipeline refuses, each with a ToolkitError."""
+    if accumulation_steps != 1:
+        raise ToolkitError(f"accumulation_steps={accumulation_steps} with a pipeline layout",
+                           "the pipeline's micro-batches already split each local batch: "
+                           "use accumulation_steps=1 and Pipeline(micro_batches=...)")
+    if sync_batchnorm:
+        raise ToolkitError("sync_batchnorm is not available with a pipeline layout",
+                           "use sync_batchnorm=False (each replica keeps its statistics)")
+    if not isinstance(optimizer, SGD | Adam):
+        raise ToolkitError(f"under a pipeline layout {backend} cannot use the optimizer "
+                           f"{optimizer!r}", "pass toolkit.SGD(...) or toolkit.Adam(...): "
+                           "each stage builds it over its own parameters")

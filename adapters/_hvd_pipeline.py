@@ -41,7 +41,7 @@ from typing import Any
 
 import numpy as np
 
-from toolkit import SGD, Adam, ToolkitError
+from toolkit import ToolkitError
 from toolkit._layouts import Pipeline
 from toolkit._partition import PipelineGrid
 from toolkit._pipeline import lockstep_rounds
@@ -57,22 +57,6 @@ def check_pipeline(layout: Any, world_size: int) -> PipelineGrid:
         raise ToolkitError("interleaved-1f1b with 1 stage has no neighbour to interleave with",
                            "use 2 or more stages, or chunks=1")
     return PipelineGrid(world_size, layout.stages)
-
-
-def check_build(backend: str, optimizer: Any, accumulation_steps: int,
-                sync_batchnorm: bool) -> None:
-    """The build options a pipeline refuses, each with a ToolkitError."""
-    if accumulation_steps != 1:
-        raise ToolkitError(f"accumulation_steps={accumulation_steps} with a pipeline layout",
-                           "the pipeline's micro-batches already split each local batch: "
-                           "use accumulation_steps=1 and Pipeline(micro_batches=...)")
-    if sync_batchnorm:
-        raise ToolkitError("sync_batchnorm is not available with a pipeline layout",
-                           "use sync_batchnorm=False (each replica keeps its statistics)")
-    if not isinstance(optimizer, SGD | Adam):
-        raise ToolkitError(f"under a pipeline layout {backend} cannot use the optimizer "
-                           f"{optimizer!r}", "pass toolkit.SGD(...) or toolkit.Adam(...): "
-                           "each stage builds it over its own parameters")
 
 
 def pack(array: np.ndarray, dtype) -> np.ndarray:
@@ -196,6 +180,7 @@ class HvdPipeline:
         if self.timeline_dir:
             append_timeline(self.recorder.records[first:], self.timeline_dir, self.stage,
                             self.replica)
+        del self.recorder.records[:first]  # keep the latest step's records only
         return float(losses[self.grid.rank(self.grid.stages - 1, self.replica)])
 
     def _reduce_gradients(self, grads: dict[str, np.ndarray]) -> dict[str, np.ndarray]:

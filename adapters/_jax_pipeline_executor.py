@@ -15,11 +15,11 @@ from typing import Any
 
 import numpy as np
 
-from adapters._common import loss_name
+from adapters._common import check_build, loss_name
 from adapters._jax import LocalMean, make_optimizer
 from adapters._jax_pipeline import RoundPlan, eval_sums, stage_model
 from adapters._jax_pipeline_programs import StagePrograms
-from toolkit import SGD, Adam, Pipeline, ToolkitError
+from toolkit import Adam, Pipeline, ToolkitError
 from toolkit._partition import micro_batch_size
 from toolkit._reference import optimizer_slots
 from toolkit._schedules import pipeline_schedule
@@ -70,14 +70,7 @@ class PipelineExecutor:
               metrics: Any = None) -> None:
         a, jax = self.a, self.a.jax
         name, S = a.name, self.layout.stages
-        if accumulation_steps != 1:
-            raise ToolkitError(f"{name}: accumulation_steps={accumulation_steps} with a pipeline",
-                               "the pipeline's micro-batches accumulate already: use "
-                               "accumulation_steps=1 and Pipeline(micro_batches=...)")
-        if not isinstance(optimizer, SGD | Adam):
-            raise ToolkitError(f"{name}: a pipeline updates flat per-stage vectors with the "
-                               f"toolkit's elementwise optimizers, not {type(optimizer).__name__}",
-                               "pass toolkit.SGD(...) or toolkit.Adam(...)")
+        check_build(name, optimizer, accumulation_steps, sync_batchnorm)
         devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
         if len(devices) % S:
             raise ToolkitError(

@@ -99,7 +99,8 @@ class PmapPipeline(PipelineExecutor):
                                "pmap axis", "they must be consecutive (one process's devices "
                                "together)")
         self.where = [int(i) for i in where]
-        self._pfull = jax.pmap(lambda t: lax.all_gather(t, AXIS), axis_name=AXIS)
+        self._pfull = _FirstCallBarrier(
+            jax.pmap(lambda t: lax.all_gather(t, AXIS), axis_name=AXIS), self.a.barrier)
 
     def _collectives(self) -> DeviceAxisCollectives:
         return DeviceAxisCollectives(self.a.jax.lax, self.layout.stages, self.D)

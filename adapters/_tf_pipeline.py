@@ -32,8 +32,8 @@ from typing import Any
 
 import numpy as np
 
-from adapters._common import loss_name
-from adapters._hvd_pipeline import HvdPipeline, check_build
+from adapters._common import check_build, loss_name
+from adapters._hvd_pipeline import HvdPipeline
 from adapters._keras_native import assign
 from adapters._tf_stages import cut_model
 from adapters._tf_update import apply_update

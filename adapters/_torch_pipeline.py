@@ -20,8 +20,8 @@ from typing import Any
 
 import numpy as np
 
-from adapters._common import loss_name, step_seed
-from adapters._hvd_pipeline import HvdPipeline, check_build, check_pipeline
+from adapters._common import check_build, loss_name, step_seed
+from adapters._hvd_pipeline import HvdPipeline, check_pipeline
 from adapters._torch_pipeline_state import PipelineState
 from adapters._torch_stages import cut_model
 from toolkit import SGD, Adam

@@ -176,6 +176,10 @@ def test_bad_input_is_a_clear_error(backend):
     with pytest.raises(toolkit.ToolkitError, match="CNN"):
         adapter.build(toolkit.CNN(image_shape=(8, 8, 1), channels=(4,), classes=10), opt,
                       "cross_entropy")
+    with pytest.raises(toolkit.ToolkitError, match="sync_batchnorm is not available"):
+        adapter.build(spec, opt, "cross_entropy", sync_batchnorm=True)
+    with pytest.raises(toolkit.ToolkitError, match="accumulation_steps=2 with a pipeline"):
+        adapter.build(spec, opt, "cross_entropy", accumulation_steps=2)
     adapter, _ = pipelined("pipeline:2:4:interleaved-1f1b:2", backend=backend)
     with pytest.raises(toolkit.ToolkitError, match="2 stages x 2 chunks for a model of 2"):
         adapter.build(spec, opt, "cross_entropy")
