@@ -27,6 +27,7 @@ from adapters._torch_stages import cut_model
 from toolkit import SGD, Adam
 from toolkit._layouts import Pipeline
 from toolkit._partition import micro_batch_size
+from toolkit._reference import optimizer_slots
 from toolkit._schedules import Action
 
 __all__ = ["TorchPipeline", "check_pipeline"]
@@ -80,8 +81,7 @@ class TorchPipeline(PipelineState, HvdPipeline):
             elif isinstance(spec, Adam):
                 self.opt.state[p].update(step=torch.tensor(0.0), exp_avg=torch.zeros_like(p),
                                          exp_avg_sq=torch.zeros_like(p))
-        self.slots = (("momentum",) if isinstance(spec, SGD) and spec.momentum else
-                      ("mu", "nu") if isinstance(spec, Adam) else ())
+        self.slots = optimizer_slots(spec)
 
     # ------------------------------------------------------------------------------ hooks
     def _alltoall(self, buf: np.ndarray, splits: list[int]) -> tuple[np.ndarray, list[int]]:
