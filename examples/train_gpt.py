@@ -72,6 +72,7 @@ def main() -> None:
                    f"{entropy:.3f} nats/byte")
     trainer.fit(train)  # max_steps=0: sets up (and resumes) without training
     loaded = waited = 0.0  # input loading, and how much of it training waited for
+    started = time.perf_counter()
     while trainer.global_step < args.steps:  # train in intervals, evaluating after each
         interval = trainer.global_step // args.eval_every + 1
         trainer.max_steps = min(args.steps, interval * args.eval_every)
@@ -91,8 +92,10 @@ def main() -> None:
                    f"entropy {entropy:.3f}")
     if loaded > 0:
         hidden = max(0.0, 1 - waited / loaded)
+        wall = time.perf_counter() - started
         toolkit.print0(f"input: {loaded:.2f} s loading batches, {waited:.2f} s of it waited for "
-                       f"({hidden:.0%} hidden behind compute by the prefetch thread)")
+                       f"({hidden:.0%} hidden behind compute by the prefetch thread); the "
+                       f"training loop waited {waited / wall:.2%} of its {wall:.0f} s for input")
     params = {k[len("params/"):]: v for k, v in trainer.adapter.state_dict().items()
               if k.startswith("params/")}
     text = sample(model, params, PROMPT, args.sample_bytes, args.seed)
