@@ -9,15 +9,13 @@
   forward or backward (the subclass's ``_compute``), then the round's messages move in **one**
   ``hvd.alltoall`` over the whole world with a split for each receiving rank and zero for the
   others. Every rank calls it once per round (rounds without messages are skipped everywhere),
-  so nothing can deadlock, under any launcher, with a plain ``hvd.init()``. (Horovod has no
-  send/recv; process sets would need registering at ``hvd.init``, before the layout is known.)
+  so nothing can deadlock, under any launcher. (Horovod has no send/recv.)
 - a message's layout: a flat buffer ``[ndim, *shape, values...]`` in the backend's dtype
   (``pack``/``unpack``), several messages to one rank concatenated in the schedule's order;
-- the gradient-reduction plan: after the rounds every rank sends its flat gradient to each
-  rank of its stage (itself included) and a tied parameter's (a GPT's ``tok_emb`` on the first
-  and the last stage) to the other stage's ranks too, in one more alltoall; each receiver sums
-  the copies in rank order, so every replica (and both holders of a tied parameter) apply the
-  same bits (Megatron-LM's embedding group);
+- the gradient reduction in Horovod process sets (registered at ``hvd.init`` by
+  ``init_horovod``): after the rounds, an allreduce in the stage's replica set averages its
+  gradients, and a tied parameter (a GPT's ``tok_emb`` on the first and the last stage) is
+  summed in the end stages' set (Megatron-LM's embedding group);
 - the step's loss: the last stage's, gathered so every rank of a replica returns it;
 - evaluation: every rank's ``(x, y)`` goes to its replica's first stage (inputs) and last stage
   (labels), and the activations through the pieces;
@@ -29,7 +27,8 @@
 
 A subclass provides ``hvd``, ``adapter`` (its ``dtype_name``), ``cut`` (``names_by_stage``,
 ``shapes``, ``buffers``, ``buffer_specs``), ``slots`` and the hooks ``_alltoall``,
-``_allgather``, ``_host``, ``_activation``, ``_compute``, ``_local``, ``_replicated`` and
+``_allgather``, ``_allreduce_sum``, ``_host``, ``_activation``, ``_compute``, ``_local``,
+``_replicated`` and
 ``_set_buffer``.
 """
 
@@ -108,23 +107,52 @@ class HvdPipeline:
         # shared[(s, t)]: the names stages s and t both hold, in the model's order
         self.shared = {(s, t): [n for n in order if n in names[s] and n in names[t]]
                        for s in range(grid.stages) for t in range(grid.stages) if s != t}
-        self.reduce = grid.replicas > 1 or any(self.shared.values())
+        ends = {0, grid.stages - 1}
+        if any(v and {s, t} != ends for (s, t), v in self.shared.items()):
+            raise ToolkitError(f"stages {sorted(self.shared)} share parameters",
+                               "only the first and the last stage may (a GPT's tied tok_emb)")
+        tied = {n for (s, _), v in self.shared.items() if s == self.stage for n in v}
+        self.tied = [n for n in self.mine if n in tied]
+        self.rest = [n for n in self.mine if n not in tied]
+        # Horovod process sets: this stage's replicas, and the end stages for a tied parameter
+        self.stage_set = (self._process_set(grid.stage_ranks(self.stage))
+                          if grid.replicas > 1 else None)
+        self.ends_set = self._process_set(grid.end_ranks()) if self.tied else None
+        self.reduce = self.stage_set is not None or self.ends_set is not None
         self.steps = 0
         self.recorder = StageRecorder(self.stage, self.replica)
         self.adapter.barrier()
         self.recorder.origin = time.time()
 
+    def _process_set(self, ranks: tuple[int, ...]) -> Any:
+        """The Horovod process set of ``ranks`` (registered by ``init_horovod``)."""
+        if len(ranks) == self.env.world_size:
+            return self.hvd.global_process_set
+        found = getattr(self.adapter, "process_sets", {}).get(tuple(ranks))
+        if found is None:
+            raise ToolkitError(
+                f"{self.layout} averages gradients in the Horovod process set of ranks "
+                f"{list(ranks)}, which was not registered at hvd.init",
+                "call set_layout before setup (toolkit.Trainer does), so that setup registers "
+                "the layout's process sets")
+        return found
+
     # ------------------------------------------------------------------------------ messages
-    def _exchange(self, outgoing: dict[int, np.ndarray], dtype) -> dict[int, np.ndarray]:
+    def _exchange(self, outgoing: dict[int, np.ndarray], dtype,
+                  name: str) -> dict[int, np.ndarray]:
         """One alltoall over the world: ``outgoing[rank]`` (flat) to each rank; returns what
-        each rank sent here (ranks that sent nothing are absent). Every rank must call it."""
+        each rank sent here (ranks that sent nothing are absent). Every rank must call it.
+
+        Every collective of the executor is named (``name``): ranks of different stages join
+        different process sets, so Horovod's unnamed ops (numbered per process) would not
+        match across ranks."""
         splits = [0] * self.env.world_size
         parts = []
         for r in sorted(outgoing):
             parts.append(np.asarray(outgoing[r]).reshape(-1).astype(dtype, copy=False))
             splits[r] = parts[-1].size
         buf = np.concatenate(parts) if parts else np.zeros(0, dtype)
-        got, sizes = self._alltoall(buf, splits)
+        got, sizes = self._alltoall(buf, splits, name)
         ends = np.cumsum(sizes)
         return {r: got[ends[r] - n:ends[r]] for r, n in enumerate(sizes) if n}
 
@@ -140,7 +168,8 @@ class HvdPipeline:
             if receiver == self.stage:
                 expected.append((rank(sender, self.replica), recv))
         start = time.time()
-        got = self._exchange({r: np.concatenate(ts) for r, ts in out.items()}, dtype)
+        got = self._exchange({r: np.concatenate(ts) for r, ts in out.items()}, dtype,
+                             "pipeline.round")
         end = time.time()
         self.exchange_seconds.append(end - start)
         offsets: dict[int, int] = {}
@@ -176,7 +205,7 @@ class HvdPipeline:
                 self._pass_messages(rnd)
         if self.reduce:
             self._set_gradients(self._reduce_gradients(self._gradients()))
-        losses = self._allgather(np.asarray([self.loss], np.float64))
+        losses = self._allgather(np.asarray([self.loss], np.float64), "pipeline.loss")
         if self.timeline_dir:
             append_timeline(self.recorder.records[first:], self.timeline_dir, self.stage,
                             self.replica)
@@ -184,28 +213,22 @@ class HvdPipeline:
         return float(losses[self.grid.rank(self.grid.stages - 1, self.replica)])
 
     def _reduce_gradients(self, grads: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        """Each parameter's gradient averaged over the replicas of its stage (a tied
-        parameter's summed over the stages holding it), every contribution added in rank
-        order."""
-        grid = self.grid
-        outgoing = {}
-        for r in range(self.env.world_size):
-            other = grid.stage_of(r)
-            names = self.mine if other == self.stage else self.shared.get((self.stage, other))
-            if names:
-                outgoing[r] = np.concatenate([grads[n].reshape(-1) for n in names])
-        got = self._exchange(outgoing, self.np_dtype)
-        total: dict[str, np.ndarray] = {}
-        for src in sorted(got):  # rank order: the same sum on every receiving rank
-            other = grid.stage_of(src)
-            names = self.mine if other == self.stage else self.shared[(other, self.stage)]
-            offset = 0
-            for n in names:
-                size = grads[n].size
-                part = got[src][offset:offset + size]
-                offset += size
-                total[n] = part.copy() if n not in total else total[n] + part
-        return {n: (total[n] / grid.replicas).reshape(grads[n].shape) for n in self.mine}
+        """Each parameter's gradient averaged over the replicas of its stage (a Horovod
+        allreduce in the stage's process set) and a tied parameter's summed over the two end
+        stages holding it as well (one allreduce in the end stages' set, Megatron-LM's
+        embedding group): every member gets the same bits, so replicas and both copies of a
+        tied parameter stay equal."""
+        out = dict(grads)
+        for names, process_set, tag in ((self.tied, self.ends_set, "ends"),
+                                        (self.rest, self.stage_set, "stage")):
+            if not names or process_set is None:
+                continue
+            flat = np.concatenate([grads[n].reshape(-1) for n in names])
+            total = self._allreduce_sum(flat, process_set, f"pipeline.grads.{tag}")
+            parts = np.split(total, np.cumsum([grads[n].size for n in names])[:-1])
+            for n, part in zip(names, parts, strict=True):
+                out[n] = part.reshape(grads[n].shape)
+        return {n: out[n] / self.grid.replicas for n in self.mine}
 
     # ------------------------------------------------------------------------------ evaluation
     def _eval_data(self, x: np.ndarray, y: np.ndarray):
@@ -216,7 +239,8 @@ class HvdPipeline:
         first, last = grid.rank(0, self.replica), grid.rank(grid.stages - 1, self.replica)
         outgoing = {first: [pack(np.asarray(x, f64), f64)]}
         outgoing.setdefault(last, []).append(pack(np.asarray(y, f64), f64))
-        got = self._exchange({r: np.concatenate(v) for r, v in outgoing.items()}, f64)
+        got = self._exchange({r: np.concatenate(v) for r, v in outgoing.items()}, f64,
+                             "pipeline.eval_data")
         xs, ys = [], []
         for src in grid.pipeline_ranks(self.replica):
             offset = 0
@@ -240,7 +264,7 @@ class HvdPipeline:
                 src, dst = k % S, (k + 1) % S
                 out = ({grid.rank(dst, self.replica): pack(self._host(h), self.np_dtype)}
                        if self.stage == src else {})
-                got = self._exchange(out, self.np_dtype)
+                got = self._exchange(out, self.np_dtype, "pipeline.eval_through")
                 if self.stage == dst:
                     h = self._activation(unpack(got[grid.rank(src, self.replica)], 0)[0],
                                          grad=False)
@@ -274,7 +298,8 @@ class HvdPipeline:
         catalogue, local = self._catalogue(), self._local()
         mine = [local[key].reshape(-1).astype(np.float64)
                 for key, _, _, owner in catalogue if owner == rank]
-        everything = self._allgather(np.concatenate(mine) if mine else np.zeros(0))
+        everything = self._allgather(np.concatenate(mine) if mine else np.zeros(0),
+                                     "pipeline.state")
         out, offset = {}, 0
         for owner in range(self.env.world_size):  # allgather concatenates in rank order
             for key, shape, dtype, who in catalogue:
@@ -301,9 +326,10 @@ class HvdPipeline:
         outgoing = {}
         if self.replica == 0 and flat:
             outgoing = {r: np.concatenate(flat) for r in grid.stage_ranks(self.stage)[1:]}
-        got = self._exchange(outgoing, np.float64)
+        got = self._exchange(outgoing, np.float64, "pipeline.buffers")
         if self.replica and flat:
             parts = np.split(got[grid.rank(self.stage, 0)],
                              np.cumsum([f.size for f in flat])[:-1])
             for (_, b), part in zip(self.cut.buffers, parts, strict=True):
                 self._set_buffer(b, part.reshape(np.shape(self._host(b))))
+

@@ -92,13 +92,19 @@ class TFPipeline(HvdPipeline):
         self.adapter.steps = value
 
     # ------------------------------------------------------------------------------ hooks
-    def _alltoall(self, buf: np.ndarray, splits: list[int]) -> tuple[np.ndarray, list[int]]:
+    def _alltoall(self, buf: np.ndarray, splits: list[int],
+                  name: str) -> tuple[np.ndarray, list[int]]:
         tf = self.tf
-        got, received = self.hvd.alltoall(tf.constant(buf), splits=tf.constant(splits, tf.int32))
+        got, received = self.hvd.alltoall(tf.constant(buf), splits=tf.constant(splits, tf.int32),
+                                          name=name)
         return got.numpy(), [int(n) for n in received.numpy()]
 
-    def _allgather(self, flat: np.ndarray) -> np.ndarray:
-        return self.hvd.allgather(self.tf.constant(flat)).numpy()
+    def _allgather(self, flat: np.ndarray, name: str) -> np.ndarray:
+        return self.hvd.allgather(self.tf.constant(flat), name=name).numpy()
+
+    def _allreduce_sum(self, flat: np.ndarray, process_set, name: str) -> np.ndarray:
+        return self.hvd.allreduce(self.tf.constant(flat), op=self.hvd.Sum, name=name,
+                                  process_set=process_set).numpy()
 
     def _host(self, tensor) -> np.ndarray:
         return np.asarray(tensor.numpy() if hasattr(tensor, "numpy") else tensor)

@@ -84,14 +84,19 @@ class TorchPipeline(PipelineState, HvdPipeline):
         self.slots = optimizer_slots(spec)
 
     # ------------------------------------------------------------------------------ hooks
-    def _alltoall(self, buf: np.ndarray, splits: list[int]) -> tuple[np.ndarray, list[int]]:
+    def _alltoall(self, buf: np.ndarray, splits: list[int],
+                  name: str) -> tuple[np.ndarray, list[int]]:
         torch = self.torch
-        got, received = self.hvd.alltoall(torch.from_numpy(buf),
+        got, received = self.hvd.alltoall(torch.from_numpy(buf), name=name,
                                           splits=torch.tensor(splits, dtype=torch.int32))
         return got.numpy(), [int(n) for n in received]
 
-    def _allgather(self, flat: np.ndarray) -> np.ndarray:
-        return self.hvd.allgather(self.torch.from_numpy(flat)).numpy()
+    def _allgather(self, flat: np.ndarray, name: str) -> np.ndarray:
+        return self.hvd.allgather(self.torch.from_numpy(flat), name=name).numpy()
+
+    def _allreduce_sum(self, flat: np.ndarray, process_set, name: str) -> np.ndarray:
+        return self.hvd.allreduce(self.torch.from_numpy(flat), op=self.hvd.Sum, name=name,
+                                  process_set=process_set).numpy()
 
     def _host(self, tensor) -> np.ndarray:
         return tensor.detach().numpy()

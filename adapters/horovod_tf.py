@@ -41,6 +41,7 @@ from adapters._common import (
     loss_name,
     missing_framework,
 )
+from adapters._hvd_layout import HvdPipelineAbility
 from adapters._keras_native import KerasNative, assign, is_keras_optimizer, to_host
 from adapters._tf_update import apply_update
 from toolkit import CNN, GPT, SGD, Adam, LaunchEnv, ToolkitError
@@ -48,26 +49,21 @@ from toolkit._reference import adam_scalars, optimizer_slots
 from toolkit._specs import ModelSpec, check_choice
 
 
-class HorovodTFAdapter(BackendBase):
+class HorovodTFAdapter(HvdPipelineAbility, BackendBase):
     """TensorFlow + Horovod. See :class:`toolkit.Adapter` for the contract."""
 
     name = "horovod-tf"
     _layout = None  # a toolkit.Sharded layout from set_layout, or None (data parallel)
     sharded = None  # its state (adapters._tf_sharded.ShardedTF) once built
-    pipeline = None  # adapters._tf_pipeline.TFPipeline, when set_layout got a toolkit.Pipeline
+    executor = "adapters._tf_pipeline:TFPipeline"  # under a toolkit.Pipeline
 
     def set_layout(self, layout: Any) -> None:
         """Shards (``toolkit.Sharded``) or cuts into stages (``toolkit.Pipeline``) what
         ``build`` creates, as ``layout`` says."""
         from adapters._tf_sharded import check_layout
-        from toolkit import Pipeline
 
-        if isinstance(layout, Pipeline):
-            from adapters._tf_pipeline import TFPipeline
-
-            self.pipeline = TFPipeline(self, layout)
-            return
-        self._layout = check_layout(self.name, layout)
+        if not self._set_pipeline(layout):
+            self._layout = check_layout(self.name, layout)
 
     def setup(self, env: LaunchEnv) -> None:
         os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -87,9 +83,11 @@ class HorovodTFAdapter(BackendBase):
             tf.config.threading.set_inter_op_parallelism_threads(1)
         except RuntimeError:
             pass
-        hvd.init()
+        self._init_horovod(hvd, env)
         check_world(self.name, env, hvd.size(), hvd.rank())
         self.dtype = {"float32": tf.float32, "float64": tf.float64}[self.dtype_name]
+        if self.pipeline is None:
+            self._make_pipeline()
 
     # -------------------------------------------------------------------------- build
     def build(self, model: Any, optimizer: Any, loss: Any, *, seed: int = 0,
@@ -311,11 +309,12 @@ class HorovodTFAdapter(BackendBase):
         check_choice("reduction", op, ("mean", "sum"))
         hvd = self.hvd
         out = hvd.allreduce(self.tf.constant(np.asarray(values, np.float64)),
-                            op=hvd.Average if op == "mean" else hvd.Sum)
+                            op=hvd.Average if op == "mean" else hvd.Sum, name="toolkit.allreduce")
         return out.numpy()
 
     def broadcast(self, values: np.ndarray, root: int = 0) -> np.ndarray:
-        return self.hvd.broadcast(self.tf.constant(np.asarray(values)), root_rank=root).numpy()
+        return self.hvd.broadcast(self.tf.constant(np.asarray(values)), root_rank=root,
+                                  name="toolkit.broadcast").numpy()
 
     def barrier(self) -> None:
         self.hvd.allreduce(self.tf.constant(0.0), name="barrier")
@@ -386,9 +385,6 @@ class HorovodTFAdapter(BackendBase):
         return {"params": params, "grads": params,
                 "optimizer": sum(to_host(v).nbytes for v in self.slots.values())}
 
-    def pipeline_position(self) -> tuple[int, int]:
-        """This rank's (stage, replica) under a toolkit.Pipeline; (0, rank) otherwise."""
-        return self.pipeline.position if self.pipeline is not None else (0, self.env.rank)
 
     def shutdown(self) -> None:
         self.hvd.shutdown()

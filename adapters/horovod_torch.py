@@ -32,6 +32,7 @@ from adapters._common import (
     missing_framework,
     step_seed,
 )
+from adapters._hvd_layout import HvdPipelineAbility
 from adapters._torch_models import build_spec_model, same, to_host
 from adapters._torch_scheduler import load_scheduler_state, scheduler_state, split_scheduler
 from adapters._torch_sync_bn import convert_sync_batchnorm
@@ -42,14 +43,14 @@ from toolkit._specs import ModelSpec, check_choice
 _SLOTS = {"momentum_buffer": "momentum", "exp_avg": "mu", "exp_avg_sq": "nu"}
 
 
-class HorovodTorchAdapter(BackendBase):
+class HorovodTorchAdapter(HvdPipelineAbility, BackendBase):
     """PyTorch + Horovod. See :class:`toolkit.Adapter` for the contract."""
 
     name = "horovod-torch"
     sharding = None  # the toolkit.Sharded layout, when set_layout chose one
     shards = None  # its adapters._torch_sharded.ShardedParameters, after build
     scheduler = None  # a torch LR scheduler given with a native optimizer, after build
-    pipeline = None  # adapters._torch_pipeline.TorchPipeline, when set_layout got a Pipeline
+    executor = "adapters._torch_pipeline:TorchPipeline"  # under a toolkit.Pipeline
 
     # -------------------------------------------------------------------------- set-up
     def setup(self, env: LaunchEnv) -> None:
@@ -62,23 +63,21 @@ class HorovodTorchAdapter(BackendBase):
         except ImportError as err:
             raise missing_framework(self.name, "Horovod built with PyTorch support", err) from err
         self.torch, self.hvd, self.env = torch, hvd, env
-        hvd.init()
+        self._init_horovod(hvd, env)
         check_world(self.name, env, hvd.size(), hvd.rank())
         # Ranks on one node share its cores; oversubscribed intra-op threads slow every rank.
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // env.local_size))
         self.dtype = {"float32": torch.float32, "float64": torch.float64}[self.dtype_name]
+        if self.pipeline is None:
+            self._make_pipeline()
 
     def set_layout(self, layout: Any) -> None:
-        """Shards what ``build`` creates as ``layout`` (a ``toolkit.Sharded``) says."""
+        """Shards (``toolkit.Sharded``) or cuts into stages (``toolkit.Pipeline``) what
+        ``build`` creates, as ``layout`` says."""
         from adapters._torch_sharded import check_layout
-        from toolkit import Pipeline
 
-        if isinstance(layout, Pipeline):
-            from adapters._torch_pipeline import TorchPipeline
-
-            self.pipeline = TorchPipeline(self, layout)
-            return
-        self.sharding = check_layout(layout)
+        if not self._set_pipeline(layout):
+            self.sharding = check_layout(layout)
 
     def build(self, model: Any, optimizer: Any, loss: Any, *, seed: int = 0,
               accumulation_steps: int = 1, sync_batchnorm: bool = False,
@@ -261,11 +260,15 @@ class HorovodTorchAdapter(BackendBase):
         check_choice("reduction", op, ("mean", "sum"))
         hvd = self.hvd
         tensor = self.torch.as_tensor(np.asarray(values, np.float64))
-        out = hvd.allreduce(tensor, op=hvd.Average if op == "mean" else hvd.Sum)
+        # Named: unnamed ops are numbered per process, and under a pipeline the ranks of
+        # different stages have made different numbers of (process-set) ops.
+        out = hvd.allreduce(tensor, op=hvd.Average if op == "mean" else hvd.Sum,
+                            name="toolkit.allreduce")
         return out.numpy()
 
     def broadcast(self, values: np.ndarray, root: int = 0) -> np.ndarray:
-        return self.hvd.broadcast(self.torch.as_tensor(np.asarray(values)), root_rank=root).numpy()
+        return self.hvd.broadcast(self.torch.as_tensor(np.asarray(values)), root_rank=root,
+                                  name="toolkit.broadcast").numpy()
 
     def barrier(self) -> None:
         self.hvd.barrier()
@@ -359,10 +362,6 @@ class HorovodTorchAdapter(BackendBase):
         if self.native:
             self.steps = int(state["rng/step"])
 
-    def pipeline_position(self) -> tuple[int, int]:
-        """This rank's (stage, replica) under a toolkit.Pipeline; (0, rank) otherwise."""
-        return self.pipeline.position if self.pipeline is not None else (0, self.env.rank)
 
     def shutdown(self) -> None:
         self.hvd.shutdown()
-

@@ -102,8 +102,9 @@ class ShardedAdapter(Protocol):
     """
 
     def set_layout(self, layout: Any) -> None:
-        """Called once before ``build``: the state ``build`` creates is sharded as ``layout``
-        (a ``toolkit.Sharded``) says."""
+        """Called once before ``setup`` and ``build`` (the Trainer's order; after ``setup``
+        works too): the state ``build`` creates is sharded as ``layout`` (a
+        ``toolkit.Sharded``) says."""
 
     def sharded_state(self) -> tuple[dict[str, np.ndarray],
                                      dict[str, tuple[np.ndarray, int, tuple[int, ...]]]]:
@@ -121,15 +122,16 @@ class PipelineAdapter(Protocol):
     """The optional ability to run ``toolkit.Pipeline``: the model cut into stages, ``S x D``
     ranks as ``D`` data-parallel replicas of an ``S``-stage pipeline.
 
-    ``set_layout`` is called once before ``build``; the step then runs the layout's schedule on
-    this rank's stage. ``state_dict`` and ``load_state_dict`` keep speaking the full model
-    (gathered on every rank), so any layout loads any checkpoint; checkpoints of a pipeline run
-    are written by every rank from :meth:`sharded_state` (each tensor whole from the stage that
+    ``set_layout`` is called once before ``setup`` and ``build`` (a backend may need the layout
+    when its communicator starts: Horovod's process sets); the step then runs the layout's
+    schedule on this rank's stage. ``state_dict`` and ``load_state_dict`` keep speaking the full
+    model (gathered on every rank), so any layout loads any checkpoint; checkpoints of a pipeline
+    run are written by every rank from :meth:`sharded_state` (each tensor whole from the stage that
     owns it, empty pieces from the other ranks), never gathered onto rank 0.
     """
 
     def set_layout(self, layout: Any) -> None:
-        """Called once before ``build`` with the ``toolkit.Pipeline`` layout."""
+        """Called once before ``setup`` and ``build`` with the ``toolkit.Pipeline`` layout."""
 
     def pipeline_position(self) -> tuple[int, int]:
         """This rank's ``(stage, replica)`` (``(0, rank)`` without a pipeline layout)."""

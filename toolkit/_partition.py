@@ -261,6 +261,29 @@ class PipelineGrid:
         """The ranks holding ``stage`` (they average its gradients)."""
         return tuple(self.rank(stage, d) for d in range(self.replicas))
 
+    def end_ranks(self) -> tuple[int, ...]:
+        """The ranks of the first and the last stage: they sum the gradient of a parameter both
+        hold (a GPT's tied ``tok_emb``; Megatron-LM's embedding group)."""
+        last = self.stage_ranks(self.stages - 1) if self.stages > 1 else ()
+        return self.stage_ranks(0) + last
+
+    def reduction_groups(self) -> tuple[tuple[int, ...], ...]:
+        """The rank groups a step's gradient reduction runs in, leaving out single ranks and
+        the whole world: each stage's replicas (when ``D > 1``) and the end stages' ranks (when
+        ``S > 2``). Backends whose groups are fixed at start-up (Horovod's static process sets,
+        registered at ``hvd.init``) create these.
+
+        Example:
+            >>> PipelineGrid(world_size=6, stages=3).reduction_groups()
+            ((0, 1), (2, 3), (4, 5), (0, 1, 4, 5))
+        """
+        groups = [self.stage_ranks(s) for s in range(self.stages)] + [self.end_ranks()]
+        out: list[tuple[int, ...]] = []
+        for g in groups:
+            if 1 < len(g) < self.world_size and g not in out:
+                out.append(g)
+        return tuple(out)
+
 
 def micro_batch_size(local_batch: int, micro_batches: int) -> int:
     """The size of each of ``micro_batches`` micro-batches of a ``local_batch``-sample batch.

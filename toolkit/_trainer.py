@@ -191,9 +191,9 @@ class Trainer:
                 f"{self.global_batch_size} / {env.world_size} ranks) does not split into "
                 f"accumulation_steps={self.accumulation_steps} micro-batches",
                 "choose a global batch divisible by world size x accumulation steps")
+        if isinstance(self.layout, Sharded | Pipeline):  # before setup: Horovod's process sets
+            self.adapter.set_layout(self.layout)     # are fixed when it starts
         self.adapter.setup(env)
-        if isinstance(self.layout, Sharded | Pipeline):
-            self.adapter.set_layout(self.layout)
         self.adapter.build(self.model, self.optimizer, self.loss, seed=self.seed,
                            accumulation_steps=self.accumulation_steps,
                            sync_batchnorm=self.sync_batchnorm, metrics=self.metrics)

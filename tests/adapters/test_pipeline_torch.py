@@ -6,9 +6,7 @@ mid-schedule, under every launcher: tests/test_failures.py).
 The multi-rank checks run tests/scripts/pipeline_torch_worker.py.
 """
 
-import importlib.util
 import json
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -17,7 +15,6 @@ import adapters
 import toolkit
 from adapters._torch_pipeline import TorchPipeline
 from toolkit import MLP, SGD, Pipeline, ToolkitError
-from toolkit._contract import PipelineAdapter
 from toolkit._layouts import resolve_layout
 from toolkit.datasets import load_digits
 
@@ -25,17 +22,7 @@ WORKER = "tests/scripts/pipeline_torch_worker.py"
 
 
 def pipelined_adapter():
-    """horovod-torch, with the executor attached by the worker's few delegating lines until
-    adapters/horovod_torch.py carries them itself."""
-    adapter = adapters.get("horovod-torch")
-    if isinstance(adapter, PipelineAdapter):
-        return adapter
-    spec = importlib.util.spec_from_file_location("pipeline_torch_worker",
-                                                  Path(__file__).parents[1] / "scripts" /
-                                                  "pipeline_torch_worker.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.PipelinedTorch()
+    return adapters.get("horovod-torch")
 
 
 def results(job, ranks: int) -> list[dict]:
@@ -66,6 +53,36 @@ def check_equivalence(rows: list[dict], schedule: str, ranks: int) -> None:
                    if schedule == "interleaved-1f1b" else (64 * 128 + 128, 128 * 10 + 10))
     assert rows[0]["mlp"]["bytes"]["params"] == first * 8
     assert rows[-1]["mlp"]["bytes"]["params"] == last * 8
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("backend", "stages", "ranks"), [
+    ("horovod-torch", 2, 4),  # D = 2: each stage's replicas {0, 1} and {2, 3}
+    ("horovod-tf", 3, 3),     # the tied tok_emb's end stages {0, 2}
+])
+def test_gradients_are_averaged_in_horovod_process_sets(launch, backend, stages, ranks):
+    """A tied GPT's pipeline averages each stage's gradients over its replicas, and sums the
+    tied embedding's over its two end stages, in Horovod process sets registered at hvd.init,
+    equal to the float64 reference; a layout needing a set Horovod was not started with is a
+    clear error."""
+    job = launch("horovodrun-gloo", ranks,
+                 [WORKER, "process_sets", backend, str(stages)], timeout=300)
+    rows = results(job, ranks)
+    replicas = ranks // stages
+    for row in rows:
+        stage, replica = row["position"]
+        assert row["loss_dev"] <= 1e-10 and row["param_dev"] <= 1e-10, row
+        assert row["stage_set"] == ([stage * replicas + d for d in range(replicas)]
+                                    if replicas > 1 else None), row
+        ends = [r for s in (0, stages - 1) for r in range(s * replicas, (s + 1) * replicas)]
+        if stage in (0, stages - 1):
+            assert row["global_ends"] == (len(ends) == ranks), row
+            assert row["global_ends"] or row["ends_set"] == ends, row
+        else:
+            assert row["ends_set"] is None, row
+        if ranks == 4:
+            assert "Horovod process set of ranks [0, 3]" in row["second"], row
+            assert "HOROVOD_DYNAMIC_PROCESS_SETS=1" in row["second"], row
 
 
 @pytest.mark.long

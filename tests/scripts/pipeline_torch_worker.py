@@ -14,9 +14,10 @@ the backend ``horovod-tf`` as a third argument the same checks run on that backe
 with the timeline recorded into DIR; the measured idle fraction and peak in-flight activations.
 ``crash [BACKEND]`` (with ``CRASH_RANK``): that rank is killed in the middle of its second step.
 ``keras``: horovod-tf, a Keras Sequential cut into 2 stages against data parallel.
-
-``PipelinedTorch`` attaches ``adapters._torch_pipeline.TorchPipeline`` to the horovod-torch
-adapter with the same few delegating lines ``adapters/horovod_torch.py`` carries once wired.
+``process_sets BACKEND STAGES``: a tied GPT in float64 under ``Pipeline(STAGES, 4)`` on every
+launched rank, against the numpy reference, with the Horovod process sets its gradients were
+averaged in; then (``STAGES`` = 2 on 4 ranks) a second Trainer in the same processes whose
+layout needs a set Horovod was not started with.
 """
 
 import json
@@ -26,36 +27,7 @@ import sys
 import numpy as np
 
 import toolkit
-from adapters.horovod_torch import HorovodTorchAdapter
 from toolkit._checkpoint import read_checkpoint
-
-
-class PipelinedTorch(HorovodTorchAdapter):
-    """horovod-torch with the pipeline executor attached (the wiring, for tests)."""
-
-    pipeline = None
-
-    def set_layout(self, layout):
-        if isinstance(layout, toolkit.Pipeline):
-            from adapters._torch_pipeline import TorchPipeline
-
-            self.pipeline = TorchPipeline(self, layout)
-            if os.environ.get("CRASH_RANK") == str(self.env.rank):
-                _crash_mid_schedule(self.pipeline)
-            return
-        super().set_layout(layout)
-
-    def pipeline_position(self):
-        return self.pipeline.position if self.pipeline else (0, self.env.rank)
-
-
-for _name in ("build", "train_step", "evaluate", "state_dict", "load_state_dict",
-              "sharded_state", "memory_bytes", "sync_state"):
-    def _delegate(self, *args, _name=_name, **kwargs):
-        target = self.pipeline if self.pipeline is not None else super(PipelinedTorch, self)
-        return getattr(target, _name)(*args, **kwargs)
-
-    setattr(PipelinedTorch, _name, _delegate)
 
 
 def _crash_mid_schedule(pipeline) -> None:
@@ -81,16 +53,15 @@ def crash(backend: str = "horovod-torch") -> None:
     import adapters
     from toolkit.datasets import load_digits
 
-    adapter = PipelinedTorch() if backend == "horovod-torch" else adapters.get(backend)
-    if backend != "horovod-torch":
-        attach = adapter.set_layout
+    adapter = adapters.get(backend)
+    build = adapter.build
 
-        def set_layout(layout):
-            attach(layout)
-            if os.environ.get("CRASH_RANK") == str(adapter.env.rank):
-                _crash_mid_schedule(adapter.pipeline)
+    def build_then_arm(*args, **kwargs):  # the executor exists once the adapter is built
+        build(*args, **kwargs)
+        if os.environ.get("CRASH_RANK") == str(adapter.env.rank):
+            _crash_mid_schedule(adapter.pipeline)
 
-        adapter.set_layout = set_layout
+    adapter.build = build_then_arm
     (x, y), _ = load_digits()
     toolkit.Trainer(adapter, toolkit.MLP((64, 32, 10)), toolkit.SGD(lr=0.1),
                     layout="pipeline:2:4", global_batch_size=32, max_steps=1000,
@@ -120,8 +91,7 @@ def equivalence(schedule: str, folder: str, backend: str = "horovod-torch") -> N
     import adapters
 
     def pipelined():
-        return (PipelinedTorch(dtype="float64") if backend == "horovod-torch" else
-                adapters.get(backend, dtype="float64"))
+        return adapters.get(backend, dtype="float64")
 
     from toolkit._reference import reference_run
     from toolkit.datasets import load_digits
@@ -182,6 +152,7 @@ def bubble(folder: str, batch: str = "512", steps: str = "4") -> None:
 
     import torch
 
+    import adapters
     from toolkit._timeline import idle_fraction, peak_in_flight, select
     from toolkit.datasets import load_digits
 
@@ -191,7 +162,7 @@ def bubble(folder: str, batch: str = "512", steps: str = "4") -> None:
     for layout in ("pipeline:2:8:gpipe", "pipeline:2:8:1f1b", "data"):
         timeline = os.path.join(folder, layout.replace(":", "-"))
         os.environ["TOOLKIT_PIPELINE_TIMELINE"] = timeline
-        adapter = PipelinedTorch()
+        adapter = adapters.get("horovod-torch")
         seconds, comm = [], []
         real_step = adapter.train_step
 
@@ -255,7 +226,44 @@ def keras_sequential() -> None:
     emit(result)
 
 
+def process_sets(backend: str, stages: str) -> None:
+    """See the module's docstring."""
+    import adapters
+    from toolkit._reference import reference_run
+    from toolkit.equivalence import load_data, make_optimizer
+
+    model = toolkit.GPT(vocab=256, context=16, width=32, layers=4, heads=2)
+    x, y = load_data("gpt", "float64")
+    opt, steps = make_optimizer("adam", 4), 4
+    ref_losses, ref_params = reference_run(model, opt, "cross_entropy", x, y,
+                                           global_batch_size=16, steps=steps, seed=0,
+                                           dtype="float64")
+    adapter = adapters.get(backend, dtype="float64")
+    history = toolkit.Trainer(adapter, model, opt, layout=f"pipeline:{stages}:4",
+                              global_batch_size=16, max_steps=steps, progress=False).fit(x, y)
+    state, pipe = adapter.state_dict(), adapter.pipeline
+    losses = np.asarray(history.losses)
+    result = {
+        "rank": toolkit.current_env().rank, "position": list(adapter.pipeline_position()),
+        "stage_set": pipe.stage_set.ranks if pipe.stage_set is not None else None,
+        "ends_set": pipe.ends_set.ranks if pipe.ends_set is not None else None,
+        "global_ends": pipe.ends_set is pipe.hvd.global_process_set,
+        "loss_dev": float(np.max(np.abs(losses - ref_losses) / np.abs(ref_losses))),
+        "param_dev": max(float(np.max(np.abs(state[f"params/{k}"] - v)))
+                         for k, v in ref_params.items())}
+    if int(stages) == 2 and toolkit.current_env().world_size == 4:
+        try:  # 4 stages need the end stages' set {0, 3}, not registered at hvd.init
+            toolkit.Trainer(adapters.get(backend, dtype="float64"), model, opt,
+                            layout="pipeline:4:4", global_batch_size=16, max_steps=1,
+                            progress=False).fit(x, y)
+            result["second"] = "trained"
+        except toolkit.ToolkitError as err:
+            result["second"] = str(err)
+        adapter.barrier()  # every rank has its answer before any exits (and stops Horovod)
+    emit(result)
+
+
 if __name__ == "__main__":
     modes = {"equivalence": equivalence, "bubble": bubble, "crash": crash,
-             "keras": keras_sequential}
+             "keras": keras_sequential, "process_sets": process_sets}
     toolkit.run(lambda: modes[sys.argv[1]](*sys.argv[2:]))

@@ -136,3 +136,17 @@ def test_micro_batches_and_grid():
         (0, 0), (0, 1), (1, 0), (1, 1)]
     assert grid.pipeline_ranks(1) == (1, 3) and grid.stage_ranks(1) == (2, 3)
     assert all(grid.rank(grid.stage_of(r), grid.replica_of(r)) == r for r in range(4))
+
+
+@pytest.mark.parametrize("world, stages, groups", [
+    (2, 2, ()),                      # D = 1: nothing to average; the ends are the whole world
+    (4, 2, ((0, 1), (2, 3))),        # each stage's 2 replicas; the ends are the world
+    (3, 3, ((0, 2),)),               # the tied embedding's first and last stage
+    (6, 3, ((0, 1), (2, 3), (4, 5), (0, 1, 4, 5))),
+    (4, 1, ()),                      # one stage: its replicas are the whole world
+])
+def test_reduction_groups(world, stages, groups):
+    grid = PipelineGrid(world_size=world, stages=stages)
+    assert grid.reduction_groups() == groups
+    assert grid.end_ranks() == grid.stage_ranks(0) + (
+        grid.stage_ranks(stages - 1) if stages > 1 else ())

@@ -1,0 +1,85 @@
+"""How the Horovod adapters start Horovod for a layout, and wire a pipeline's executor in.
+
+A ``toolkit.Pipeline`` averages gradients in Horovod process sets (each stage's replicas, the
+end stages holding a tied embedding: ``toolkit.PipelineGrid.reduction_groups``). Horovod's
+static sets must be given to the first ``hvd.init``, so the Trainer calls ``set_layout`` before
+``setup``, and ``setup`` initialises Horovod through ``init_horovod``.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from toolkit import ToolkitError
+from toolkit._layouts import Pipeline
+from toolkit._partition import PipelineGrid
+
+
+def init_horovod(hvd, layout: Any, world_size: int) -> dict[tuple[int, ...], Any]:
+    """``hvd.init()``, registering as static process sets the rank groups ``layout`` reduces
+    gradients in (a ``toolkit.Pipeline``'s stage replicas and end stages,
+    ``PipelineGrid.reduction_groups``); returns them as ``{ranks: hvd.ProcessSet}``.
+
+    Horovod fixes its static sets at the first ``hvd.init`` (so the Trainer calls
+    ``set_layout`` before ``setup``). If Horovod was initialised before (by the user's script or
+    an earlier Trainer), a group not registered then is added dynamically, which Horovod allows
+    only when ``HOROVOD_DYNAMIC_PROCESS_SETS=1`` was set before that first init."""
+    groups = (PipelineGrid(world_size, layout.stages).reduction_groups()
+              if isinstance(layout, Pipeline) else ())
+    if not hvd.is_initialized():
+        sets = [hvd.ProcessSet(list(g)) for g in groups]
+        hvd.init(process_sets=sets)
+        return dict(zip(groups, sets, strict=True))
+    hvd.init()
+    found = {}
+    for g in groups:
+        ps = hvd.ProcessSet(list(g))
+        try:
+            hvd.init(process_sets=[ps])  # finds a set registered before
+        except KeyError:
+            try:
+                ps = hvd.add_process_set(list(g))
+            except ValueError as err:
+                raise ToolkitError(
+                    f"{layout} averages gradients in the Horovod process set of ranks "
+                    f"{list(g)}, but Horovod was initialised before without it ({err})",
+                    "let the Trainer initialise Horovod (do not call hvd.init() before it), "
+                    "or export HOROVOD_DYNAMIC_PROCESS_SETS=1 before your hvd.init()") from err
+        found[g] = ps
+    return found
+
+
+class HvdPipelineAbility:
+    """The pipeline wiring of a Horovod adapter (a mixin): ``set_layout`` keeps a
+    ``toolkit.Pipeline`` (its process sets must be registered at ``hvd.init``, which the
+    adapter's ``setup`` calls through ``_init_horovod``) and the executor (``executor`` names
+    its class as ``"module:Class"``) is made once Horovod runs, before or after ``setup``."""
+
+    pipeline = None  # the executor, under a toolkit.Pipeline
+    pipeline_layout = None
+    process_sets: dict = {}
+    executor = ""
+
+    def _set_pipeline(self, layout: Any) -> bool:
+        """Whether ``layout`` is a pipeline (kept, and its executor made if set up)."""
+        if not isinstance(layout, Pipeline):
+            return False
+        self.pipeline_layout = layout
+        if getattr(self, "hvd", None) is not None:  # setup ran first
+            self._make_pipeline()
+        return True
+
+    def _init_horovod(self, hvd, env) -> None:
+        """``hvd.init`` with the layout's process sets (call from ``setup``)."""
+        self.process_sets = init_horovod(hvd, self.pipeline_layout, env.world_size)
+
+    def _make_pipeline(self) -> None:
+        if self.pipeline_layout is not None:
+            module, cls = self.executor.split(":")
+            self.pipeline = getattr(importlib.import_module(module), cls)(
+                self, self.pipeline_layout)
+
+    def pipeline_position(self) -> tuple[int, int]:
+        """This rank's ``(stage, replica)`` (``(0, rank)`` without a pipeline layout)."""
+        return self.pipeline.position if self.pipeline is not None else (0, self.env.rank)
