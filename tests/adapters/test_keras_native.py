@@ -1,7 +1,6 @@
 """Native Keras 3 models in horovod-tf with all of their state: BatchNormalization statistics,
 Keras optimizers, Dropout randomness across kill-and-resume, custom losses, token models."""
 
-import json
 import re
 
 import numpy as np
@@ -233,34 +232,6 @@ def test_a_token_model_trains_per_token_and_evaluates_per_position():
     assert result["count"] == 5
     assert result["loss_sum"] == pytest.approx(token_losses.mean(1).sum(), rel=1e-5)
     assert result["correct"] == pytest.approx((logits.argmax(-1) == y[:5]).mean(1).sum())
-
-
-def results(job):
-    return sorted((json.loads(line.split("RESULT ", 1)[1]) for line in job.stdout.splitlines()
-                   if "RESULT " in line), key=lambda r: r["rank"])
-
-
-@pytest.mark.slow
-def test_sync_batchnorm_on_two_ranks_equals_one_process(launch):
-    script = "tests/scripts/keras_batchnorm_worker.py"
-    one = launch("python", 1, [script, "1", "8"])
-    two = launch("horovodrun-gloo", 2, [script, "1", "8"])
-    assert one.returncode == 0 and two.returncode == 0, (one, two)
-    (single,), (r0, r1) = results(one), results(two)
-    np.testing.assert_allclose(r0["losses"], single["losses"], rtol=1e-5)
-    assert r0["losses"] == r1["losses"]
-    for name, value in single["buffers"].items():
-        assert r0["buffers"][name] == pytest.approx(value, rel=1e-5), name
-    assert r0["val"]["val_loss"] == pytest.approx(single["val"]["val_loss"], rel=1e-5)
-
-
-@pytest.mark.slow
-def test_without_sync_every_rank_evaluates_and_saves_rank_zeros_statistics(launch):
-    job = launch("horovodrun-gloo", 2, ["tests/scripts/keras_batchnorm_worker.py", "0", "8"])
-    assert job.returncode == 0, job
-    r0, r1 = results(job)
-    assert r0["buffers"] == r1["buffers"]
-    assert r0["val"] == r1["val"]
 
 
 def test_a_keras_checkpoint_resumes_into_horovod_tf_only(tmp_path):

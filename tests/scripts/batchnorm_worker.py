@@ -40,21 +40,23 @@ def native_model(backend: str, sync: bool):
 
 
 def main() -> None:
-    backend, sync, steps = sys.argv[1], bool(int(sys.argv[2])), int(sys.argv[3])
+    """``BACKEND SYNC STEPS``: SYNC is 1, 0, or both in turn in the same processes ("1,0")."""
+    backend, steps = sys.argv[1], int(sys.argv[3])
     env = toolkit.current_env()
-    adapter = adapters.get(backend)
-    adapter.setup(env)  # JAX must be configured before the Flax model is initialised
-    (x, y), val = load_digits()
-    trainer = toolkit.Trainer(adapter, native_model(backend, sync), toolkit.SGD(lr=0.1),
-                              global_batch_size=32, max_steps=steps, sync_batchnorm=sync,
-                              progress=False, env=env)
-    history = trainer.fit(x, y)
-    evaluation = trainer.evaluate(*val)
-    state = adapter.state_dict()
-    buffers = {k: float(np.sum(np.abs(v.astype(np.float64)))) for k, v in state.items()
-               if k.startswith("buffers/")}
-    print("RESULT " + json.dumps({"rank": env.rank, "losses": history.losses,
-                                  "buffers": buffers, "val": evaluation}), flush=True)
+    for sync in (bool(int(v)) for v in sys.argv[2].split(",")):
+        adapter = adapters.get(backend)
+        adapter.setup(env)  # JAX must be configured before the Flax model is initialised
+        (x, y), val = load_digits()
+        trainer = toolkit.Trainer(adapter, native_model(backend, sync), toolkit.SGD(lr=0.1),
+                                  global_batch_size=32, max_steps=steps, sync_batchnorm=sync,
+                                  progress=False, env=env)
+        history = trainer.fit(x, y)
+        evaluation = trainer.evaluate(*val)
+        state = adapter.state_dict()
+        buffers = {k: float(np.sum(np.abs(v.astype(np.float64)))) for k, v in state.items()
+                   if k.startswith("buffers/")}
+        print("RESULT " + json.dumps({"rank": env.rank, "sync": sync, "losses": history.losses,
+                                      "buffers": buffers, "val": evaluation}), flush=True)
 
 
 if __name__ == "__main__":

@@ -29,24 +29,26 @@ def keras_cnn():
 
 
 def main() -> None:
-    sync, steps = bool(int(sys.argv[1])), int(sys.argv[2])
+    """``SYNC STEPS``: SYNC is 1, 0, or both in turn in the same processes ("1,0")."""
+    steps = int(sys.argv[2])
     env = toolkit.current_env()
-    adapter = adapters.get("horovod-tf")
-    adapter.setup(env)
-    import keras
+    for sync in (bool(int(v)) for v in sys.argv[1].split(",")):
+        adapter = adapters.get("horovod-tf")
+        adapter.setup(env)
+        import keras
 
-    (x, y), (vx, vy) = load_digits()
-    x, vx = x.reshape(-1, 8, 8, 1), vx.reshape(-1, 8, 8, 1)
-    trainer = toolkit.Trainer(adapter, keras_cnn(), keras.optimizers.SGD(0.05, momentum=0.9),
-                              global_batch_size=32, max_steps=steps, sync_batchnorm=sync,
-                              progress=False, env=env)
-    history = trainer.fit(x, y)
-    evaluation = trainer.evaluate(vx, vy)
-    state = adapter.state_dict()
-    buffers = {k: float(np.sum(np.abs(v.astype(np.float64)))) for k, v in state.items()
-               if k.startswith("buffers/")}
-    print("RESULT " + json.dumps({"rank": env.rank, "losses": history.losses,
-                                  "buffers": buffers, "val": evaluation}), flush=True)
+        (x, y), (vx, vy) = load_digits()
+        x, vx = x.reshape(-1, 8, 8, 1), vx.reshape(-1, 8, 8, 1)
+        trainer = toolkit.Trainer(adapter, keras_cnn(), keras.optimizers.SGD(0.05, momentum=0.9),
+                                  global_batch_size=32, max_steps=steps, sync_batchnorm=sync,
+                                  progress=False, env=env)
+        history = trainer.fit(x, y)
+        evaluation = trainer.evaluate(vx, vy)
+        state = adapter.state_dict()
+        buffers = {k: float(np.sum(np.abs(v.astype(np.float64)))) for k, v in state.items()
+                   if k.startswith("buffers/")}
+        print("RESULT " + json.dumps({"rank": env.rank, "sync": sync, "losses": history.losses,
+                                      "buffers": buffers, "val": evaluation}), flush=True)
 
 
 if __name__ == "__main__":
