@@ -60,7 +60,8 @@ def test_gpt_resumes_bit_for_bit(launch, tmp_path, uninterrupted, read_metrics):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("resume", [(1, "horovod-torch"), (2, "jax-pjit"), (2, "horovod-tf")],
+@pytest.mark.parametrize("resume", [(1, "horovod-torch"), (2, "jax-pjit"),
+                                    pytest.param((2, "horovod-tf"), marks=pytest.mark.long)],
                          ids=["one-rank", "jax-pjit", "horovod-tf"])
 def test_gpt_resumes_on_another_size_or_backend(resume, launch, tmp_path, uninterrupted,
                                                 read_metrics):
