@@ -45,6 +45,8 @@ def run_layout(args, layout, out: Path, env) -> None:
             env=env)
         return
     try:
+        if not isinstance(layout, toolkit.DataParallel):  # before setup, as the Trainer does:
+            adapter.set_layout(layout)                    # Horovod's process sets need it
         adapter.setup(env)
     except toolkit.ToolkitError as err:
         if "not importable" in str(err):
