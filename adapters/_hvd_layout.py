@@ -31,7 +31,6 @@ def init_horovod(hvd, layout: Any, world_size: int) -> dict[tuple[int, ...], Any
         sets = [hvd.ProcessSet(list(g)) for g in groups]
         hvd.init(process_sets=sets)
         return dict(zip(groups, sets, strict=True))
-    hvd.init()
     found = {}
     for g in groups:
         ps = hvd.ProcessSet(list(g))
@@ -71,8 +70,11 @@ class HvdPipelineAbility:
         return True
 
     def _init_horovod(self, hvd, env) -> None:
-        """``hvd.init`` with the layout's process sets (call from ``setup``)."""
+        """``hvd.init`` with the layout's process sets, then the executor if ``set_layout``
+        came first (call from ``setup`` once ``hvd`` and ``env`` are set)."""
         self.process_sets = init_horovod(hvd, self.pipeline_layout, env.world_size)
+        if self.pipeline is None:
+            self._make_pipeline()
 
     def _make_pipeline(self) -> None:
         if self.pipeline_layout is not None:

@@ -86,8 +86,6 @@ class HorovodTFAdapter(HvdPipelineAbility, BackendBase):
         self._init_horovod(hvd, env)
         check_world(self.name, env, hvd.size(), hvd.rank())
         self.dtype = {"float32": tf.float32, "float64": tf.float64}[self.dtype_name]
-        if self.pipeline is None:
-            self._make_pipeline()
 
     # -------------------------------------------------------------------------- build
     def build(self, model: Any, optimizer: Any, loss: Any, *, seed: int = 0,
@@ -384,7 +382,6 @@ class HorovodTFAdapter(HvdPipelineAbility, BackendBase):
         params = sum(to_host(v).nbytes for v in self.vars.values())
         return {"params": params, "grads": params,
                 "optimizer": sum(to_host(v).nbytes for v in self.slots.values())}
-
 
     def shutdown(self) -> None:
         self.hvd.shutdown()

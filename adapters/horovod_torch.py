@@ -68,8 +68,6 @@ class HorovodTorchAdapter(HvdPipelineAbility, BackendBase):
         # Ranks on one node share its cores; oversubscribed intra-op threads slow every rank.
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // env.local_size))
         self.dtype = {"float32": torch.float32, "float64": torch.float64}[self.dtype_name]
-        if self.pipeline is None:
-            self._make_pipeline()
 
     def set_layout(self, layout: Any) -> None:
         """Shards (``toolkit.Sharded``) or cuts into stages (``toolkit.Pipeline``) what
