@@ -25,15 +25,29 @@ def load_digits(val_fraction: float = 0.2, seed: int = 0, dtype: str = "float32"
         ``(x_train, y_train), (x_val, y_val)`` with ``x`` of shape ``(n, 64)`` and integer
         labels ``y``.
     """
-    from sklearn.datasets import load_digits as _load  # lazy: importing toolkit stays light
-
-    data = _load()
-    x = (data.data / 16.0).astype(dtype)
-    y = data.target.astype(np.int64)
+    data = _digits_table()
+    x = (data[:, :-1] / 16.0).astype(dtype)
+    y = data[:, -1].astype(np.int64)
     order = np.random.default_rng(seed).permutation(len(x))
     n_val = int(round(len(x) * val_fraction))
     val, train = order[:n_val], order[n_val:]
     return (x[train], y[train]), (x[val], y[val])
+
+
+def _digits_table() -> np.ndarray:
+    """The rows of scikit-learn's ``datasets/data/digits.csv.gz`` (64 pixels, then the label),
+    read as ``sklearn.datasets.load_digits`` reads them but without importing scikit-learn,
+    which costs about 2 s per process (SciPy): every rank of every launch pays it."""
+    import gzip
+    import importlib.util
+
+    spec = importlib.util.find_spec("sklearn")  # finds the package without running it
+    if spec is None or not spec.submodule_search_locations:
+        raise ToolkitError("scikit-learn is not installed: its bundled digits are the data",
+                           "pip install scikit-learn (make install does)")
+    path = Path(next(iter(spec.submodule_search_locations))) / "datasets/data/digits.csv.gz"
+    with gzip.open(path, "rt") as f:
+        return np.loadtxt(f, delimiter=",")
 
 
 @dataclasses.dataclass(frozen=True, eq=False)  # no == on memmaps
