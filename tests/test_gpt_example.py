@@ -66,9 +66,9 @@ def test_two_ranks_reproduce_one_process(backend, launcher, launch, tmp_path, on
 @pytest.mark.slow
 def test_resume_continues_from_the_checkpoint(launch, tmp_path):
     ckpt = ["--checkpoint-dir", str(tmp_path / "ckpt")]
-    first = launch("horovodrun-gloo", 2, args(tmp_path, "a", extra=ckpt))
+    first = launch("any", 2, args(tmp_path, "a", extra=ckpt))
     assert first.returncode == 0, first
-    again = launch("horovodrun-gloo", 2, args(tmp_path, "b", extra=[
+    again = launch("any", 2, args(tmp_path, "b", extra=[
         *ckpt, "--resume", "latest", "--steps", "30"]))
     assert again.returncode == 0, again
     assert "resumed from" in again.stdout and "(step 20, written by horovod-torch" in again.stdout

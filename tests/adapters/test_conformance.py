@@ -1,10 +1,9 @@
 """The adapter contract, one suite for every implemented backend (not one copy per backend).
 
 Single-process checks run in this process against a float64 numpy reference; the multi-rank
-checks (broadcast from rank 0, collectives, identical updates) run under real horovodrun.
+checks (broadcast from rank 0, collectives, identical updates) run under a real launcher (mpirun).
 """
 
-import json
 
 import numpy as np
 import pytest
@@ -206,11 +205,9 @@ def test_unknown_model_and_optimizer_are_clear_errors(backend):
 @pytest.mark.slow
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_two_ranks_broadcast_reduce_and_update_identically(backend, launch):
-    job = launch("horovodrun-gloo", 2, ["tests/scripts/conformance_worker.py", backend])
+    job = launch("any", 2, ["tests/scripts/conformance_worker.py", backend])
     assert job.returncode == 0, job
-    # horovodrun prefixes each line with "[rank]<stdout>:".
-    results = sorted((json.loads(line.split("RESULT ", 1)[1]) for line in
-                      job.stdout.splitlines() if "RESULT " in line), key=lambda r: r["rank"])
+    results = sorted(job.results, key=lambda r: r["rank"])
     assert [r["rank"] for r in results] == [0, 1], job
     r0, r1 = results
     # Rank 1 initialised from another seed; after build it holds rank 0's weights.

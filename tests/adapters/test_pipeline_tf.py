@@ -26,7 +26,7 @@ WORKER = "tests/scripts/pipeline_torch_worker.py"
 
 
 def check_worker(launch, tmp_path, schedule: str, ranks: int) -> list[dict]:
-    job = launch("horovodrun-gloo", ranks,
+    job = launch("any", ranks,
                  [WORKER, "equivalence", schedule, str(tmp_path), "horovod-tf"], timeout=400)
     rows = results(job, ranks)
     check_equivalence(rows, schedule, ranks)
@@ -194,7 +194,7 @@ def test_a_keras_sequential_runs_on_one_stage(tf_adapter):
 def test_a_keras_sequential_cut_into_two_stages_equals_data_parallel(launch):
     """Float64 Dense 64-32-32-10, each rank drawing other initial values (rank 0's are
     broadcast before the cut): Pipeline(2, 4, "1f1b") trains as data parallel does."""
-    rows = results(launch("horovodrun-gloo", 2, [WORKER, "keras"], timeout=400), 2)
+    rows = results(launch("any", 2, [WORKER, "keras"], timeout=400), 2)
     for row in rows:
         assert row["same_names"] and len(row["names"]) == 6, row
         assert row["loss_dev"] <= 1e-10 and row["param_dev"] <= 1e-10, row

@@ -27,9 +27,7 @@ def pipelined_adapter():
 
 def results(job, ranks: int) -> list[dict]:
     assert job.returncode == 0, job
-    # horovodrun prefixes each line with "[rank]<stdout>:"
-    rows = [json.loads(line.split("RESULT ", 1)[1]) for line in job.stdout.splitlines()
-            if "RESULT " in line]
+    rows = job.results
     assert len(rows) == ranks, job
     return sorted(rows, key=lambda r: r["rank"])
 
@@ -67,7 +65,7 @@ def test_gradients_are_averaged_in_horovod_process_sets(launch, backend, stages,
     tied embedding's over its two end stages, in Horovod process sets registered at hvd.init,
     equal to the float64 reference; a layout needing a set Horovod was not started with is a
     clear error."""
-    job = launch("horovodrun-gloo", ranks,
+    job = launch("any", ranks,
                  [WORKER, "process_sets", backend, str(stages)], timeout=300)
     rows = results(job, ranks)
     replicas = ranks // stages
@@ -94,7 +92,7 @@ def test_gradients_are_averaged_in_horovod_process_sets(launch, backend, stages,
 def test_pipeline_equals_the_reference(launch, tmp_path, schedule, ranks):
     """MLP + SGD and a tied GPT + Adam, float64, 2 stages x 4 micro-batches, D = ranks / 2
     (interleaved: 2 chunks per stage of 4-layer models); evaluation through the pipeline."""
-    job = launch("horovodrun-gloo", ranks, [WORKER, "equivalence", schedule, str(tmp_path)],
+    job = launch("any", ranks, [WORKER, "equivalence", schedule, str(tmp_path)],
                  timeout=400)
     check_equivalence(results(job, ranks), schedule, ranks)
 
@@ -109,7 +107,7 @@ def test_measured_bubble_and_peak_activations(launch, tmp_path):
     shared 2-core box each round's alltoall and uneven compute add idle time, so the bound here
     is only that the stages overlapped: no better than the formula, clearly below the 1/2 of
     two stages taking turns."""
-    job = launch("horovodrun-gloo", 2, [WORKER, "bubble", str(tmp_path)], timeout=400)
+    job = launch("any", 2, [WORKER, "bubble", str(tmp_path)], timeout=400)
     row = results(job, 2)[0]
     formula = toolkit.bubble_formula("1f1b", 2, 8)[1]
     gpipe, one_f = row["pipeline:2:8:gpipe"], row["pipeline:2:8:1f1b"]

@@ -48,7 +48,7 @@ def gpt_data(n=32, context=8, vocab=32):
 @pytest.mark.long
 @pytest.mark.slow
 def test_collectives_against_numpy_with_large_chunks_across_two_processes(launch):
-    job = launch("horovodrun-gloo", 2, ["tests/scripts/jax_sharded_worker.py"], timeout=300)
+    job = launch("any", 2, ["tests/scripts/jax_sharded_worker.py"], timeout=300)
     assert job.returncode == 0, job
     for check in ("pmap psum_scatter+all_gather 1.1 MiB", "pmap psum_scatter+all_gather 4.4 MiB",
                   "pjit reduce-scatter+all-gather 1.1 MiB",

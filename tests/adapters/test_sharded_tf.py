@@ -5,7 +5,6 @@ equivalence with accumulation/custom loss/metrics/evaluation, and the refusals.
 The generic equivalence and resume tests of every sharded backend are tests/test_sharded.py's.
 """
 
-import json
 
 import numpy as np
 import pytest
@@ -77,8 +76,7 @@ def test_one_rank_state_round_trips_and_data_parallel_reports_its_bytes():
 def run_worker(launch, launcher, nproc, parts):
     job = launch(launcher, nproc, [WORKER, ",".join(parts)], timeout=600)
     assert job.returncode == 0, job
-    results = sorted((json.loads(line.split("RESULT ", 1)[1]) for line in
-                      job.stdout.splitlines() if "RESULT " in line), key=lambda r: r["rank"])
+    results = sorted(job.results, key=lambda r: r["rank"])
     assert [r["rank"] for r in results] == list(range(nproc)), job
     return results
 
@@ -136,7 +134,7 @@ def check_layouts(results):
 @pytest.mark.long
 @pytest.mark.slow
 def test_three_ranks_under_gloo(launch):
-    results = run_worker(launch, "horovodrun-gloo", 3,
+    results = run_worker(launch, "any", 3,
                          ["collectives", "gradients", "state", "layouts"])
     check_collectives(results)
     check_state(results, 3)

@@ -4,7 +4,6 @@ Gloo and MPI, per-rank bytes against the flat-shard arithmetic, checkpoint piece
 The equivalence of every stage with the reference is tests/test_sharded.py's (all backends).
 """
 
-import json
 
 import numpy as np
 import pytest
@@ -19,8 +18,7 @@ WORKER = "tests/scripts/sharded_torch_worker.py"
 
 def results(job) -> list[dict]:
     assert job.returncode == 0, job
-    rows = sorted((json.loads(line.split("RESULT ", 1)[1]) for line in job.stdout.splitlines()
-                   if "RESULT " in line), key=lambda r: r["rank"])
+    rows = sorted(job.results, key=lambda r: r["rank"])
     assert len(rows) == 3, job
     return rows
 
@@ -94,7 +92,7 @@ def test_stages_train_alike_hold_their_shards_and_checkpoint_pieces(launch):
     """Data parallel and stages 1-3 on a GPT over 3 ranks (uneven shards), with accumulation,
     a custom loss and metric: equal losses, evaluation and state; memory_bytes() equals the
     flat-shard arithmetic; stage 3's checkpoint pieces read back as the full state."""
-    rows = results(launch("horovodrun-gloo", 3, [WORKER, "layouts"], timeout=400))
+    rows = results(launch("any", 3, [WORKER, "layouts"], timeout=400))
     memory = rows[0]["memory"]
     dp, zero3 = sum(memory["data_parallel"].values()), sum(memory["sharded:3"].values())
     assert zero3 < 0.4 * dp, memory

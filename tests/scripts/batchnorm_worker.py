@@ -1,4 +1,4 @@
-"""Trains a native model with BatchNorm on the digits, prints one RESULT line per rank.
+"""Trains a native model with BatchNorm on the digits, reports one result per rank (``_emit.emit``).
 
     python tests/scripts/batchnorm_worker.py BACKEND SYNC(0|1) STEPS
 
@@ -6,10 +6,10 @@ The model is built identically on every rank (fixed seeds), with no dropout, so 
 ranks with synchronised BatchNorm must equal one process with the global batch.
 """
 
-import json
 import sys
 
 import numpy as np
+from _emit import emit
 
 import adapters
 import toolkit
@@ -55,8 +55,8 @@ def main() -> None:
         state = adapter.state_dict()
         buffers = {k: float(np.sum(np.abs(v.astype(np.float64)))) for k, v in state.items()
                    if k.startswith("buffers/")}
-        print("RESULT " + json.dumps({"rank": env.rank, "sync": sync, "losses": history.losses,
-                                      "buffers": buffers, "val": evaluation}), flush=True)
+        emit({"rank": env.rank, "sync": sync, "losses": history.losses, "buffers": buffers,
+              "val": evaluation})
 
 
 if __name__ == "__main__":

@@ -1,9 +1,9 @@
-"""Run under a launcher with 2 ranks; each prints one ``RESULT {json}`` line (conformance)."""
+"""Run under a launcher with 2 ranks; each reports one result (``_emit.emit``: conformance)."""
 
-import json
 import sys
 
 import numpy as np
+from _emit import emit
 
 import adapters
 import toolkit
@@ -38,7 +38,7 @@ def main() -> None:
     _, grads = SPEC.loss_and_grads(params, x, y)
     result["single_process_checksum"] = float(sum(np.sum(params[k] - 0.1 * grads[k])
                                                    for k in sorted(params)))
-    print("RESULT " + json.dumps(result), flush=True)
+    emit(result)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""Trains a Keras CNN with BatchNormalization on the digits (horovod-tf), prints one RESULT line
+"""Trains a Keras CNN with BatchNormalization on the digits (horovod-tf), reports one result
 per rank.
 
     python tests/scripts/keras_batchnorm_worker.py SYNC(0|1) STEPS
@@ -8,10 +8,10 @@ optimizer, so a run on N ranks with synchronised BatchNorm must equal one proces
 global batch.
 """
 
-import json
 import sys
 
 import numpy as np
+from _emit import emit
 
 import adapters
 import toolkit
@@ -47,8 +47,8 @@ def main() -> None:
         state = adapter.state_dict()
         buffers = {k: float(np.sum(np.abs(v.astype(np.float64)))) for k, v in state.items()
                    if k.startswith("buffers/")}
-        print("RESULT " + json.dumps({"rank": env.rank, "sync": sync, "losses": history.losses,
-                                      "buffers": buffers, "val": evaluation}), flush=True)
+        emit({"rank": env.rank, "sync": sync, "losses": history.losses, "buffers": buffers,
+              "val": evaluation})
 
 
 if __name__ == "__main__":

@@ -5,7 +5,7 @@
 
 The adapter's own executor is attached (``attach``: a process that holds several stages gives
 each device its own samples) and the Trainer runs its ordinary loop: sampler, loss averaging and
-checkpoints are the Trainer's own. Rank 0 prints one ``RESULT {json}`` line:
+checkpoints are the Trainer's own. Each rank reports (``_emit.emit``)
 per-step losses, their largest relative deviation from ``toolkit.equivalence.reference``, the
 largest absolute parameter deviation, and the measured timeline's idle fraction.
 """
@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import time
 
 import numpy as np
+from _emit import emit
 
 import adapters
 import toolkit
@@ -130,7 +130,7 @@ def main() -> None:
         result["max_abs_param_dev"] = max(
             float(np.max(np.abs(_comparable(k, state[f"params/{k}"].astype(np.float64))
                                 - _comparable(k, v)))) for k, v in ref_params.items())
-    print(f"RESULT{env.rank} " + json.dumps(result), flush=True)
+    emit(result)
 
 
 if __name__ == "__main__":

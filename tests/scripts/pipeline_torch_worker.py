@@ -1,4 +1,4 @@
-"""Multi-rank checks of the Horovod backends' pipeline stages; prints one RESULT line per rank.
+"""Multi-rank checks of the Horovod backends' pipeline stages; reports one result per rank (_emit).
 
     horovodrun -np 2 --gloo python tests/scripts/pipeline_torch_worker.py equivalence SCHEDULE
     horovodrun -np 2 --gloo python tests/scripts/pipeline_torch_worker.py equivalence SCHEDULE \
@@ -20,11 +20,11 @@ averaged in; then (``STAGES`` = 2 on 4 ranks) a second Trainer in the same proce
 layout needs a set Horovod was not started with.
 """
 
-import json
 import os
 import sys
 
 import numpy as np
+from _emit import emit
 
 import toolkit
 from toolkit._checkpoint import read_checkpoint
@@ -66,10 +66,6 @@ def crash(backend: str = "horovod-torch") -> None:
     toolkit.Trainer(adapter, toolkit.MLP((64, 32, 10)), toolkit.SGD(lr=0.1),
                     layout="pipeline:2:4", global_batch_size=32, max_steps=1000,
                     progress=False).fit(x, y)
-
-
-def emit(result: dict) -> None:
-    print("RESULT " + json.dumps(result), flush=True)
 
 
 def _mlp_eval(state: dict, x: np.ndarray, y: np.ndarray) -> dict:

@@ -1,4 +1,4 @@
-"""horovod-tf sharded layouts under a launcher (2-3 ranks); each rank prints ``RESULT {json}``.
+"""horovod-tf sharded layouts under a launcher (2-3 ranks); each rank reports a result (_emit).
 
 Checks (see tests/adapters/test_sharded_tf.py): Horovod's reduce-scatter and all-gather inside
 ``tf.function`` against numpy with per-rank chunks of at least 1 MiB; the gradient shard each
@@ -7,11 +7,11 @@ stage keeps against a numpy gradient on a model whose unit is over 1 MiB per ran
 and evaluation under every stage against data parallel (float64).
 """
 
-import json
 import sys
 import time
 
 import numpy as np
+from _emit import emit
 
 import adapters
 import toolkit
@@ -161,7 +161,7 @@ def main() -> None:
             start = time.perf_counter()
             result[part] = check()
             result["seconds"][part] = round(time.perf_counter() - start, 1)
-    print("RESULT " + json.dumps(result), flush=True)
+    emit(result)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""Multi-rank checks of horovod-torch's sharded layouts; prints one RESULT line per rank.
+"""Multi-rank checks of horovod-torch's sharded layouts; reports one result per rank (_emit).
 
     horovodrun -np 3 --gloo python tests/scripts/sharded_torch_worker.py collectives
     horovodrun -np 3 --gloo python tests/scripts/sharded_torch_worker.py layouts
@@ -13,12 +13,12 @@ a custom loss and a custom metric): losses and evaluation agree; ``memory_bytes(
 FlatLayout arithmetic; a stage-3 checkpoint's pieces load back as the full state.
 """
 
-import json
 import shutil
 import sys
 import tempfile
 
 import numpy as np
+from _emit import emit
 
 import adapters
 import toolkit
@@ -194,4 +194,4 @@ def check_pieces(adapter, results: dict) -> None:
 if __name__ == "__main__":
     mode = sys.argv[1]
     out = {"collectives": collectives, "layouts": layouts}[mode]()
-    print("RESULT " + json.dumps({"rank": toolkit.current_env().rank, **out}), flush=True)
+    emit({"rank": toolkit.current_env().rank, **out})
