@@ -8,8 +8,10 @@
   (``toolkit.lockstep_rounds``), and the loop over them: each round every rank runs at most one
   forward or backward (the subclass's ``_compute``), then the round's messages move in **one**
   ``hvd.alltoall`` over the whole world with a split for each receiving rank and zero for the
-  others. Every rank calls it once per round (rounds without messages are skipped everywhere),
-  so nothing can deadlock, under any launcher. (Horovod has no send/recv.)
+  others. Every rank starts it once per round, in round order (rounds without messages are
+  skipped everywhere), and waits for a round only when an action needs its message (at once
+  where the alltoall is synchronous), so nothing can deadlock, under any launcher. (Horovod
+  has no send/recv.)
 - a message's layout: a flat buffer ``[ndim, *shape, values...]`` in the backend's dtype
   (``pack``/``unpack``), several messages to one rank concatenated in the schedule's order;
 - the gradient reduction in Horovod process sets (registered at ``hvd.init`` by
@@ -26,10 +28,9 @@
   store each tensor whole from its owner and an empty piece from every other rank).
 
 A subclass provides ``hvd``, ``adapter`` (its ``dtype_name``), ``cut`` (``names_by_stage``,
-``shapes``, ``buffers``, ``buffer_specs``), ``slots`` and the hooks ``_alltoall``,
-``_allgather``, ``_allreduce_sum``, ``_host``, ``_activation``, ``_compute``, ``_local``,
-``_replicated`` and
-``_set_buffer``.
+``shapes``, ``buffers``, ``buffer_specs``), ``slots`` and the hooks ``_alltoall`` (or
+``_alltoall_start``/``_alltoall_wait``), ``_allgather``, ``_allreduce_sum``, ``_host``,
+``_activation``, ``_compute``, ``_local``, ``_replicated`` and ``_set_buffer``.
 """
 
 from __future__ import annotations
@@ -146,17 +147,38 @@ class HvdPipeline:
         Every collective of the executor is named (``name``): ranks of different stages join
         different process sets, so Horovod's unnamed ops (numbered per process) would not
         match across ranks."""
+        return self._exchange_finish(self._exchange_start(outgoing, dtype, name))
+
+    def _exchange_start(self, outgoing: dict[int, np.ndarray], dtype, name: str) -> Any:
+        """Starts :meth:`_exchange`'s alltoall (the subclass's ``_alltoall_start``: returns at
+        once where the framework has an asynchronous alltoall); ``_exchange_finish`` waits."""
         splits = [0] * self.env.world_size
         parts = []
         for r in sorted(outgoing):
             parts.append(np.asarray(outgoing[r]).reshape(-1).astype(dtype, copy=False))
             splits[r] = parts[-1].size
         buf = np.concatenate(parts) if parts else np.zeros(0, dtype)
-        got, sizes = self._alltoall(buf, splits, name)
+        return self._alltoall_start(buf, splits, name)
+
+    def _exchange_finish(self, started: Any) -> dict[int, np.ndarray]:
+        got, sizes = self._alltoall_wait(started)
         ends = np.cumsum(sizes)
         return {r: got[ends[r] - n:ends[r]] for r, n in enumerate(sizes) if n}
 
-    def _pass_messages(self, rnd) -> None:
+    def _alltoall_start(self, buf: np.ndarray, splits: list[int], name: str) -> Any:
+        """Default: a synchronous alltoall (horovod-tf's eager alltoall has no asynchronous
+        form); horovod-torch overrides both with ``hvd.alltoall_async``/``hvd.synchronize``."""
+        return self._alltoall(buf, splits, name)
+
+    def _alltoall_wait(self, started: Any) -> tuple[np.ndarray, list[int]]:
+        return started
+
+    def _post_messages(self, rnd, index: int) -> None:
+        """Starts round ``index``'s alltoall (each round has its own name) and queues what it
+        will bring this rank; the rank goes on computing and waits only when an action needs
+        a queued message (:meth:`_await`). Every rank starts every round's alltoall in the
+        same order and waits only for rounds it has started, so no rank can wait on a round
+        another rank has not reached while that rank waits on it: no deadlock."""
         rank, dtype = self.grid.rank, self.np_dtype
         out: dict[int, list] = {}
         expected = []
@@ -168,22 +190,42 @@ class HvdPipeline:
             if receiver == self.stage:
                 expected.append((rank(sender, self.replica), recv))
         start = time.time()
-        got = self._exchange({r: np.concatenate(ts) for r, ts in out.items()}, dtype,
-                             "pipeline.round")
+        started = self._exchange_start({r: np.concatenate(ts) for r, ts in out.items()}, dtype,
+                                       f"pipeline.round.{index}")
         end = time.time()
         self.exchange_seconds.append(end - start)
-        offsets: dict[int, int] = {}
-        for src, recv in expected:
-            array, offsets[src] = unpack(got[src], offsets.get(src, 0))
-            key = (recv.micro_batch, recv.chunk)
-            if recv.kind == "RECV_F":
-                self.inbox_f[key] = self._activation(array, grad=True)
-            else:
-                self.inbox_b[key] = self._activation(array, grad=False)
-        for sender, receiver, send, recv in rnd.messages:
-            if self.stage in (sender, receiver):
-                mine = send if sender == self.stage else recv
-                self.recorder.add(mine, start, end, self.steps)
+        for sender, _, send, _ in rnd.messages:
+            if sender == self.stage:
+                self.recorder.add(send, start, end, self.steps)
+        self.pending.append((started, expected))
+
+    def _await(self, action=None) -> None:
+        """Waits for queued rounds, oldest first, until ``action``'s input message is in (all
+        of them when ``action`` is None); the wait is recorded as the RECV actions."""
+        while self.pending and not self._has_input(action):
+            started, expected = self.pending.pop(0)
+            start = time.time()
+            got = self._exchange_finish(started)
+            end = time.time()
+            self.exchange_seconds[-1 - len(self.pending)] += end - start
+            offsets: dict[int, int] = {}
+            for src, recv in expected:
+                array, offsets[src] = unpack(got[src], offsets.get(src, 0))
+                key = (recv.micro_batch, recv.chunk)
+                if recv.kind == "RECV_F":
+                    self.inbox_f[key] = self._activation(array, grad=True)
+                else:
+                    self.inbox_b[key] = self._activation(array, grad=False)
+                self.recorder.add(recv, start, end, self.steps)
+
+    def _has_input(self, action) -> bool:
+        """Whether ``action`` (None: the end of the step) can run without a queued message."""
+        if action is None:
+            return False
+        key, piece = (action.micro_batch, action.chunk), action.chunk * self.grid.stages
+        if action.kind == "F":
+            return piece + self.stage == 0 or key in self.inbox_f
+        return self._is_last(action.chunk) or key in self.inbox_b
 
     # ------------------------------------------------------------------------------ steps
     def _is_last(self, chunk: int) -> bool:
@@ -194,15 +236,17 @@ class HvdPipeline:
         """The schedule's rounds (fresh in/outboxes), then the gradient reduction (the
         subclass's ``_gradients``/``_set_gradients``); returns the replica's loss."""
         self.inputs, self.outputs, self.outbox, self.inbox_f, self.inbox_b = {}, {}, {}, {}, {}
-        self.loss, self.exchange_seconds = 0.0, []
+        self.loss, self.exchange_seconds, self.pending = 0.0, [], []
         first = len(self.recorder.records)
-        for rnd in self.rounds:
+        for index, rnd in enumerate(self.rounds):
             action = rnd.compute[self.stage]
             if action is not None:
+                self._await(action)
                 with self.recorder.action(action, self.steps):
                     self._compute(action)
             if rnd.messages:
-                self._pass_messages(rnd)
+                self._post_messages(rnd, index)
+        self._await()
         if self.reduce:
             self._set_gradients(self._reduce_gradients(self._gradients()))
         losses = self._allgather(np.asarray([self.loss], np.float64), "pipeline.loss")

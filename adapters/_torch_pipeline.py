@@ -3,7 +3,9 @@
 The rounds, messages, gradient reduction, evaluation plumbing, timelines and the full-model
 state are the Horovod executors' shared part (``adapters/_hvd_pipeline.py``: one
 ``hvd.alltoall`` per lockstep round, ``[ndim, *shape, values...]`` messages, replicas' and tied
-parameters' gradients summed in rank order). This module is the torch side: each rank holds its
+parameters' gradients summed in rank order). Here the rounds' alltoalls are asynchronous
+(``hvd.alltoall_async``): a stage waits for a round only when its next action needs the
+message. This module is the torch side: each rank holds its
 stage's pieces of the model (``_torch_stages.py``), runs a piece's forward keeping its autograd
 graph per (micro-batch, chunk) until that micro-batch's backward (``out.backward(grad)``; the
 input's ``.grad`` is the message back), and steps a ``torch.optim`` optimizer over its stage's
@@ -89,6 +91,17 @@ class TorchPipeline(PipelineState, HvdPipeline):
         torch = self.torch
         got, received = self.hvd.alltoall(torch.from_numpy(buf), name=name,
                                           splits=torch.tensor(splits, dtype=torch.int32))
+        return got.numpy(), [int(n) for n in received]
+
+    def _alltoall_start(self, buf: np.ndarray, splits: list[int], name: str) -> Any:
+        torch = self.torch
+        tensor = torch.from_numpy(buf)  # kept alive (returned) until the op completes
+        handle = self.hvd.alltoall_async(tensor, name=name,
+                                         splits=torch.tensor(splits, dtype=torch.int32))
+        return handle, tensor
+
+    def _alltoall_wait(self, started: Any) -> tuple[np.ndarray, list[int]]:
+        got, received = self.hvd.synchronize(started[0])
         return got.numpy(), [int(n) for n in received]
 
     def _allgather(self, flat: np.ndarray, name: str) -> np.ndarray:

@@ -323,8 +323,10 @@ def lockstep_idle_fraction(schedule: Schedule, forward: float | Sequence[float] 
     Equal to ``simulate_schedule``'s (the formula) for GPipe at any S with equal stages, and
     for GPipe and 1F1B at S = 2 with any stage times; higher where a round's exchange makes a
     stage wait for another's longer compute (1F1B at S > 2, interleaving, unequal stages at
-    S > 2). Exact for the Horovod executors; the JAX ones also wait on the host for each
-    round's compute, which matters only when one process holds several stages.
+    S > 2). Exact for horovod-tf's executor (horovod-torch's starts each round's alltoall
+    asynchronously and waits only for a message it needs: ``simulate_schedule``'s
+    ``blocking=False``); the JAX ones also wait on the host for each round's compute, which
+    matters only when one process holds several stages.
 
     Example:
         >>> from toolkit import pipeline_schedule
