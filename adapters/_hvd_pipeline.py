@@ -6,14 +6,9 @@
 - the rank grid (``toolkit.PipelineGrid``: rank ``r`` is stage ``r // D`` of replica ``r % D``),
   the schedule (``toolkit.pipeline_schedule``) regrouped into lockstep rounds
   (``toolkit.lockstep_rounds``), and the loop over them: each round every rank runs at most one
-  forward or backward (the subclass's ``_compute``), then the round's messages move in **one**
-  ``hvd.alltoall`` over the whole world with a split for each receiving rank and zero for the
-  others. Every rank starts it once per round, in round order (rounds without messages are
-  skipped everywhere), and waits for a round only when an action needs its message (at once
-  where the alltoall is synchronous), so nothing can deadlock, under any launcher. (Horovod
-  has no send/recv.)
-- a message's layout: a flat buffer ``[ndim, *shape, values...]`` in the backend's dtype
-  (``pack``/``unpack``), several messages to one rank concatenated in the schedule's order;
+  forward or backward (the subclass's ``_compute``); the round's messages move in one named
+  ``hvd.alltoall`` over the world (``adapters/_hvd_rounds.py``: synchronous, or asynchronous
+  with receives joined ahead, and why neither can deadlock);
 - the gradient reduction in Horovod process sets (registered at ``hvd.init`` by
   ``init_horovod``): after the rounds, an allreduce in the stage's replica set averages its
   gradients, and a tied parameter (a GPT's ``tok_emb`` on the first and the last stage) is
@@ -41,6 +36,7 @@ from typing import Any
 
 import numpy as np
 
+from adapters._hvd_rounds import RoundMessages, pack, unpack
 from toolkit import ToolkitError
 from toolkit._layouts import Pipeline
 from toolkit._partition import PipelineGrid
@@ -59,23 +55,7 @@ def check_pipeline(layout: Any, world_size: int) -> PipelineGrid:
     return PipelineGrid(world_size, layout.stages)
 
 
-def pack(array: np.ndarray, dtype) -> np.ndarray:
-    """``[ndim, *shape, values...]`` as one flat buffer of ``dtype``."""
-    array = np.asarray(array)
-    return np.concatenate([np.asarray([array.ndim, *array.shape], dtype),
-                           array.reshape(-1).astype(dtype, copy=False)])
-
-
-def unpack(buf: np.ndarray, offset: int) -> tuple[np.ndarray, int]:
-    """The array packed at ``offset`` of ``buf``, and the offset after it."""
-    ndim = int(buf[offset])
-    shape = [int(d) for d in buf[offset + 1:offset + 1 + ndim]]
-    start = offset + 1 + ndim
-    size = int(np.prod(shape))
-    return buf[start:start + size].reshape(shape), start + size
-
-
-class HvdPipeline:
+class HvdPipeline(RoundMessages):
     """The framework-free part of a Horovod pipeline executor (see the module's docstring)."""
 
     def __init__(self, env, layout: Pipeline):
@@ -86,6 +66,7 @@ class HvdPipeline:
         self.schedule = pipeline_schedule(layout.schedule, layout.stages, layout.micro_batches,
                                           layout.chunks)
         self.rounds = lockstep_rounds(self.schedule)
+        self._plan_rounds()
         self.timeline_dir = os.environ.get(TIMELINE_ENV) or None
         self.peak_activations = 0  # most micro-batches whose forward graph was held at once
         self.exchange_seconds: list[float] = []  # the last step's round alltoalls, in order
@@ -138,95 +119,6 @@ class HvdPipeline:
                 "the layout's process sets")
         return found
 
-    # ------------------------------------------------------------------------------ messages
-    def _exchange(self, outgoing: dict[int, np.ndarray], dtype,
-                  name: str) -> dict[int, np.ndarray]:
-        """One alltoall over the world: ``outgoing[rank]`` (flat) to each rank; returns what
-        each rank sent here (ranks that sent nothing are absent). Every rank must call it.
-
-        Every collective of the executor is named (``name``): ranks of different stages join
-        different process sets, so Horovod's unnamed ops (numbered per process) would not
-        match across ranks."""
-        return self._exchange_finish(self._exchange_start(outgoing, dtype, name))
-
-    def _exchange_start(self, outgoing: dict[int, np.ndarray], dtype, name: str) -> Any:
-        """Starts :meth:`_exchange`'s alltoall (the subclass's ``_alltoall_start``: returns at
-        once where the framework has an asynchronous alltoall); ``_exchange_finish`` waits."""
-        splits = [0] * self.env.world_size
-        parts = []
-        for r in sorted(outgoing):
-            parts.append(np.asarray(outgoing[r]).reshape(-1).astype(dtype, copy=False))
-            splits[r] = parts[-1].size
-        buf = np.concatenate(parts) if parts else np.zeros(0, dtype)
-        return self._alltoall_start(buf, splits, name)
-
-    def _exchange_finish(self, started: Any) -> dict[int, np.ndarray]:
-        got, sizes = self._alltoall_wait(started)
-        ends = np.cumsum(sizes)
-        return {r: got[ends[r] - n:ends[r]] for r, n in enumerate(sizes) if n}
-
-    def _alltoall_start(self, buf: np.ndarray, splits: list[int], name: str) -> Any:
-        """Default: a synchronous alltoall (horovod-tf's eager alltoall has no asynchronous
-        form); horovod-torch overrides both with ``hvd.alltoall_async``/``hvd.synchronize``."""
-        return self._alltoall(buf, splits, name)
-
-    def _alltoall_wait(self, started: Any) -> tuple[np.ndarray, list[int]]:
-        return started
-
-    def _post_messages(self, rnd, index: int) -> None:
-        """Starts round ``index``'s alltoall (each round has its own name) and queues what it
-        will bring this rank; the rank goes on computing and waits only when an action needs
-        a queued message (:meth:`_await`). Every rank starts every round's alltoall in the
-        same order and waits only for rounds it has started, so no rank can wait on a round
-        another rank has not reached while that rank waits on it: no deadlock."""
-        rank, dtype = self.grid.rank, self.np_dtype
-        out: dict[int, list] = {}
-        expected = []
-        for sender, receiver, send, recv in rnd.messages:
-            if sender == self.stage:
-                payload = self.outbox.pop((send.kind, send.micro_batch, send.chunk))
-                out.setdefault(rank(receiver, self.replica), []).append(
-                    pack(self._host(payload), dtype))
-            if receiver == self.stage:
-                expected.append((rank(sender, self.replica), recv))
-        start = time.time()
-        started = self._exchange_start({r: np.concatenate(ts) for r, ts in out.items()}, dtype,
-                                       f"pipeline.round.{index}")
-        end = time.time()
-        self.exchange_seconds.append(end - start)
-        for sender, _, send, _ in rnd.messages:
-            if sender == self.stage:
-                self.recorder.add(send, start, end, self.steps)
-        self.pending.append((started, expected))
-
-    def _await(self, action=None) -> None:
-        """Waits for queued rounds, oldest first, until ``action``'s input message is in (all
-        of them when ``action`` is None); the wait is recorded as the RECV actions."""
-        while self.pending and not self._has_input(action):
-            started, expected = self.pending.pop(0)
-            start = time.time()
-            got = self._exchange_finish(started)
-            end = time.time()
-            self.exchange_seconds[-1 - len(self.pending)] += end - start
-            offsets: dict[int, int] = {}
-            for src, recv in expected:
-                array, offsets[src] = unpack(got[src], offsets.get(src, 0))
-                key = (recv.micro_batch, recv.chunk)
-                if recv.kind == "RECV_F":
-                    self.inbox_f[key] = self._activation(array, grad=True)
-                else:
-                    self.inbox_b[key] = self._activation(array, grad=False)
-                self.recorder.add(recv, start, end, self.steps)
-
-    def _has_input(self, action) -> bool:
-        """Whether ``action`` (None: the end of the step) can run without a queued message."""
-        if action is None:
-            return False
-        key, piece = (action.micro_batch, action.chunk), action.chunk * self.grid.stages
-        if action.kind == "F":
-            return piece + self.stage == 0 or key in self.inbox_f
-        return self._is_last(action.chunk) or key in self.inbox_b
-
     # ------------------------------------------------------------------------------ steps
     def _is_last(self, chunk: int) -> bool:
         """Whether this stage's local ``chunk`` is the model's last piece."""
@@ -235,17 +127,16 @@ class HvdPipeline:
     def _run_rounds(self) -> float:
         """The schedule's rounds (fresh in/outboxes), then the gradient reduction (the
         subclass's ``_gradients``/``_set_gradients``); returns the replica's loss."""
-        self.inputs, self.outputs, self.outbox, self.inbox_f, self.inbox_b = {}, {}, {}, {}, {}
-        self.loss, self.exchange_seconds, self.pending = 0.0, [], []
+        self.inputs, self.outputs, self.loss = {}, {}, 0.0
         first = len(self.recorder.records)
+        self._start_rounds()
         for index, rnd in enumerate(self.rounds):
             action = rnd.compute[self.stage]
             if action is not None:
                 self._await(action)
                 with self.recorder.action(action, self.steps):
                     self._compute(action)
-            if rnd.messages:
-                self._post_messages(rnd, index)
+            self._after_compute(index)
         self._await()
         if self.reduce:
             self._set_gradients(self._reduce_gradients(self._gradients()))

@@ -3,13 +3,14 @@
 The rounds, messages, gradient reduction, evaluation plumbing, timelines and the full-model
 state are the Horovod executors' shared part (``adapters/_hvd_pipeline.py``: one
 ``hvd.alltoall`` per lockstep round, ``[ndim, *shape, values...]`` messages, replicas' and tied
-parameters' gradients summed in rank order). Here the rounds' alltoalls are asynchronous
-(``hvd.alltoall_async``): a stage waits for a round only when its next action needs the
-message. This module is the torch side: each rank holds its
-stage's pieces of the model (``_torch_stages.py``), runs a piece's forward keeping its autograd
-graph per (micro-batch, chunk) until that micro-batch's backward (``out.backward(grad)``; the
-input's ``.grad`` is the message back), and steps a ``torch.optim`` optimizer over its stage's
-parameters.
+parameters' gradients summed in process sets). Here the rounds' alltoalls are asynchronous
+(``hvd.alltoall_async``): a stage joins the rounds it only receives in at the step's start and
+waits for a round only when an action needs its message (``adapters/_hvd_rounds.py``).
+
+This module is the torch side: each rank holds its stage's pieces of the model
+(``_torch_stages.py``), runs a piece's forward keeping its autograd graph per (micro-batch,
+chunk) until that micro-batch's backward (``out.backward(grad)``; the input's ``.grad`` is the
+message back), and steps a ``torch.optim`` optimizer over its stage's parameters.
 
 The loss is the last stage's: each micro-batch's mean over its samples divided by ``M`` (the
 local batch's mean, as with accumulation steps), gathered so that every rank of a replica
@@ -92,6 +93,8 @@ class TorchPipeline(PipelineState, HvdPipeline):
         got, received = self.hvd.alltoall(torch.from_numpy(buf), name=name,
                                           splits=torch.tensor(splits, dtype=torch.int32))
         return got.numpy(), [int(n) for n in received]
+
+    asynchronous = True  # hvd.alltoall_async: receives joined ahead (adapters/_hvd_rounds.py)
 
     def _alltoall_start(self, buf: np.ndarray, splits: list[int], name: str) -> Any:
         torch = self.torch

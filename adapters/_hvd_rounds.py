@@ -1,0 +1,164 @@
+"""How the Horovod pipeline executors move a step's messages (framework-free, numpy only).
+
+Horovod has no send/recv. Each lockstep round of the schedule (``toolkit.lockstep_rounds``)
+that passes messages is **one** ``hvd.alltoall`` over the whole world, named after the round,
+with a split for each receiving rank and zero for the others; several messages to one rank are
+concatenated in the schedule's order, each as a flat ``[ndim, *shape, values...]`` buffer in
+the backend's dtype (``pack``/``unpack``).
+
+Every rank joins every round's alltoall. Where the framework has an asynchronous alltoall
+(horovod-torch: ``hvd.alltoall_async``; ``asynchronous = True``), a stage joins every round in
+which it sends nothing at the very start of the step, and a round in which it sends as soon as
+its payload is computed; it waits for a round only when an action needs that round's message.
+A sender therefore never waits, and a receiver has already joined when the message is sent.
+Horovod matches collectives by name whatever order ranks submit them in, and no rank ever waits
+for a round whose senders are themselves waiting on a later round (a sender's inputs come from
+earlier rounds), so nothing can deadlock. Where the alltoall is synchronous (horovod-tf's eager
+one), every rank runs the rounds in order and each alltoall completes as it is called.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import numpy as np
+
+
+def pack(array: np.ndarray, dtype) -> np.ndarray:
+    """``[ndim, *shape, values...]`` as one flat buffer of ``dtype``."""
+    array = np.asarray(array)
+    return np.concatenate([np.asarray([array.ndim, *array.shape], dtype),
+                           array.reshape(-1).astype(dtype, copy=False)])
+
+
+def unpack(buf: np.ndarray, offset: int) -> tuple[np.ndarray, int]:
+    """The array packed at ``offset`` of ``buf``, and the offset after it."""
+    ndim = int(buf[offset])
+    shape = [int(d) for d in buf[offset + 1:offset + 1 + ndim]]
+    start = offset + 1 + ndim
+    size = int(np.prod(shape))
+    return buf[start:start + size].reshape(shape), start + size
+
+
+class RoundMessages:
+    """The message part of ``HvdPipeline`` (see the module's docstring). Needs ``env``,
+    ``grid``, ``stage``, ``replica``, ``rounds``, ``recorder``, ``steps``, ``np_dtype``,
+    ``outbox``/``inbox_f``/``inbox_b`` and the hooks ``_alltoall`` (or ``_alltoall_start`` and
+    ``_alltoall_wait``), ``_host`` and ``_activation``."""
+
+    asynchronous = False  # True where _alltoall_start returns before the alltoall completes
+
+    def _plan_rounds(self) -> None:
+        """Which round delivers each of this stage's receives, and each message round's slot
+        in ``exchange_seconds`` (the same on every rank)."""
+        self.delivered: dict[tuple[str, int, int], int] = {}
+        self.slot: dict[int, int] = {}
+        self.sends: set[int] = set()
+        for index, rnd in enumerate(self.rounds):
+            if rnd.messages:
+                self.slot[index] = len(self.slot)
+            for sender, receiver, _, recv in rnd.messages:
+                if receiver == self.stage:
+                    self.delivered[(recv.kind, recv.micro_batch, recv.chunk)] = index
+                if sender == self.stage:
+                    self.sends.add(index)
+
+    # ------------------------------------------------------------------------------ collectives
+    def _exchange(self, outgoing: dict[int, np.ndarray], dtype,
+                  name: str) -> dict[int, np.ndarray]:
+        """One alltoall over the world: ``outgoing[rank]`` (flat) to each rank; returns what
+        each rank sent here (ranks that sent nothing are absent). Every rank must call it.
+
+        Every collective of the executor is named (``name``): ranks of different stages join
+        different process sets, so Horovod's unnamed ops (numbered per process) would not
+        match across ranks."""
+        return self._exchange_finish(self._exchange_start(outgoing, dtype, name))
+
+    def _exchange_start(self, outgoing: dict[int, np.ndarray], dtype, name: str) -> Any:
+        splits = [0] * self.env.world_size
+        parts = []
+        for r in sorted(outgoing):
+            parts.append(np.asarray(outgoing[r]).reshape(-1).astype(dtype, copy=False))
+            splits[r] = parts[-1].size
+        buf = np.concatenate(parts) if parts else np.zeros(0, dtype)
+        return self._alltoall_start(buf, splits, name)
+
+    def _exchange_finish(self, started: Any) -> dict[int, np.ndarray]:
+        got, sizes = self._alltoall_wait(started)
+        ends = np.cumsum(sizes)
+        return {r: got[ends[r] - n:ends[r]] for r, n in enumerate(sizes) if n}
+
+    def _alltoall_start(self, buf: np.ndarray, splits: list[int], name: str) -> Any:
+        """Default: the synchronous ``_alltoall``; asynchronous executors override this and
+        ``_alltoall_wait`` and set ``asynchronous``."""
+        return self._alltoall(buf, splits, name)
+
+    def _alltoall_wait(self, started: Any) -> tuple[np.ndarray, list[int]]:
+        return started
+
+    # ------------------------------------------------------------------------------ a step's rounds
+    def _start_rounds(self) -> None:
+        """Fresh boxes; asynchronous executors join now every round this stage sends nothing in."""
+        self.outbox, self.inbox_f, self.inbox_b = {}, {}, {}
+        self.pending: dict[int, tuple[Any, list]] = {}
+        self.exchange_seconds = [0.0] * len(self.slot)  # per message round: joining + waiting
+        if self.asynchronous:
+            for index in self.slot:
+                if index not in self.sends:
+                    self._post(index)
+
+    def _post(self, index: int) -> None:
+        """Joins round ``index``'s alltoall with this stage's messages (from the outbox)."""
+        rank, dtype, rnd = self.grid.rank, self.np_dtype, self.rounds[index]
+        out: dict[int, list] = {}
+        expected = []
+        for sender, receiver, send, recv in rnd.messages:
+            if sender == self.stage:
+                payload = self.outbox.pop((send.kind, send.micro_batch, send.chunk))
+                out.setdefault(rank(receiver, self.replica), []).append(
+                    pack(self._host(payload), dtype))
+            if receiver == self.stage:
+                expected.append((rank(sender, self.replica), recv))
+        start = time.time()
+        started = self._exchange_start({r: np.concatenate(ts) for r, ts in out.items()}, dtype,
+                                       f"pipeline.round.{index}")
+        end = time.time()
+        self.exchange_seconds[self.slot[index]] += end - start
+        for sender, _, send, _ in rnd.messages:
+            if sender == self.stage:
+                self.recorder.add(send, start, end, self.steps)
+        self.pending[index] = (started, expected)
+
+    def _after_compute(self, index: int) -> None:
+        """Round ``index``'s compute is done: join its alltoall unless already joined."""
+        if index in self.slot and index not in self.pending and (
+                index in self.sends or not self.asynchronous):
+            self._post(index)
+
+    def _await(self, action=None) -> None:
+        """Waits for the round that brings ``action``'s input (every joined round when
+        ``action`` is None); the wait is recorded as the RECV actions."""
+        if action is None:
+            wanted = sorted(self.pending)
+        else:
+            key = (action.micro_batch, action.chunk)
+            first = action.chunk * self.grid.stages + self.stage == 0
+            need = (None if (first if action.kind == "F" else self._is_last(action.chunk))
+                    else self.delivered[("RECV_" + action.kind, *key)])
+            wanted = [need] if need in self.pending else []
+        for index in wanted:
+            started, expected = self.pending.pop(index)
+            start = time.time()
+            got = self._exchange_finish(started)
+            end = time.time()
+            self.exchange_seconds[self.slot[index]] += end - start
+            offsets: dict[int, int] = {}
+            for src, recv in expected:
+                array, offsets[src] = unpack(got[src], offsets.get(src, 0))
+                key = (recv.micro_batch, recv.chunk)
+                if recv.kind == "RECV_F":
+                    self.inbox_f[key] = self._activation(array, grad=True)
+                else:
+                    self.inbox_b[key] = self._activation(array, grad=False)
+                self.recorder.add(recv, start, end, self.steps)
