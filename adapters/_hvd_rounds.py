@@ -71,8 +71,9 @@ class RoundMessages:
         each rank sent here (ranks that sent nothing are absent). Every rank must call it.
 
         Every collective of the executor is named (``name``): ranks of different stages join
-        different process sets, so Horovod's unnamed ops (numbered per process) would not
-        match across ranks."""
+        different process sets, so horovod.torch's unnamed ops (numbered per process) would not
+        match across ranks. (Eager horovod-tf ignores names and matches ops by the order they
+        are submitted in, which its synchronous rounds keep the same on every rank.)"""
         return self._exchange_finish(self._exchange_start(outgoing, dtype, name))
 
     def _exchange_start(self, outgoing: dict[int, np.ndarray], dtype, name: str) -> Any:
