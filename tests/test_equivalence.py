@@ -128,3 +128,13 @@ def test_pipeline_schedules_at_two_stages(launch, tmp_path):
     for r in rows.values():
         assert r["status"] == "pass", r
         assert r["max_rel_loss_dev"] <= LOSS_TOLERANCE["float32"], r
+
+
+@pytest.mark.slow
+def test_pipeline_with_two_replicas_per_stage(launch, tmp_path):
+    """S = 2, D = 2 on 4 ranks, every backend: each stage's gradients averaged over its two
+    replicas (Horovod process sets; pjit's data axis; pmap's grouped psum)."""
+    job, report = run_equivalence(launch, tmp_path, "--world-sizes", "4", "--steps", "20",
+                                  "--layout", "pipeline:2:4:1f1b")
+    check_all_pass(job, report, [4], LOSS_TOLERANCE["float32"])
+    assert {r["layout"] for r in report["results"]} == {"pipeline:2:4:1f1b"}
