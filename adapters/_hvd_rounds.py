@@ -44,8 +44,8 @@ def unpack(buf: np.ndarray, offset: int) -> tuple[np.ndarray, int]:
 class RoundMessages:
     """The message part of ``HvdPipeline`` (see the module's docstring). Needs ``env``,
     ``grid``, ``stage``, ``replica``, ``rounds``, ``recorder``, ``steps``, ``np_dtype``,
-    ``outbox``/``inbox_f``/``inbox_b`` and the hooks ``_alltoall`` (or ``_alltoall_start`` and
-    ``_alltoall_wait``), ``_host`` and ``_activation``."""
+    and the hooks ``_alltoall`` (or ``_alltoall_start`` and ``_alltoall_wait``), ``_host``,
+    ``_activation`` and ``_is_last``."""
 
     asynchronous = False  # True where _alltoall_start returns before the alltoall completes
 
@@ -132,9 +132,9 @@ class RoundMessages:
         self.pending[index] = (started, expected)
 
     def _after_compute(self, index: int) -> None:
-        """Round ``index``'s compute is done: join its alltoall unless already joined."""
-        if index in self.slot and index not in self.pending and (
-                index in self.sends or not self.asynchronous):
+        """Round ``index``'s compute is done: join its alltoall unless it was joined at the
+        step's start (asynchronous, nothing to send)."""
+        if index in self.slot and (index in self.sends or not self.asynchronous):
             self._post(index)
 
     def _await(self, action=None) -> None:

@@ -40,6 +40,8 @@ class TorchPipeline(PipelineState, HvdPipeline):
     """Runs a ``toolkit.Pipeline`` for a ``HorovodTorchAdapter`` (its ``setup`` done), with the
     adapter contract's methods (``build``, ``train_step``, ``evaluate``, ``state_dict``, ...)."""
 
+    asynchronous = True  # hvd.alltoall_async: receives joined ahead (adapters/_hvd_rounds.py)
+
     def __init__(self, adapter, layout: Pipeline):
         super().__init__(adapter.env, layout)
         self.adapter = adapter
@@ -87,15 +89,6 @@ class TorchPipeline(PipelineState, HvdPipeline):
         self.slots = optimizer_slots(spec)
 
     # ------------------------------------------------------------------------------ hooks
-    def _alltoall(self, buf: np.ndarray, splits: list[int],
-                  name: str) -> tuple[np.ndarray, list[int]]:
-        torch = self.torch
-        got, received = self.hvd.alltoall(torch.from_numpy(buf), name=name,
-                                          splits=torch.tensor(splits, dtype=torch.int32))
-        return got.numpy(), [int(n) for n in received]
-
-    asynchronous = True  # hvd.alltoall_async: receives joined ahead (adapters/_hvd_rounds.py)
-
     def _alltoall_start(self, buf: np.ndarray, splits: list[int], name: str) -> Any:
         torch = self.torch
         tensor = torch.from_numpy(buf)  # kept alive (returned) until the op completes

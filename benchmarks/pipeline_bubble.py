@@ -9,12 +9,12 @@ same number of parameters (``--width``, ``--layers`` hidden layers), SGD, random
 cost of a step does not depend on their values). For each schedule, every stage records when
 each of its actions starts and ends (``TOOLKIT_PIPELINE_TIMELINE``); after ``--warmup`` steps,
 rank 0 prints per step the idle fraction (1 - compute / (S x the step's span); waiting, sends
-and receives count as idle), the formula (S-1)/(M+S-1), and the idle fractions that this step's
-measured forward and backward times per stage would give with free messages, in lockstep rounds
-(``toolkit.lockstep_idle_fraction``: horovod-tf's executor, a barrier after each round's
-exchange) and with asynchronous sends (``toolkit.simulate_schedule``: horovod-torch's
-``hvd.alltoall_async`` rounds). What these do not explain is the messages and waiting on a
-shared machine. The median over steps is
+and receives count as idle), the formula (S-1)/(M+S-1), and the idle fraction the executor's rounds
+would have with this step's measured forward and backward times per stage and free messages
+(``toolkit.lockstep_idle_fraction``: what unequal stages alone explain; the rest is messages
+and waiting on a shared machine). At S = 2 it equals the free-running stages' idle fraction
+(``toolkit.simulate_schedule``), so it applies to horovod-tf's synchronous rounds and to
+horovod-torch's asynchronous ones alike. The median over steps is
 the result. Then data parallel on the same processes for the step-time ratio.
 
 On 2 CPU cores both stages share the machine with everything else running: measure on a quiet
@@ -48,21 +48,18 @@ def stage_times(records: list[dict], stages: int) -> tuple[list[float], list[flo
 
 
 def measure(records: list[dict], name: str, M: int, steps: range):
-    """Median, min and max measured idle fraction over ``steps``; the median ones the rounds
-    (a barrier after each exchange) and free-running stages (asynchronous sends:
-    ``simulate_schedule``) would have with each step's measured stage times and free messages;
-    the last step's peak in flight and stage times."""
-    idle, equal, dataflow = [], [], []
+    """Median, min and max measured idle fraction over ``steps``, the median one the rounds
+    would have with each step's measured stage times and free messages, the last step's peak
+    in flight and stage times."""
+    idle, equal = [], []
     for step in steps:
         picked = select(records, step)
         fwd, bwd = stage_times(picked, 2)
         idle.append(idle_fraction(picked))
-        schedule = toolkit.pipeline_schedule(name, 2, M)
-        equal.append(toolkit.lockstep_idle_fraction(schedule, forward=fwd, backward=bwd))
-        dataflow.append(toolkit.simulate_schedule(schedule, forward=fwd,
-                                                  backward=bwd).idle_fraction)
+        equal.append(toolkit.lockstep_idle_fraction(toolkit.pipeline_schedule(name, 2, M),
+                                                    forward=fwd, backward=bwd))
     return (statistics.median(idle), min(idle), max(idle), statistics.median(equal),
-            statistics.median(dataflow), peak_in_flight(picked), fwd, bwd)
+            peak_in_flight(picked), fwd, bwd)
 
 
 def run(backend: str, layout: str, model, batch: int, steps: int, folder: str | None):
@@ -136,15 +133,14 @@ def main() -> None:
                                         range(args.warmup, args.steps))))
     step_time["data"] = statistics.median(
         run(args.backend, "data", model, args.batch_size, args.steps, None)[args.warmup:])
-    toolkit.print0("schedule  formula  measured idle (median, min-max)  at measured stage "
-                   "times: rounds / async  peak in flight s0/s1  F / B ms per stage  step vs "
-                   "data parallel", env=env)
-    for name, med, lo, hi, sim, flow, peak, fwd, bwd in rows:
+    toolkit.print0("schedule  formula  measured idle (median, min-max)  with measured stage "
+                   "times  peak in flight s0/s1  F / B ms per stage  step vs data parallel",
+                   env=env)
+    for name, med, lo, hi, sim, peak, fwd, bwd in rows:
         times = " ".join(f"{f * 1e3:.0f}/{b * 1e3:.0f}" for f, b in zip(fwd, bwd, strict=True))
         toolkit.print0(f"{name:9} {formula:.3f}    {med:.3f} ({lo:.3f}-{hi:.3f})"
-                       f"{'':15}{sim:.3f} / {flow:.3f}{'':14}{peak.get(0, 0)} / "
-                       f"{peak.get(1, 0)}{'':14}{times:18}"
-                       f"{step_time[name] / step_time['data']:.2f}x", env=env)
+                       f"{'':15}{sim:.3f}{'':18}{peak.get(0, 0)} / {peak.get(1, 0)}"
+                       f"{'':14}{times:18}{step_time[name] / step_time['data']:.2f}x", env=env)
     toolkit.print0(f"data parallel: {step_time['data'] * 1e3:.0f} ms per step", env=env)
 
 
