@@ -7,8 +7,9 @@ on the same GPT, the same data and the same optimizer, measured alternately in o
 
 Each window runs ``--steps`` steps of the Trainer, then ``--steps`` steps of the hand-written
 loop (below, one short function per backend: what a user would write without the toolkit);
-rank 0 prints the median tokens/s of each and the median of the per-window ratios
-(toolkit time / hand-written time: the toolkit's overhead; 1.00 means none). The machine is
+the order alternates between windows. Rank 0 prints the median tokens/s of each and the
+median of the per-window ratios (toolkit time / hand-written time: the toolkit's overhead;
+1.00 means none). The machine is
 noisy, so only ratios taken side by side mean anything.
 """
 
@@ -17,6 +18,7 @@ import statistics
 import time
 
 import numpy as np
+from _paired import paired_windows
 
 import adapters
 import toolkit
@@ -158,7 +160,7 @@ def main() -> None:
     p.add_argument("--context", type=int, default=128)
     p.add_argument("--batch-size", type=int, default=16, help="global, in sequences")
     p.add_argument("--steps", type=int, default=10, help="steps per window")
-    p.add_argument("--windows", type=int, default=5)
+    p.add_argument("--windows", type=int, default=9)
     args = p.parse_args()
 
     env = toolkit.current_env()
@@ -181,19 +183,22 @@ def main() -> None:
         hand(*next(batches))
     sync()
     tokens = args.steps * args.batch_size * args.context
-    ours, theirs = [], []
-    for _ in range(args.windows):
+
+    def run_toolkit() -> float:
         start = time.perf_counter()
         trainer.max_steps += args.steps
         trainer.fit(x, y)
-        ours.append(time.perf_counter() - start)
+        return time.perf_counter() - start
+
+    def run_hand() -> float:
         start = time.perf_counter()
         for _ in range(args.steps):
             loss = hand(*next(batches))
         float(np.mean(np.asarray(loss)))  # wait for the last step, as the Trainer does
         sync()
-        theirs.append(time.perf_counter() - start)
-    ratio = statistics.median(a / b for a, b in zip(ours, theirs, strict=True))
+        return time.perf_counter() - start
+
+    ours, theirs, ratio = paired_windows(run_toolkit, run_hand, args.windows)
     toolkit.print0(f"{name:14s} world {env.world_size}  GPT {spec.num_params:,} params, "
                    f"batch {args.batch_size}x{args.context}:  toolkit "
                    f"{tokens / statistics.median(ours):,.0f} tokens/s  hand-written "

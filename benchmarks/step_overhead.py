@@ -19,6 +19,7 @@ import statistics
 import time
 
 import numpy as np
+from _paired import paired_windows
 
 import adapters
 import toolkit
@@ -153,6 +154,8 @@ def main() -> None:
     p.add_argument("--batch-size", type=int, default=256, help="global")
     p.add_argument("--steps", type=int, default=20, help="steps per window")
     p.add_argument("--windows", type=int, default=15)
+    p.add_argument("--no-prefetch", action="store_true",
+                   help="the Trainer loads each batch when its step starts")
     args = p.parse_args()
 
     env = toolkit.current_env()
@@ -167,7 +170,8 @@ def main() -> None:
     trainer = toolkit.Trainer(adapters.get(args.backend), spec,
                               toolkit.SGD(lr=lr, momentum=0.9),
                               global_batch_size=args.batch_size, max_steps=args.steps,
-                              progress=False, stop_signals=())
+                              progress=False, stop_signals=(),
+                              prefetch=not args.no_prefetch)
     trainer.fit(x, y)  # set-up, compilation, warm-up
     params = spec.init(0, "float32")
     name = args.backend
@@ -193,15 +197,7 @@ def main() -> None:
         sync()
         return time.perf_counter() - start
 
-    ours, theirs = [], []
-    for w in range(args.windows):  # alternate which goes first, so drift hits both alike
-        if w % 2:
-            theirs.append(run_hand())
-            ours.append(run_toolkit())
-        else:
-            ours.append(run_toolkit())
-            theirs.append(run_hand())
-    ratio = statistics.median(a / b for a, b in zip(ours, theirs, strict=True))
+    ours, theirs, ratio = paired_windows(run_toolkit, run_hand, args.windows)
     ms = lambda t: statistics.median(t) / args.steps * 1e3  # noqa: E731
     toolkit.print0(f"{name:14s} world {env.world_size}  MLP {'-'.join(map(str, SIZES))}, "
                    f"batch {args.batch_size}:  toolkit {ms(ours):.2f} ms/step  hand-written "

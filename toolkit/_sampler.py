@@ -88,6 +88,9 @@ class GlobalBatchSampler:
         self.drop_last = drop_last
         self.epoch = 0
         self.step = 0  # global minibatches of `epoch` already handed out
+        # [(epoch, its order)]: one slot, shared by copies (the prefetch thread's), replaced
+        # whole so a reader never sees half of it.
+        self._order: list[tuple[int, np.ndarray] | None] = [None]
 
     @property
     def local_batch_size(self) -> int:
@@ -105,7 +108,14 @@ class GlobalBatchSampler:
         self.epoch, self.step = int(epoch), 0
 
     def epoch_order(self, epoch: int) -> np.ndarray:
-        """All sample indices of ``epoch`` in the order their global minibatches take them."""
+        """All sample indices of ``epoch`` in the order their global minibatches take them.
+
+        Drawn once per epoch (a permutation of a large data set takes milliseconds) and kept,
+        read-only, for the epoch; copies of the sampler share it.
+        """
+        cached = self._order[0]
+        if cached is not None and cached[0] == epoch:
+            return cached[1]
         if self.shuffle:
             order = np.random.default_rng([self.seed, epoch]).permutation(self.num_samples)
         else:
@@ -113,7 +123,10 @@ class GlobalBatchSampler:
         needed = len(self) * self.global_batch_size
         if needed > self.num_samples:  # drop_last=False: pad from the start of the same order
             order = np.resize(order, needed)
-        return order[:needed]
+        order = order[:needed]
+        order.flags.writeable = False
+        self._order[0] = (epoch, order)
+        return order
 
     def global_batch(self, epoch: int, step: int) -> np.ndarray:
         """The indices of global minibatch ``step`` of ``epoch`` (all ranks' samples)."""

@@ -45,6 +45,21 @@ def test_every_rank_shuffles_identically_and_epochs_differ():
     assert not np.array_equal(GlobalBatchSampler(64, 8, seed=2).epoch_order(0), e0)
 
 
+def test_an_epoch_order_is_drawn_once_shared_by_copies_and_read_only():
+    import copy
+
+    a = GlobalBatchSampler(64, 8, seed=1)
+    order = a.epoch_order(0)
+    twin = copy.copy(a)  # as the prefetch thread's copy
+    assert twin.epoch_order(0) is order and a.epoch_order(0) is order
+    with pytest.raises(ValueError, match="read-only"):
+        order[0] = 1
+    later = twin.epoch_order(1)  # the copy running ahead into the next epoch
+    assert not np.array_equal(later, order)
+    assert np.array_equal(a.epoch_order(0), order)  # drawn again, the same
+    assert np.array_equal(a.epoch_order(0), GlobalBatchSampler(64, 8, seed=1).epoch_order(0))
+
+
 def test_iteration_moves_to_the_next_epoch_by_itself():
     s = GlobalBatchSampler(32, 8, seed=0)
     first = [b.tolist() for b in s]
