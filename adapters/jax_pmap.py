@@ -71,9 +71,12 @@ class JaxPmapAdapter(PipelineAbility, PmapSharding, JaxBackendBase):
         params, opt_state = apply_optimizer(self.tx, grads, opt_state, params, scalars)
         return params, opt_state, model_state, total
 
-    def train_step(self, x: np.ndarray, y: np.ndarray, lr: float | None) -> float:
-        if self.pipeline is not None:
-            return self.pipeline.train_step(x, y, lr)
+    def device_batch(self, x: np.ndarray, y: np.ndarray):
+        """The local batch split over the local devices, on them
+        (``toolkit._contract.PlacesBatches``); made in the Trainer's prefetch thread, so the
+        copy overlaps the running step."""
+        if self.pipeline is not None:  # the executor places its micro-batches itself
+            return x, y
         d, k = len(self.devices), self.accumulation_steps
         if len(x) % (d * k):
             raise ToolkitError(
@@ -81,11 +84,17 @@ class JaxPmapAdapter(PipelineAbility, PmapSharding, JaxBackendBase):
                 f"devices x {k} accumulation steps",
                 f"use a global batch divisible by world size x {d * k}, or change "
                 "--local-devices / --accumulation-steps")
-        scalars = self._scalars(lr)
-        xs = self._inputs(x).reshape((d, -1) + x.shape[1:])
-        ys = self._labels(y).reshape((d, -1) + y.shape[1:])
-        out = self._run_step(self._pstep, (self.params, self.opt_state, self.model_state, xs,
-                                           ys, scalars, self._step_seed()), ahead=False)
+        put = self.jax.device_put
+        return (put(self._inputs(x).reshape((d, -1) + x.shape[1:]), self.stacked),
+                put(self._labels(y).reshape((d, -1) + y.shape[1:]), self.stacked))
+
+    def train_step(self, x: np.ndarray, y: np.ndarray, lr: float | None) -> float:
+        if self.pipeline is not None:
+            return self.pipeline.train_step(x, y, lr)
+        if not (isinstance(x, self.jax.Array) and x.sharding == self.stacked):
+            x, y = self.device_batch(x, y)
+        out = self._run_step(self._pstep, (self.params, self.opt_state, self.model_state, x, y,
+                                           self._scalars(lr), self._step_seed()), ahead=False)
         self.params, self.opt_state, self.model_state, losses = out[:4]
         if self.layout is not None:
             self.grads = out[4]  # the gradient this layout keeps (memory_bytes counts it)

@@ -142,3 +142,17 @@ class PipelineAdapter(Protocol):
 
     def memory_bytes(self) -> dict[str, int]:
         """Bytes this rank (its stage) holds for ``params``, ``grads`` and ``optimizer``."""
+
+
+@runtime_checkable
+class PlacesBatches(Protocol):
+    """The optional ability to copy a batch to the backend's devices ahead of its step.
+
+    The Trainer's prefetch thread calls :meth:`device_batch` on each loaded batch, so the copy
+    overlaps the step running before it (a JAX step otherwise makes it on the critical path);
+    ``train_step`` then takes what it returned, as well as host arrays.
+    """
+
+    def device_batch(self, x: np.ndarray, y: np.ndarray) -> tuple[Any, Any]:
+        """``(x, y)`` as ``train_step`` will use them (checked as ``train_step`` checks them);
+        safe to call from another thread while a step runs."""

@@ -6,7 +6,7 @@ import copy
 import queue
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -37,14 +37,17 @@ class BatchPrefetcher:
         sampler: the training sampler at the position training continues from (copied).
         steps: batches to load at most (the steps the loop will make).
         prefetch: load in a background thread; ``False`` loads inside :meth:`get`.
+        place: ``place(inputs, labels) -> (inputs, labels)`` applied to each loaded batch, in
+            the thread (the adapter's ``device_batch``: the copy to the devices overlaps the
+            running step); counted as loading.
 
     Use it as a context manager (or call :meth:`close`): leaving it stops and joins the thread.
     An exception in the thread is raised by :meth:`get` of the step that needed the batch.
     """
 
     def __init__(self, dataset: Dataset, sampler: GlobalBatchSampler, steps: int, *,
-                 prefetch: bool = True):
-        self.dataset, self.prefetch = dataset, prefetch
+                 prefetch: bool = True, place: Callable[[Any, Any], tuple[Any, Any]] | None = None):
+        self.dataset, self.prefetch, self.place = dataset, prefetch, place
         self.batches = 0
         self.load_seconds = 0.0  # spent making the batches handed out
         self.wait_seconds = 0.0  # the training thread spent waiting for them
@@ -67,7 +70,7 @@ class BatchPrefetcher:
         """``(inputs, labels)`` of ``indices``, the sampler's next local batch."""
         if self._thread is None:
             start = time.perf_counter()
-            batch = load_batch(self.dataset, indices)
+            batch = self._load(indices)
             seconds = time.perf_counter() - start
             self._account(seconds, seconds)
             return batch
@@ -104,12 +107,16 @@ class BatchPrefetcher:
         try:
             start = time.perf_counter()
             for indices in ahead:  # (drawing an epoch's permutation counts as loading too)
-                batch = load_batch(self.dataset, indices)
+                batch = self._load(indices)
                 if not self._put((indices, batch, time.perf_counter() - start)):
                     return
                 start = time.perf_counter()
         except BaseException as err:  # re-raised in the training thread by get()
             self._put(_Failure(err))
+
+    def _load(self, indices: np.ndarray) -> tuple[Any, Any]:
+        batch = load_batch(self.dataset, indices)
+        return batch if self.place is None else self.place(*batch)
 
     def _put(self, item: Any) -> bool:
         while not self._stop.is_set():

@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from toolkit._checkpoint import CheckpointStore
-from toolkit._contract import Adapter
+from toolkit._contract import Adapter, PlacesBatches
 from toolkit._data import Dataset, as_dataset
 from toolkit._env import LaunchEnv
 from toolkit._errors import ToolkitError
@@ -248,7 +248,8 @@ class Trainer:
         self._pending: list[Any] = []  # local step losses not yet averaged across ranks
         self._progress = ProgressLine(self.progress and env.rank == 0)
         loader = BatchPrefetcher(train, sampler, max(0, total - self.global_step),
-                                 prefetch=self.prefetch)
+                                 prefetch=self.prefetch, place=self.adapter.device_batch
+                                 if isinstance(self.adapter, PlacesBatches) else None)
         try:
             with loader, noting_signals(self.stop_signals, self._note_stop_signal):
                 self._loop(loader, validation, total,

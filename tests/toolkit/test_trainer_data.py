@@ -142,6 +142,37 @@ def test_prefetch_gives_the_same_losses_as_inline_loading_and_the_reference(data
     assert on.losses == reference
 
 
+class Placed:
+    """A batch 'on the device': what an adapter's device_batch hands train_step."""
+
+    def __init__(self, array, thread):
+        self.array, self.thread = array, thread
+
+
+class PlacingAdapter(NumpyAdapter):
+    """A backend with the PlacesBatches ability (as jax-pmap and jax-pjit have)."""
+
+    def device_batch(self, x, y):
+        return (Placed(x, threading.current_thread().name),
+                Placed(y, threading.current_thread().name))
+
+    def train_step(self, x, y, lr):
+        assert isinstance(x, Placed) and isinstance(y, Placed)
+        self.threads = getattr(self, "threads", []) + [x.thread]
+        return super().train_step(x.array, y.array, lr)
+
+
+@pytest.mark.parametrize("prefetch", [True, False])
+def test_an_adapter_that_places_batches_gets_them_placed_in_the_prefetch_thread(data, prefetch):
+    adapter = PlacingAdapter()
+    assert isinstance(adapter, toolkit._contract.PlacesBatches)
+    assert not isinstance(NumpyAdapter(), toolkit._contract.PlacesBatches)
+    history = make(adapter, max_steps=9, prefetch=prefetch).fit(data[0])
+    expected = "toolkit-prefetch" if prefetch else threading.current_thread().name
+    assert adapter.threads == [expected] * 9
+    assert history.losses == make(max_steps=9).fit(data[0]).losses
+
+
 def test_the_loss_becomes_a_float_only_when_averaged(data):
     adapter = NumpyAdapter()
     history = make(adapter, max_steps=7, log_every=3).fit(data[0])
