@@ -149,8 +149,8 @@ class PlacesBatches(Protocol):
     """The optional ability to copy a batch to the backend's devices ahead of its step.
 
     The Trainer's prefetch thread calls :meth:`device_batch` on each loaded batch, so the copy
-    overlaps the step running before it (a JAX step otherwise makes it on the critical path);
-    ``train_step`` then takes what it returned, as well as host arrays.
+    overlaps the step running before it (jax-pjit's step otherwise makes it on the critical
+    path); ``train_step`` then takes what it returned, as well as host arrays.
     """
 
     def device_batch(self, x: np.ndarray, y: np.ndarray) -> tuple[Any, Any]:
