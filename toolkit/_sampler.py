@@ -146,7 +146,8 @@ class GlobalBatchSampler:
                 self.set_epoch(epoch + 1)
             else:
                 self.step = step + 1
-            yield order[step * b:(step + 1) * b][self.rank::self.world_size]
+            # A copy: the epoch's order is shared and read-only, the caller's batch is its own.
+            yield order[step * b:(step + 1) * b][self.rank::self.world_size].copy()
 
     def state_dict(self) -> dict[str, Any]:
         """The position, independent of world size and rank: plain JSON-able values."""
