@@ -9,16 +9,14 @@ Each window runs ``--steps`` steps of the Trainer, then ``--steps`` steps of the
 loop (below, one short function per backend: what a user would write without the toolkit);
 the order alternates between windows. Rank 0 prints the median tokens/s of each and the
 median of the per-window ratios (toolkit time / hand-written time: the toolkit's overhead;
-1.00 means none). The machine is
-noisy, so only ratios taken side by side mean anything.
+1.00 means none). The machine is noisy, so only ratios taken side by side mean anything.
 """
 
 import argparse
 import statistics
-import time
 
 import numpy as np
-from _paired import paired_windows
+from _paired import trainer_against_hand
 
 import adapters
 import toolkit
@@ -28,16 +26,6 @@ from toolkit.equivalence import stdlib_bytes
 def windows(count: int, context: int):
     tokens = stdlib_bytes(count * context + 1).astype(np.int64)
     return tokens[:-1].reshape(count, context), tokens[1:].reshape(count, context)
-
-
-def local_batches(x, y, batch: int, env, seed: int = 0):
-    """Rank r's strided part of each global batch of one shuffled pass, forever."""
-    rng = np.random.default_rng(seed)
-    while True:
-        order = rng.permutation(len(x))
-        for start in range(0, len(x) - batch + 1, batch):
-            idx = order[start:start + batch][env.rank::env.world_size]
-            yield x[idx], y[idx]
 
 
 # ------------------------------------------------------------------ hand-written loops
@@ -178,27 +166,10 @@ def main() -> None:
     hand, sync = (torch_loop(spec, params, lr, env) if name == "horovod-torch" else
                   tf_loop(spec, params, lr, env) if name == "horovod-tf" else
                   jax_loop(spec, params, lr, env, pmap=name == "jax-pmap"))
-    batches = local_batches(x, y, args.batch_size, env)
-    for _ in range(3):  # the hand loop's warm-up (compilation)
-        hand(*next(batches))
-    sync()
     tokens = args.steps * args.batch_size * args.context
-
-    def run_toolkit() -> float:
-        start = time.perf_counter()
-        trainer.max_steps += args.steps
-        trainer.fit(x, y)
-        return time.perf_counter() - start
-
-    def run_hand() -> float:
-        start = time.perf_counter()
-        for _ in range(args.steps):
-            loss = hand(*next(batches))
-        float(np.mean(np.asarray(loss)))  # wait for the last step, as the Trainer does
-        sync()
-        return time.perf_counter() - start
-
-    ours, theirs, ratio = paired_windows(run_toolkit, run_hand, args.windows)
+    ours, theirs, ratio = trainer_against_hand(trainer, hand, sync, x, y, env,
+                                               steps=args.steps,
+                                               windows=args.windows, seed=0)
     toolkit.print0(f"{name:14s} world {env.world_size}  GPT {spec.num_params:,} params, "
                    f"batch {args.batch_size}x{args.context}:  toolkit "
                    f"{tokens / statistics.median(ours):,.0f} tokens/s  hand-written "

@@ -16,25 +16,14 @@ mean anything. Inputs are random floats (the cost of a step does not depend on t
 
 import argparse
 import statistics
-import time
 
 import numpy as np
-from _paired import paired_windows
+from _paired import trainer_against_hand
 
 import adapters
 import toolkit
 
 SIZES = (256, 1024, 1024, 10)
-
-
-def local_batches(x, y, batch: int, env, seed: int = 1):
-    """Rank r's strided part of each global batch of shuffled passes, forever."""
-    rng = np.random.default_rng(seed)
-    while True:
-        order = rng.permutation(len(x))
-        for start in range(0, len(x) - batch + 1, batch):
-            idx = order[start:start + batch][env.rank::env.world_size]
-            yield x[idx], y[idx]
 
 
 # ------------------------------------------------------------------ hand-written loops
@@ -178,26 +167,9 @@ def main() -> None:
     hand, sync = (torch_loop(params, lr) if name == "horovod-torch" else
                   tf_loop(params, lr) if name == "horovod-tf" else
                   jax_loop(params, lr, pmap=name == "jax-pmap"))
-    batches = local_batches(x, y, args.batch_size, env)
-    for _ in range(3):  # the hand loop's warm-up (compilation)
-        hand(*next(batches))
-    sync()
-
-    def run_toolkit() -> float:
-        start = time.perf_counter()
-        trainer.max_steps += args.steps
-        trainer.fit(x, y)
-        return time.perf_counter() - start
-
-    def run_hand() -> float:
-        start = time.perf_counter()
-        for _ in range(args.steps):
-            loss = hand(*next(batches))
-        float(np.mean(np.asarray(loss)))  # wait for the last step, as the Trainer does
-        sync()
-        return time.perf_counter() - start
-
-    ours, theirs, ratio = paired_windows(run_toolkit, run_hand, args.windows)
+    ours, theirs, ratio = trainer_against_hand(trainer, hand, sync, x, y, env,
+                                               steps=args.steps,
+                                               windows=args.windows, seed=1)
     ms = lambda t: statistics.median(t) / args.steps * 1e3  # noqa: E731
     toolkit.print0(f"{name:14s} world {env.world_size}  MLP {'-'.join(map(str, SIZES))}, "
                    f"batch {args.batch_size}:  toolkit {ms(ours):.2f} ms/step  hand-written "
