@@ -148,18 +148,29 @@ class PipelineExecutor:
         step, clock = self.step_index, time.time
         xs, ys = self._prepare[0](self._batch(xi)), self._prepare[1](self._batch(yi))
         for (ctrl, waves), rnd in zip(self.ctrl, self.plan.rounds, strict=True):
+            queued = False  # the round's first wave was dispatched behind its compute
             if any(act is not None for act in rnd.compute):
                 start = clock()
                 self.grads, self.box, self.losses = self._compute(
                     self.params, self.grads, self.box, self.losses, xs, ys, ctrl)
-                self.box.block_until_ready()
+                if waves:
+                    # Queued at once, the first wave starts on the devices as the compute ends,
+                    # not after a trip through the host. The compute has ended when its
+                    # gradients (which no wave takes) are ready; the wave starts then.
+                    wave = rnd.waves[0]
+                    self.box = self._exchange[(wave.forward, wave.backward)](self.box, waves[0])
+                    queued = True
+                self.grads.block_until_ready()
                 end = clock()
                 for s in self.local_stages:
                     if rnd.compute[s] is not None:
                         self.recorders[s].add(rnd.compute[s], start, end, step)
-            for wctrl, wave in zip(waves, rnd.waves, strict=True):
-                start = clock()
-                self.box = self._exchange[(wave.forward, wave.backward)](self.box, wctrl)
+            for i, (wctrl, wave) in enumerate(zip(waves, rnd.waves, strict=True)):
+                if i == 0 and queued:
+                    start = end
+                else:
+                    start = clock()
+                    self.box = self._exchange[(wave.forward, wave.backward)](self.box, wctrl)
                 self.box.block_until_ready()
                 end = clock()
                 for s in self.local_stages:
