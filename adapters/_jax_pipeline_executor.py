@@ -18,7 +18,7 @@ import numpy as np
 from adapters._common import check_build, loss_name
 from adapters._jax import LocalMean, make_optimizer
 from adapters._jax_pipeline import RoundPlan, eval_sums, stage_model
-from adapters._jax_pipeline_programs import StagePrograms
+from adapters._jax_pipeline_programs import LocalComputes, StagePrograms
 from toolkit import Adam, Pipeline, ToolkitError
 from toolkit._partition import micro_batch_size
 from toolkit._reference import optimizer_slots
@@ -45,8 +45,9 @@ class PipelineExecutor:
     A subclass's ``_setup_devices`` sets ``where``, the global index of each local device (in
     ``local_devices``' order; device ``i`` is stage ``i // D`` of replica ``i % D``), and it
     provides ``_collectives`` (the mechanism), ``_per_stage``, ``_zeros``, ``_batch``,
-    ``_scalars``, ``_full`` and ``_compile`` (setting ``_prepare``, ``_compute``, ``_exchange``,
-    ``_update``).
+    ``_scalars``, ``_full`` and ``_compile`` (setting ``_prepare``, ``_exchange`` and
+    ``_update``, and making ``box`` and ``losses``). The computes are the executor's own
+    (``adapters._jax_pipeline_programs.LocalComputes``).
     """
 
     def __init__(self, adapter: Any, layout: Pipeline, samples: str = "replica",
@@ -92,6 +93,7 @@ class PipelineExecutor:
         self.D = len(devices) // S
         self._setup_devices(devices)
         self._index_of = dict(zip(self.local_devices, self.where, strict=True))
+        self._stage_of = {d: i // self.D for d, i in self._index_of.items()}
         host = self.staged.flatten(self.staged.init, a.dtype_name)
         if a.env.world_size > 1:  # rank 0's initial parameters become everyone's
             from jax.experimental import multihost_utils
@@ -100,8 +102,7 @@ class PipelineExecutor:
         self.slots = optimizer_slots(optimizer)
         self._set_state(host, {s: np.zeros_like(host) for s in self.slots})
         self.grads = self._zeros((self.staged.length,))
-        self.ctrl = [(self._per_stage(r.ctrl), [self._per_stage(w.ctrl) for w in r.waves])
-                     for r in self.plan.rounds]
+        self.ctrl = [[self._per_stage(w.ctrl) for w in r.waves] for r in self.plan.rounds]
         local = [(i // self.D, i % self.D) for i in self.where]
         self.local_stages = sorted({s for s, _ in local})
         self.position = (local[0][0], local[0][1] // jax.local_device_count())
@@ -120,10 +121,12 @@ class PipelineExecutor:
         # "process": every process's samples differ, a replica gathers its S devices' shares;
         # "replica": a replica's S processes hold the same samples (n counts them S times).
         mb = micro_batch_size(n // D if gather else n // (S * D), M)
-        return StagePrograms(jax, self.staged, self.loss_fn, self.tx, self._collectives(), M,
-                             mb, 1.0 / n if gather else S / n, gather,
-                             jax.ShapeDtypeStruct((mb,) + tuple(x_shape[1:]), x_dtype),
-                             self.a.dtype)
+        progs = StagePrograms(jax, self.staged, self.loss_fn, self.tx, self._collectives(), M,
+                              mb, 1.0 / n if gather else S / n, gather,
+                              jax.ShapeDtypeStruct((mb,) + tuple(x_shape[1:]), x_dtype),
+                              self.a.dtype)
+        self.local = LocalComputes(jax, progs)
+        return progs
 
     # ------------------------------------------------------------------ training
     def train_step(self, x: np.ndarray, y: np.ndarray, lr: float | None) -> LocalMean:
@@ -142,33 +145,43 @@ class PipelineExecutor:
             micro_batch_size(replica_batch, self.layout.micro_batches)  # its error and hint
         xi, yi = a._inputs(x), a._labels(y)
         shapes = (xi.shape, xi.dtype, yi.shape, yi.dtype)
-        if self._compiled_for != shapes:
+        fresh = self._compiled_for != shapes
+        if fresh:
             self._compile(n, xi, yi)
             self._compiled_for = shapes
+            self._like = [(t.shape, t.sharding, [sh.device for sh in t.addressable_shards])
+                          for t in (self.grads, self.box, self.losses)]
         step, clock = self.step_index, time.time
         xs, ys = self._prepare[0](self._batch(xi)), self._prepare[1](self._batch(yi))
-        for (ctrl, waves), rnd in zip(self.ctrl, self.plan.rounds, strict=True):
-            queued = False  # the round's first wave was dispatched behind its compute
-            if any(act is not None for act in rnd.compute):
-                start = clock()
-                self.grads, self.box, self.losses = self._compute(
-                    self.params, self.grads, self.box, self.losses, xs, ys, ctrl)
-                if waves:
-                    # Queued at once, the first wave starts on the devices as the compute ends,
-                    # not after a trip through the host. The compute has ended when its
-                    # gradients (which no wave takes) are ready; the wave starts then.
-                    wave = rnd.waves[0]
-                    self.box = self._exchange[(wave.forward, wave.backward)](self.box, waves[0])
-                    queued = True
-                self.grads.block_until_ready()
-                end = clock()
-                for s in self.local_stages:
-                    if rnd.compute[s] is not None:
-                        self.recorders[s].add(rnd.compute[s], start, end, step)
+        blocks = self._blocks(self.params, self.grads, self.box, self.losses, xs, ys)
+        for device, b in blocks.items():
+            b[0] = self.local.params(self._stage_of[device], b[0])
+        if fresh:  # every local (action, device) program, then the processes meet
+            for rnd in self.plan.rounds:
+                for device, b in blocks.items():
+                    branch = int(rnd.ctrl[self._stage_of[device]][0])
+                    if branch and (branch, device) not in self.local.cache:
+                        self.local.compile(branch, device, b)
+            a.barrier()
+        for waves, rnd in zip(self.ctrl, self.plan.rounds, strict=True):
+            start = clock()
+            ran = self.local.run(lambda d, r=rnd: r.ctrl[self._stage_of[d]], blocks)
+            if waves:
+                # Queued at once, the first wave starts on the devices as the computes end,
+                # not after a trip through the host. The computes have ended when their
+                # gradients (which no wave takes) are ready; the wave starts then.
+                self.box = self._joined(blocks, 2)
+                wave = rnd.waves[0]
+                self.box = self._exchange[(wave.forward, wave.backward)](self.box, waves[0])
+            for device in ran:
+                blocks[device][1].block_until_ready()
+            end = clock()
+            for s in self.local_stages:
+                if ran and rnd.compute[s] is not None:
+                    self.recorders[s].add(rnd.compute[s], start, end, step)
             for i, (wctrl, wave) in enumerate(zip(waves, rnd.waves, strict=True)):
-                if i == 0 and queued:
-                    start = end
-                else:
+                start = end
+                if i:
                     start = clock()
                     self.box = self._exchange[(wave.forward, wave.backward)](self.box, wctrl)
                 self.box.block_until_ready()
@@ -176,6 +189,10 @@ class PipelineExecutor:
                 for s in self.local_stages:
                     for act in wave.actions[s]:
                         self.recorders[s].add(act, start, end, step)
+            if waves:
+                for shard in self.box.addressable_shards:
+                    blocks[shard.device][2] = shard.data
+        self.grads, self.box, self.losses = (self._joined(blocks, i) for i in (1, 2, 3))
         scalars = self._scalars(a._scalars(lr))
         a.steps += 1
         self.params, self.opt_state, self.grads, loss = self._update(
@@ -188,6 +205,20 @@ class PipelineExecutor:
                                 rec.replica)
             rec.records = [r for r in rec.records if r["step"] > step - self.keep_steps]
         return LocalMean([loss.addressable_data(0)])
+
+    def _blocks(self, *arrays) -> dict:
+        """Local device -> its block of each of ``arrays``."""
+        out = {device: [] for device in self.local_devices}
+        for array in arrays:
+            for shard in array.addressable_shards:
+                out[shard.device].append(shard.data)
+        return out
+
+    def _joined(self, blocks: dict, i: int):
+        """The global array of the grads (1), box (2) or losses (3) from the local blocks."""
+        shape, sharding, devices = self._like[i - 1]
+        return self.a.jax.make_array_from_single_device_arrays(
+            shape, sharding, [blocks[d][i] for d in devices])
 
     def pipeline_position(self) -> tuple[int, int]:
         """This process's ``(stage, replica)``: its first device's stage, and which of the
@@ -292,6 +323,20 @@ class PipelineAbility:
             self.pipeline = getattr(importlib.import_module(module), cls)(self, layout)
             return
         super().set_layout(layout)
+
+    def _blocks(self, *arrays) -> dict:
+        """Local device -> its block of each of ``arrays``."""
+        out = {device: [] for device in self.local_devices}
+        for array in arrays:
+            for shard in array.addressable_shards:
+                out[shard.device].append(shard.data)
+        return out
+
+    def _joined(self, blocks: dict, i: int):
+        """The global array of the grads (1), box (2) or losses (3) from the local blocks."""
+        shape, sharding, devices = self._like[i - 1]
+        return self.a.jax.make_array_from_single_device_arrays(
+            shape, sharding, [blocks[d][i] for d in devices])
 
     def pipeline_position(self) -> tuple[int, int]:
         """This process's ``(stage, replica)`` (``(0, rank)`` without a pipeline)."""

@@ -9,17 +9,16 @@ consecutive replicas of one stage, or, alone, several stages). Samples: see
 ``adapters._jax_pipeline_executor.PipelineExecutor``; gradients are summed over ``data`` (each
 backward scales by ``1 / B``).
 
-Execution. One step is four kinds of jitted programs, each called by every process in the same
-order: ``prepare`` (the gather of the inputs and labels), per lockstep round one ``compute``
-(every device runs its stage's action of the round through ``lax.switch``: no collective, so each
-process times its own stages' forwards and backwards) and one ``exchange`` per wave of messages
-(``ppermute`` forward and/or backward over ``stage``; its time is the send/receive, waiting for
-the neighbour included), and ``update`` (``psum`` of gradients over ``data``, the tied embedding's
-over the holders on ``stage``, the elementwise optimizer). The bodies are
+Execution. One step is three kinds of jitted programs over the mesh, each called by every process
+in the same order: ``prepare`` (the gather of the inputs and labels), one ``exchange`` per wave of
+messages (``ppermute`` forward and/or backward over ``stage``; its time is the send/receive,
+waiting for the neighbour included), and ``update`` (``psum`` of gradients over ``data``, the tied
+embedding's over the holders on ``stage``, the elementwise optimizer). The bodies are
 ``adapters._jax_pipeline_programs.StagePrograms``, shared with jax-pmap; here each is wrapped in
 ``shard_map`` (one device's block of every array, leading ``(1, 1)`` or ``(1,)`` axes dropped).
-Every compute and exchange is timed on the host (dispatch to ``block_until_ready``) into a
-``toolkit.StageRecorder`` per local stage.
+A round's forwards and backwards take no collective: each process runs its own devices' actions
+as single-device programs on their blocks (``LocalComputes``; the executor times them). Every
+compute and exchange is timed on the host into a ``toolkit.StageRecorder`` per local stage.
 """
 
 from __future__ import annotations
@@ -98,7 +97,7 @@ class PjitPipeline(PipelineExecutor):
         """Builds and compiles the step's programs for a global batch of ``n`` rows shaped like
         ``xi``/``yi``, then a barrier (no process starts a collective while another still
         compiles: jax issue 40831)."""
-        jax, lax = self.a.jax, self.a.jax.lax
+        jax = self.a.jax
         spec = jax.sharding.PartitionSpec
         progs = self._programs(n, xi.shape, xi.dtype)
         sd, st = spec("stage", "data"), spec("stage")
@@ -106,14 +105,6 @@ class PjitPipeline(PipelineExecutor):
 
         def prepare(x):
             return progs.prepare(x)[None, None]
-
-        def compute(p, g, bx, ls, x, y, c):
-            # The stage's parameters are the same on every replica; as invariant inputs, their
-            # gradients inside shard_map would be summed over ``data`` implicitly. Varying
-            # copies keep each replica's own gradient (``update`` sums them once).
-            p = lax.pcast(p, "data", to="varying")
-            out = progs.compute(p[0], g[0, 0], bx[0, 0], ls[0, 0], x[0, 0], y[0, 0], c[0])
-            return tuple(o[None, None] for o in out)
 
         def exchange(forward, backward):
             run = progs.exchange(forward, backward)
@@ -127,8 +118,6 @@ class PjitPipeline(PipelineExecutor):
 
         opt_specs = {s: st for s in self.slots}
         prep = jax.jit(smap(prepare, in_specs=spec(("stage", "data")), out_specs=sd))
-        comp = jax.jit(smap(compute, in_specs=(st, sd, sd, sd, sd, sd, st),
-                            out_specs=(sd, sd, sd)), donate_argnums=(1, 2, 3))
         upd = jax.jit(smap(update, in_specs=(st, opt_specs, sd, sd, spec()),
                            out_specs=(st, opt_specs, sd, spec())), donate_argnums=(0, 1, 2))
         self.box = self._zeros(progs.box_shape(self.plan.slots))
@@ -137,11 +126,7 @@ class PjitPipeline(PipelineExecutor):
         structs = [jax.ShapeDtypeStruct((n,) + a.shape[1:], a.dtype,
                                         sharding=self._ns(("stage", "data"))) for a in (xi, yi)]
         self._prepare = [prep.lower(s).compile() for s in structs]
-        xs, ys = [jax.ShapeDtypeStruct(o.shape, o.dtype, sharding=self._ns("stage", "data"))
-                  for o in (jax.eval_shape(prep, s) for s in structs)]
-        self._compute = comp.lower(self.params, self.grads, self.box, self.losses, xs, ys,
-                                   self.ctrl[0][0]).compile()
-        wave = next((w for _, ws in self.ctrl for w in ws), None)
+        wave = next((w for ws in self.ctrl for w in ws), None)
         self._exchange = {(f, b): exchange(f, b).lower(self.box, wave).compile()
                           for f in (False, True) for b in (False, True)
                           if (f or b) and wave is not None}

@@ -134,8 +134,6 @@ class PmapPipeline(PipelineExecutor):
         pmap = partial(jax.pmap, axis_name=AXIS)
         prepare = pmap(progs.prepare)
         self._prepare = [_FirstCallBarrier(prepare, barrier) for _ in (xi, yi)]
-        self._compute = _FirstCallBarrier(pmap(progs.compute, donate_argnums=(1, 2, 3)),
-                                          barrier)
         self._exchange = {(f, b): _FirstCallBarrier(pmap(progs.exchange(f, b),
                                                          donate_argnums=(0,)), barrier)
                           for f in (False, True) for b in (False, True) if f or b}
