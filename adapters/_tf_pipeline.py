@@ -28,6 +28,8 @@ step, rank) as in data parallel.
 
 from __future__ import annotations
 
+import threading
+from concurrent.futures import Future
 from typing import Any
 
 import numpy as np
@@ -43,6 +45,37 @@ from toolkit._partition import micro_batch_size
 from toolkit._reference import optimizer_slots
 from toolkit._schedules import Action
 from toolkit._specs import ModelSpec
+
+
+class OrderedRounds:
+    """Runs ``run(buf, splits, name)`` for each round of ``order`` (the message rounds of a
+    step, repeated every step) on one daemon thread, in that order, as each is posted;
+    :meth:`post` returns the round's ``concurrent.futures.Future``."""
+
+    def __init__(self, run, order: list[int]):
+        self.run, self.order = run, order
+        self.posted: dict[int, tuple] = {}
+        self.ready = threading.Condition()
+        threading.Thread(target=self._work, daemon=True, name="toolkit-pipeline-rounds").start()
+
+    def post(self, index: int, buf: np.ndarray, splits: list[int], name: str) -> Future:
+        future: Future = Future()
+        with self.ready:
+            self.posted[index] = (buf, splits, name, future)
+            self.ready.notify()
+        return future
+
+    def _work(self) -> None:
+        while True:
+            for index in self.order:
+                with self.ready:
+                    while index not in self.posted:
+                        self.ready.wait()
+                    buf, splits, name, future = self.posted.pop(index)
+                try:
+                    future.set_result(self.run(buf, splits, name))
+                except BaseException as error:  # the step that waits for it raises it
+                    future.set_exception(error)
 
 
 class TFPipeline(HvdPipeline):
@@ -92,12 +125,24 @@ class TFPipeline(HvdPipeline):
         self.adapter.steps = value
 
     # ------------------------------------------------------------------------------ hooks
-    # Synchronous rounds. Eager Horovod ops ignore their name and are matched by the order
-    # ranks submit them in (measured: two threads' allreduces named "a" and "b", submitted in
-    # opposite orders on two ranks, were matched by order); every rank submits these in the
-    # same order. Asynchronous rounds in threads, one tf.function per round name (where Horovod
-    # does use the name), were tried: correct, but slower (bubble 0.196 / 0.183 against
-    # 0.179 / 0.168, step 2.05x data parallel against 1.58x), the threads sharing one core.
+    # Asynchronous rounds on one thread, in round order. Eager Horovod ops ignore their name
+    # and are matched by the order ranks submit them in (measured: two threads' allreduces
+    # named "a" and "b", submitted in opposite orders on two ranks, were matched by order), so
+    # one thread per rank runs every message round's alltoall in the rounds' order, whatever
+    # order the stage joins them in; the stage computes on meanwhile.
+    asynchronous = True
+
+    def _alltoall_start(self, buf: np.ndarray, splits: list[int], name: str) -> Any:
+        prefix, _, index = name.rpartition(".")
+        if prefix != "pipeline.round":  # not a step's round (evaluation's): at once
+            return self._alltoall(buf, splits, name)
+        if getattr(self, "_rounds_thread", None) is None:
+            self._rounds_thread = OrderedRounds(self._alltoall, sorted(self.slot))
+        return self._rounds_thread.post(int(index), buf, splits, name)
+
+    def _alltoall_wait(self, started: Any) -> tuple[np.ndarray, list[int]]:
+        return started.result() if isinstance(started, Future) else started
+
     def _alltoall(self, buf: np.ndarray, splits: list[int],
                   name: str) -> tuple[np.ndarray, list[int]]:
         tf = self.tf
