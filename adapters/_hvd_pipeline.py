@@ -7,8 +7,8 @@
   the schedule (``toolkit.pipeline_schedule``) regrouped into lockstep rounds
   (``toolkit.lockstep_rounds``), and the loop over them: each round every rank runs at most one
   forward or backward (the subclass's ``_compute``); the round's messages move in one named
-  ``hvd.alltoall`` over the world (``adapters/_hvd_rounds.py``: synchronous, or asynchronous
-  with receives joined ahead, and why neither can deadlock);
+  ``hvd.alltoall`` over the world (``adapters/_hvd_rounds.py``: asynchronous, with receives
+  joined ahead, and why that cannot deadlock);
 - the gradient reduction in Horovod process sets (registered at ``hvd.init`` by
   ``init_horovod``): after the rounds, an allreduce in the stage's replica set averages its
   gradients, and a tied parameter (a GPT's ``tok_emb`` on the first and the last stage) is

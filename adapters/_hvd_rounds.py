@@ -6,15 +6,19 @@ with a split for each receiving rank and zero for the others; several messages t
 concatenated in the schedule's order, each as a flat ``[ndim, *shape, values...]`` buffer in
 the backend's dtype (``pack``/``unpack``).
 
-Every rank joins every round's alltoall. Where the framework has an asynchronous alltoall
-(horovod-torch: ``hvd.alltoall_async``; ``asynchronous = True``), a stage joins every round in
+Every rank joins every round's alltoall. Where the alltoall is asynchronous (``asynchronous =
+True``: horovod-torch's ``hvd.alltoall_async``; horovod-tf's eager alltoall run on a thread of
+its own), a stage joins every round in
 which it sends nothing at the very start of the step, and a round in which it sends as soon as
 its payload is computed; it waits for a round only when an action needs that round's message.
 A sender therefore never waits, and a receiver has already joined when the message is sent.
 Horovod matches collectives by name whatever order ranks submit them in, and no rank ever waits
 for a round whose senders are themselves waiting on a later round (a sender's inputs come from
-earlier rounds), so nothing can deadlock. Where the alltoall is synchronous (horovod-tf's eager
-one), every rank runs the rounds in order and each alltoall completes as it is called.
+earlier rounds), so nothing can deadlock. Eager horovod-tf ignores names and matches ops by
+the order ranks submit them in, so its thread runs the rounds' alltoalls in the rounds' order
+on every rank: a stage's payload for round ``r`` needs only rounds before ``r``, which that
+order completes first, so this cannot deadlock either. Where the alltoall is synchronous (the
+default hooks), every rank runs the rounds in order and each alltoall completes as it is called.
 """
 
 from __future__ import annotations
@@ -74,7 +78,7 @@ class RoundMessages:
         Every collective of the executor is named (``name``): ranks of different stages join
         different process sets, so horovod.torch's unnamed ops (numbered per process) would not
         match across ranks. (Eager horovod-tf ignores names and matches ops by the order they
-        are submitted in, which its synchronous rounds keep the same on every rank.)"""
+        are submitted in, which it keeps the same on every rank: see the module docstring.)"""
         return self._exchange_finish(self._exchange_start(outgoing, dtype, name))
 
     def _exchange_start(self, outgoing: dict[int, np.ndarray], dtype, name: str) -> Any:

@@ -13,8 +13,8 @@ and receives count as idle), the formula (S-1)/(M+S-1), and the idle fraction th
 would have with this step's measured forward and backward times per stage and free messages
 (``toolkit.lockstep_idle_fraction``: what unequal stages alone explain; the rest is messages
 and waiting on a shared machine). At S = 2 it equals the free-running stages' idle fraction
-(``toolkit.simulate_schedule``), so it applies to horovod-tf's synchronous rounds and to
-horovod-torch's asynchronous ones alike. The median over steps is
+(``toolkit.simulate_schedule``), so it applies to the JAX executors' lockstep rounds and to
+the Horovod executors' asynchronous ones alike. The median over steps is
 the result. Then data parallel on the same processes for the step-time ratio.
 
 On 2 CPU cores both stages share the machine with everything else running: measure on a quiet
