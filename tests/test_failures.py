@@ -71,12 +71,15 @@ def test_a_failing_rank_ends_the_whole_job(launch, launcher, mode, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("launcher", ["horovodrun-gloo", "mpirun", "srun"])
-def test_a_rank_killed_mid_pipeline_schedule_ends_the_job(launch, launcher):
-    """Under Pipeline(2, 4) (horovod-torch), rank 1 SIGKILLs itself at its second step's
-    backward of micro-batch 1, while rank 0 waits in the round's alltoall."""
-    job = launch(launcher, 2, ["tests/scripts/pipeline_torch_worker.py", "crash"], timeout=120,
-                 env={"CRASH_RANK": "1"})
+@pytest.mark.parametrize("launcher, backend", [
+    ("horovodrun-gloo", "horovod-torch"), ("mpirun", "horovod-torch"), ("srun", "horovod-torch"),
+    ("horovodrun-gloo", "horovod-tf")])
+def test_a_rank_killed_mid_pipeline_schedule_ends_the_job(launch, launcher, backend):
+    """Under Pipeline(2, 4), rank 1 SIGKILLs itself at its second step's backward of
+    micro-batch 1, while rank 0 waits for a round's alltoall (horovod-tf: on its rounds
+    thread)."""
+    job = launch(launcher, 2, ["tests/scripts/pipeline_torch_worker.py", "crash", backend],
+                 timeout=120, env={"CRASH_RANK": "1"})
     ended = time.time()
     killed = re.search(r"killing rank 1 at B1 at time ([0-9.]+)", job.stdout)
     assert killed, job
