@@ -89,6 +89,7 @@ class TFPipeline(HvdPipeline):
     def __init__(self, adapter, layout: Pipeline):
         super().__init__(adapter.env, layout)
         self.adapter, self.tf, self.hvd = adapter, adapter.tf, adapter.hvd
+        self._rounds_thread: OrderedRounds | None = None  # made at the first round
 
     # ------------------------------------------------------------------------------ build
     def build(self, model: Any, optimizer: Any, loss: Any, *, seed: int = 0,
@@ -152,7 +153,7 @@ class TFPipeline(HvdPipeline):
         prefix, _, index = name.rpartition(".")
         if prefix != "pipeline.round":  # not a step's round (evaluation's): at once
             return self._alltoall(buf, splits, name)
-        if getattr(self, "_rounds_thread", None) is None:
+        if self._rounds_thread is None:
             self._rounds_thread = OrderedRounds(self._alltoall, sorted(self.slot))
         return self._rounds_thread.post(int(index), buf, splits, name)
 
