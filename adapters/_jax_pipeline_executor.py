@@ -324,20 +324,6 @@ class PipelineAbility:
             return
         super().set_layout(layout)
 
-    def _blocks(self, *arrays) -> dict:
-        """Local device -> its block of each of ``arrays``."""
-        out = {device: [] for device in self.local_devices}
-        for array in arrays:
-            for shard in array.addressable_shards:
-                out[shard.device].append(shard.data)
-        return out
-
-    def _joined(self, blocks: dict, i: int):
-        """The global array of the grads (1), box (2) or losses (3) from the local blocks."""
-        shape, sharding, devices = self._like[i - 1]
-        return self.a.jax.make_array_from_single_device_arrays(
-            shape, sharding, [blocks[d][i] for d in devices])
-
     def pipeline_position(self) -> tuple[int, int]:
         """This process's ``(stage, replica)`` (``(0, rank)`` without a pipeline)."""
         return self.pipeline.pipeline_position() if self.pipeline else (0, self.env.rank)

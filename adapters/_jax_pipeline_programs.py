@@ -54,7 +54,8 @@ class StagePrograms:
             self.shapes.append(h)
         self.width = max([int(np.prod(s.shape[1:])) for s in self.shapes[:-1]] or [1])
         K = staged.pieces
-        self.branches = [self._idle] + [f for k in range(K)
+        # Branch 0 is idle (nothing runs); 1 + 2k and 2 + 2k are piece k's forward, backward.
+        self.branches = [None] + [f for k in range(K)
                                         for f in (self._forward(k), self._backward(k))]
         cyclic = staged.chunks > 1  # the last stage's chunk feeds stage 0's next chunk
         S = staged.stages
@@ -104,10 +105,6 @@ class StagePrograms:
             g = staged.add_grads(g, k, gp)
             return g, (bx if k == 0 else bx.at[out].set(self._pack(gh))), ls
         return run
-
-    @staticmethod
-    def _idle(p, g, bx, ls, x, y, m, a_in, g_in, out):
-        return g, bx, ls
 
     def exchange(self, forward: bool, backward: bool):
         """One wave: ``c`` is the stage's ``[send_f, send_b, recv_f, valid, recv_b, valid]``."""
