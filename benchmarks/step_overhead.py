@@ -141,10 +141,12 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--backend", default="horovod-torch", choices=adapters.BACKENDS)
     p.add_argument("--batch-size", type=int, default=256, help="global")
-    p.add_argument("--steps", type=int, default=20, help="steps per window")
+    p.add_argument("--steps", type=int, default=100, help="steps per window (each window is one "
+                   "fit call, whose fixed cost, about 1 ms, this spreads thin)")
     p.add_argument("--windows", type=int, default=15)
-    p.add_argument("--no-prefetch", action="store_true",
-                   help="the Trainer loads each batch when its step starts")
+    p.add_argument("--prefetch", choices=("auto", "on", "off"), default="auto",
+                   help="the Trainer's prefetch (auto, its default: in-memory arrays load "
+                        "inline)")
     args = p.parse_args()
 
     env = toolkit.current_env()
@@ -160,7 +162,7 @@ def main() -> None:
                               toolkit.SGD(lr=lr, momentum=0.9),
                               global_batch_size=args.batch_size, max_steps=args.steps,
                               progress=False, stop_signals=(),
-                              prefetch=not args.no_prefetch)
+                              prefetch={"auto": "auto", "on": True, "off": False}[args.prefetch])
     trainer.fit(x, y)  # set-up, compilation, warm-up
     params = spec.init(0, "float32")
     name = args.backend

@@ -173,6 +173,33 @@ def test_an_adapter_that_places_batches_gets_them_placed_in_the_prefetch_thread(
     assert history.losses == make(max_steps=9).fit(data[0]).losses
 
 
+def test_auto_prefetch_loads_in_memory_arrays_inline_and_anything_else_in_the_thread(
+        data, tmp_path):
+    """The default, prefetch="auto": numpy arrays in memory load on the training thread; a
+    data set or a memory-mapped array goes through the prefetch thread. Same batches either
+    way."""
+    x, y = windows(corpus(0))
+    np.save(tmp_path / "x.npy", x)
+    mapped = np.load(tmp_path / "x.npy", mmap_mode="r")
+    runs = {}
+    for name, args in {"arrays": (x, y), "memmap": (mapped, y), "windows": (data[0],)}.items():
+        adapter = PlacingAdapter()
+        trainer = make(adapter, max_steps=9)
+        assert trainer.prefetch == "auto"
+        runs[name] = trainer.fit(*args).losses
+        inline = name == "arrays"
+        assert trainer.prefetch_stats["prefetch"] is not inline
+        assert adapter.threads == [threading.current_thread().name if inline
+                                   else "toolkit-prefetch"] * 9
+    assert runs["arrays"] == runs["memmap"] == runs["windows"]
+
+
+@pytest.mark.parametrize("bad", ["yes", 1.5, None])
+def test_a_bad_prefetch_value_is_a_clear_error(bad):
+    with pytest.raises(toolkit.ToolkitError, match=r"prefetch=.* is not True, False or 'auto'"):
+        make(prefetch=bad)
+
+
 def test_the_loss_becomes_a_float_only_when_averaged(data):
     adapter = NumpyAdapter()
     history = make(adapter, max_steps=7, log_every=3).fit(data[0])
