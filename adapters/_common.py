@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 from toolkit import SGD, Adam, ToolkitError
 from toolkit._specs import DTYPES, check_choice
 
@@ -82,3 +84,17 @@ def check_build(backend: str, optimizer: object, accumulation_steps: int,
         raise ToolkitError(f"under a pipeline layout {backend} cannot use the optimizer "
                            f"{optimizer!r}", "pass toolkit.SGD(...) or toolkit.Adam(...): "
                            "each stage builds it over its own parameters")
+
+
+@contextlib.contextmanager
+def unwrapped_toolkit_errors():
+    """Re-raises a ToolkitError raised while tracing a tf.function (autograph wraps it in a
+    StagingError whose message is the whole traceback) as itself."""
+    try:
+        yield
+    except ToolkitError:
+        raise
+    except Exception as err:
+        if isinstance(err.__context__, ToolkitError):
+            raise err.__context__ from None
+        raise

@@ -3,7 +3,7 @@
 Spec models (``toolkit.MLP``, ``CNN``, ``GPT``) are cut by ``toolkit.partition_model`` into runs
 of whole units (an MLP's layers, a CNN's convs, a GPT's blocks with the embeddings on the first
 piece and ``ln_f``/head on the last). A piece runs its units with the same TF ops as the
-data-parallel model (``_tf_sharded.unit_functions``: ``horovod_tf._forward`` and
+data-parallel model (``_tf_units.unit_functions``: ``horovod_tf._forward`` and
 ``_gpt_tf.gpt_forward`` unit by unit), on ``tf.Variable``\\ s under the spec's neutral names made
 from the same numpy initialisation, of which a rank creates its stage's only. A tied GPT's last
 stage holds its own ``tok_emb`` variable (the head reads it); the executor sums both stages'
@@ -88,7 +88,7 @@ def cut_model(tf, model: Any, layout, stage: int, adapter) -> CutModel:
 
 
 def _cut_spec(tf, spec, layout, stage: int, init: dict[str, np.ndarray]) -> CutModel:
-    from adapters._tf_sharded import unit_functions
+    from adapters._tf_units import unit_functions
 
     S, v = layout.stages, layout.chunks
     part = partition_model(spec, S, v, layout.splits or None)

@@ -48,14 +48,13 @@ from typing import Any
 
 import numpy as np
 
+from adapters._torch_units import SHARDABLE, native_units, spec_units, update_shard
 from toolkit import SGD, Adam, ToolkitError
 from toolkit._layouts import DataParallel, Sharded
 from toolkit._reference import adam_scalars, optimizer_slots
-from toolkit._shards import FlatLayout, unit_layouts
+from toolkit._shards import FlatLayout
 
-SHARDABLE = ("horovod-torch shards toolkit.MLP/CNN/GPT specs, and native nn.Modules whose "
-             "trainable parameters are reached as module attributes (Linear, Conv, LayerNorm, "
-             "Embedding, ...); units are the module's top-level children")
+__all__ = ["SHARDABLE", "ShardedParameters", "check_layout", "native_units", "spec_units"]
 
 
 def check_layout(layout: Any) -> Sharded | None:
@@ -71,32 +70,6 @@ def check_layout(layout: Any) -> Sharded | None:
             f"tensor_parallel={layout.tensor_parallel})",
             "only jax-pjit splits layers: use tensor_parallel=1 or --backend jax-pjit")
     return layout
-
-
-def native_units(torch, net, optimizer: Any) -> dict[str, list[str]]:
-    """Units of a native module (its top-level children; a parameter of the root module is a
-    unit of its own), or a ToolkitError for a module or optimizer this cannot shard soundly."""
-    if not isinstance(optimizer, SGD | Adam):
-        raise ToolkitError(
-            f"under a Sharded layout horovod-torch cannot use the optimizer {optimizer!r}",
-            "pass toolkit.SGD(...) or toolkit.Adam(...): the backend applies them to flat "
-            "shards itself (a torch.optim optimizer works with the data-parallel layout)")
-    recurrent = [n or type(m).__name__ for n, m in net.named_modules()
-                 if isinstance(m, torch.nn.RNNBase)]
-    if recurrent:
-        raise ToolkitError(f"cannot shard the recurrent module {recurrent[0]!r}: it keeps its "
-                           "own cached flat weights", SHARDABLE)
-    frozen = [n for n, p in net.named_parameters() if not p.requires_grad]
-    if frozen:
-        raise ToolkitError(f"cannot shard a module with frozen parameters ({frozen[0]!r}): the "
-                           "sharded optimizer updates every parameter", SHARDABLE)
-    units: dict[str, list[str]] = {}
-    for name, _ in net.named_parameters():
-        units.setdefault(name.split(".")[0], []).append(name)
-    if not units:
-        raise ToolkitError(f"the module {type(net).__name__} has no parameters to shard",
-                           SHARDABLE)
-    return units
 
 
 def _permutation(to_torch, shape: tuple[int, ...]) -> tuple[int, ...] | None:
@@ -305,7 +278,7 @@ class ShardedParameters:
                     zip(self.sources, self.grads, self.slots, strict=True)):
                 own = self._owned(unit)
                 param = source if self.stage == 3 else source[own]
-                _update(spec, param, grad[own] if self.stage == 1 else grad, slots, lr,
+                update_shard(spec, param, grad[own] if self.stage == 1 else grad, slots, lr,
                         step_size, c2_sqrt)
             if self.stage < 3:
                 gathered = hvd.grouped_allgather(
@@ -378,30 +351,3 @@ class ShardedParameters:
 
         return {"params": nbytes(self.sources), "grads": nbytes(self.grads),
                 "optimizer": nbytes(t for slots in self.slots for t in slots.values())}
-
-
-def spec_units(arrays: dict[str, np.ndarray]) -> dict[str, list[str]]:
-    """The units of a spec model (``toolkit._shards.units_of``: blocks, layers or convs)."""
-    return {unit: list(fl.names)
-            for unit, fl in unit_layouts({n: a.shape for n, a in arrays.items()}, 1).items()}
-
-
-def _update(spec, p, g, slots, lr: float, step_size: float, c2_sqrt: float) -> None:
-    """``toolkit._reference.apply_update`` in place on one flat shard."""
-    if isinstance(spec, SGD):
-        if spec.weight_decay:
-            g = g.add(p, alpha=spec.weight_decay)
-        if spec.momentum:
-            buf = slots["momentum"]
-            buf.mul_(spec.momentum).add_(g)
-            g = g.add(buf, alpha=spec.momentum) if spec.nesterov else buf
-        p.add_(g, alpha=-lr)
-        return
-    if spec.decoupled:
-        p.mul_(1 - lr * spec.weight_decay)
-    elif spec.weight_decay:
-        g = g.add(p, alpha=spec.weight_decay)
-    m, v = slots["mu"], slots["nu"]
-    m.mul_(spec.b1).add_(g, alpha=1 - spec.b1)
-    v.mul_(spec.b2).addcmul_(g, g, value=1 - spec.b2)
-    p.addcdiv_(m, v.sqrt().div_(c2_sqrt).add_(spec.eps), value=-step_size)

@@ -28,7 +28,6 @@ the contract's methods below delegate.
 
 from __future__ import annotations
 
-import contextlib
 import os
 from typing import Any
 
@@ -40,6 +39,7 @@ from adapters._common import (
     check_world,
     loss_name,
     missing_framework,
+    unwrapped_toolkit_errors,
 )
 from adapters._hvd_layout import HvdPipelineAbility
 from adapters._keras_native import KerasNative, assign, is_keras_optimizer, to_host
@@ -286,7 +286,7 @@ class HorovodTFAdapter(HvdPipelineAbility, BackendBase):
             return self.pipeline.train_step(x, y, scalars)
         seeds = (self.keras_model.seeds(self.seed, self.steps, self.env.rank) if self.native
                  else self._no_seeds)
-        with _toolkit_errors():
+        with unwrapped_toolkit_errors():
             loss = self._step(*self._inputs(x, y), scalars, seeds)
         self.steps += 1
         return loss  # a scalar tensor: the Trainer converts it when it averages losses
@@ -294,7 +294,7 @@ class HorovodTFAdapter(HvdPipelineAbility, BackendBase):
     def evaluate(self, x: np.ndarray, y: np.ndarray) -> dict[str, float]:
         if self.pipeline is not None:
             return self.pipeline.evaluate(x, y)
-        with _toolkit_errors():
+        with unwrapped_toolkit_errors():
             loss_sum, correct, extra = self._eval(*self._inputs(x, y))
         result = {"loss_sum": float(loss_sum), "count": float(len(x)),
                   **{name: float(v) for name, v in extra.items()}}
@@ -385,20 +385,6 @@ class HorovodTFAdapter(HvdPipelineAbility, BackendBase):
 
     def shutdown(self) -> None:
         self.hvd.shutdown()
-
-
-@contextlib.contextmanager
-def _toolkit_errors():
-    """Re-raises a ToolkitError raised while tracing a tf.function (autograph wraps it in a
-    StagingError whose message is the whole traceback) as itself."""
-    try:
-        yield
-    except ToolkitError:
-        raise
-    except Exception as err:
-        if isinstance(err.__context__, ToolkitError):
-            raise err.__context__ from None
-        raise
 
 
 def _is_int(a: np.ndarray) -> bool:

@@ -24,15 +24,14 @@ from toolkit._partition import PipelineGrid, micro_batch_size
 from toolkit._preemption import PREEMPTED_EXIT_CODE, TrainingPreempted, noting_signals
 from toolkit._prefetch import BatchPrefetcher
 from toolkit._rank0 import current_env, print0
-from toolkit._resume import describe as _describe
-from toolkit._resume import find_checkpoint, restore
 from toolkit._sampler import GlobalBatchSampler
 from toolkit._specs import LOSSES, OptimizerSpec, check_choice, learning_rate, lr_scale
+from toolkit._trainer_checkpoints import Checkpointing
 
 __all__ = ["PREEMPTED_EXIT_CODE", "History", "Trainer", "TrainingPreempted"]
 
 
-class Trainer:
+class Trainer(Checkpointing):
     """Data-parallel training with any backend adapter, the same loop for all of them.
 
     The global batch is split by a :class:`GlobalBatchSampler`; the adapter averages gradients
@@ -218,18 +217,6 @@ class Trainer:
         grid = PipelineGrid(self.env.world_size, self.layout.stages)
         return grid.replicas, grid.replica_of(self.env.rank)
 
-    def _restore(self) -> None:
-        ckpt = find_checkpoint(self.resume, self.store)
-        if ckpt is None:
-            print0(f"no checkpoint in {self.checkpoint_dir} yet: starting from step 0",
-                   env=self.env)
-            return
-        restore(ckpt, self.adapter, self.sampler, self._data_fingerprint())
-        self.global_step = self._last_saved = ckpt.step  # that step is saved already
-        print0(f"resumed from {ckpt.path} (step {ckpt.step}, written by "
-               f"{ckpt.meta.get('backend')} on {ckpt.meta.get('world_size')} ranks)",
-               env=self.env)
-
     # ------------------------------------------------------------------------ the loop
     def fit(self, data: Dataset | np.ndarray, y: np.ndarray | None = None,
             validation: Dataset | tuple[np.ndarray, np.ndarray] | None = None) -> History:
@@ -331,57 +318,6 @@ class Trainer:
                 record = self._end_epoch(epoch, history.losses[first_in_epoch:], validation,
                                          time.monotonic() - epoch_start)
                 history.epochs.append(record)
-
-    def _data_fingerprint(self) -> str | None:  # asked late: computing one may read a corpus
-        return getattr(self._train_data, "fingerprint", None)
-
-    def _note_stop_signal(self, signame: str) -> None:  # the step in flight finishes first
-        self._stop_signal = signame
-
-    def _stop_agreed(self) -> bool:
-        """True on every rank as soon as any rank has received a stop signal."""
-        local = np.asarray([1.0 if self._stop_signal else 0.0])
-        if not self.env.is_distributed:
-            return bool(local[0])
-        if self.global_step % self.stop_check_every:  # the same steps on every rank
-            return False
-        return bool(self.adapter.allreduce(local, "sum")[0] > 0)
-
-    def _checkpoint_due(self, last_time: float) -> bool:
-        if self.store is None:
-            return False
-        if self.checkpoint_every and self.global_step % self.checkpoint_every == 0:
-            return True
-        if self.checkpoint_every_seconds is not None:
-            # Every rank must agree, or rank 0 would save while others move on: rank 0's clock
-            # decides, and the decision is broadcast only on the steps that ask.
-            due = float(time.monotonic() - last_time >= self.checkpoint_every_seconds)
-            return bool(self.adapter.broadcast(np.asarray([due]), 0)[0])
-        return False
-
-    def save_checkpoint(self) -> Path | None:
-        """Writes the current state (rank 0 writes replicated state; returns its path there)."""
-        if self.store is None:
-            raise ToolkitError("no checkpoint directory was given", "pass checkpoint_dir=...")
-        meta = {
-            "epoch": self.sampler.epoch,
-            "sampler": self.sampler.state_dict(),
-            "world_size": self.env.world_size,
-            "backend": self.adapter.name,
-            "layout": self.layout.name,
-            "rng": {"seed": self.seed},  # all randomness (init, shuffling) derives from it
-            "model": _describe(self.model),
-            "optimizer": _describe(self.optimizer),
-            "data_fingerprint": self._data_fingerprint(),  # resuming on other data fails
-        }
-        self._last_saved = self.global_step
-        self.adapter.sync_state()
-        if isinstance(self.layout, Sharded | Pipeline):  # every rank writes its own pieces
-            replicated, pieces = self.adapter.sharded_state()
-            return self.store.save(self.global_step, replicated, meta, shards=pieces,
-                                   barrier=self.adapter.barrier)
-        return self.store.save(self.global_step, self.adapter.state_dict(), meta,
-                               blocking=not self.async_checkpoint)
 
     def _end_epoch(self, epoch: int, losses: list[float], validation, seconds: float) -> dict:
         record: dict[str, float] = {"epoch": epoch, "step": self.global_step,

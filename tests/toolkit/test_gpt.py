@@ -9,8 +9,8 @@ import pytest
 
 from toolkit import GPT, SGD, Adam, ToolkitError
 from toolkit._reference import reference_run
+from toolkit._resume import describe as _describe
 from toolkit._specs import ModelSpec, spec_from_dict
-from toolkit._trainer import _describe
 
 SMALL = {"vocab": 11, "context": 7, "width": 8, "layers": 2, "heads": 2}
 

@@ -1,0 +1,85 @@
+"""The forward of each sharding unit of a spec model in TensorFlow: ``horovod_tf._forward``
+cut at the units of ``toolkit._shards.units_of`` (an MLP's layers, a CNN's convolutions, a
+GPT's embeddings, blocks and head), used by the sharded layout (``_tf_sharded.py``) and by the
+pipeline's stages (``_tf_stages.py``)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+from toolkit import CNN, GPT, MLP
+
+
+def unit_functions(tf, spec: Any, count: int) -> list[tuple[Callable, tuple[int, ...]]]:
+    """Per unit of ``toolkit._shards.units_of`` (``count`` of them): ``fn(params, h, x) -> h``
+    and the units whose parameters it reads (a tied GPT's last unit also reads the first
+    unit's ``tok_emb``). The first unit reads ``x``; the last returns the model's output."""
+    if isinstance(spec, GPT):
+        return [(_gpt_unit(tf, spec, i), (i, 0) if spec.tied and 0 < i == count - 1 else (i,))
+                for i in range(count)]
+    if isinstance(spec, CNN):
+        return [(_cnn_unit(tf, spec, i, i == count - 1), (i,)) for i in range(count)]
+    return [(_mlp_unit(tf, spec, i), (i,)) for i in range(count)]
+
+
+def _mlp_unit(tf, spec: MLP, i: int) -> Callable:
+    def fn(v, h, x):  # horovod_tf._forward's layer i
+        h = x if h is None else h
+        h = tf.matmul(h, v[f"layers.{i}.kernel"]) + v[f"layers.{i}.bias"]
+        if i < spec.num_layers - 1:
+            h = tf.nn.relu(h) if spec.activation == "relu" else tf.tanh(h)
+        return h
+
+    return fn
+
+
+def _cnn_unit(tf, spec: CNN, i: int, last: bool) -> Callable:
+    def fn(v, h, x):  # horovod_tf._forward's conv i (and the head in the last unit)
+        h = x if h is None else h
+        if i < len(spec.channels):
+            h = tf.nn.relu(tf.nn.conv2d(h, v[f"convs.{i}.kernel"], 1, "SAME")
+                           + v[f"convs.{i}.bias"])
+        if last:
+            h = tf.matmul(tf.reshape(h, [tf.shape(h)[0], -1]), v["head.kernel"]) \
+                + v["head.bias"]
+        return h
+
+    return fn
+
+
+def _gpt_unit(tf, spec: GPT, i: int) -> Callable:
+    """Block ``i`` of ``_gpt_tf.gpt_forward`` (the same ops in the same order), with the
+    embeddings before block 0 and ``ln_f``/``head`` after the last block."""
+    from adapters._gpt_tf import _dense, _gelu, _layer_norm, _lookup
+
+    heads, dh = spec.heads, spec.width // spec.heads
+    first, last = i == 0, i == spec.layers - 1
+
+    def fn(v, h, x):
+        B, T = tf.shape(x)[0], tf.shape(x)[1]
+        if first:
+            h = _lookup(tf, v["tok_emb"], x) + v["pos_emb"][:T]
+        dtype = h.dtype
+        scale = tf.constant(math.sqrt(dh), dtype)
+        causal = tf.linalg.band_part(tf.ones([T, T], tf.bool), -1, 0)  # key j <= query i
+        b = f"blocks.{i}"
+        qkv = _dense(tf, v, f"{b}.attn.qkv", _layer_norm(tf, v, f"{b}.ln1", h))
+        q, k, val = tf.unstack(tf.transpose(tf.reshape(qkv, [B, T, 3, heads, dh]),
+                                            [2, 0, 3, 1, 4]))
+        s = tf.matmul(q, k, transpose_b=True) / scale
+        p = tf.nn.softmax(tf.where(causal, s, tf.constant(float("-inf"), dtype)), axis=-1)
+        o = tf.reshape(tf.transpose(tf.matmul(p, val), [0, 2, 1, 3]), [B, T, spec.width])
+        h = h + _dense(tf, v, f"{b}.attn.proj", o)
+        m = _dense(tf, v, f"{b}.mlp.fc", _layer_norm(tf, v, f"{b}.ln2", h))
+        h = h + _dense(tf, v, f"{b}.mlp.proj", _gelu(tf, m))
+        if not last:
+            return h
+        f = _layer_norm(tf, v, "ln_f", h)
+        if spec.tied:
+            flat = tf.matmul(tf.reshape(f, [-1, spec.width]), v["tok_emb"], transpose_b=True)
+            return tf.reshape(flat, [B, T, spec.vocab])
+        return _dense(tf, v, "head", f)
+
+    return fn

@@ -1,0 +1,69 @@
+"""horovod-torch's sharded layout, framework-light parts: the sharding units of a native
+module or a spec model, and ``toolkit._reference.apply_update`` in place on one flat shard."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from toolkit import SGD, Adam, ToolkitError
+from toolkit._shards import unit_layouts
+
+SHARDABLE = ("horovod-torch shards toolkit.MLP/CNN/GPT specs, and native nn.Modules whose "
+             "trainable parameters are reached as module attributes (Linear, Conv, LayerNorm, "
+             "Embedding, ...); units are the module's top-level children")
+
+
+def native_units(torch, net, optimizer: Any) -> dict[str, list[str]]:
+    """Units of a native module (its top-level children; a parameter of the root module is a
+    unit of its own), or a ToolkitError for a module or optimizer this cannot shard soundly."""
+    if not isinstance(optimizer, SGD | Adam):
+        raise ToolkitError(
+            f"under a Sharded layout horovod-torch cannot use the optimizer {optimizer!r}",
+            "pass toolkit.SGD(...) or toolkit.Adam(...): the backend applies them to flat "
+            "shards itself (a torch.optim optimizer works with the data-parallel layout)")
+    recurrent = [n or type(m).__name__ for n, m in net.named_modules()
+                 if isinstance(m, torch.nn.RNNBase)]
+    if recurrent:
+        raise ToolkitError(f"cannot shard the recurrent module {recurrent[0]!r}: it keeps its "
+                           "own cached flat weights", SHARDABLE)
+    frozen = [n for n, p in net.named_parameters() if not p.requires_grad]
+    if frozen:
+        raise ToolkitError(f"cannot shard a module with frozen parameters ({frozen[0]!r}): the "
+                           "sharded optimizer updates every parameter", SHARDABLE)
+    units: dict[str, list[str]] = {}
+    for name, _ in net.named_parameters():
+        units.setdefault(name.split(".")[0], []).append(name)
+    if not units:
+        raise ToolkitError(f"the module {type(net).__name__} has no parameters to shard",
+                           SHARDABLE)
+    return units
+
+
+def spec_units(arrays: dict[str, np.ndarray]) -> dict[str, list[str]]:
+    """The units of a spec model (``toolkit._shards.units_of``: blocks, layers or convs)."""
+    return {unit: list(fl.names)
+            for unit, fl in unit_layouts({n: a.shape for n, a in arrays.items()}, 1).items()}
+
+
+
+def update_shard(spec, p, g, slots, lr: float, step_size: float, c2_sqrt: float) -> None:
+    """``toolkit._reference.apply_update`` in place on one flat shard."""
+    if isinstance(spec, SGD):
+        if spec.weight_decay:
+            g = g.add(p, alpha=spec.weight_decay)
+        if spec.momentum:
+            buf = slots["momentum"]
+            buf.mul_(spec.momentum).add_(g)
+            g = g.add(buf, alpha=spec.momentum) if spec.nesterov else buf
+        p.add_(g, alpha=-lr)
+        return
+    if spec.decoupled:
+        p.mul_(1 - lr * spec.weight_decay)
+    elif spec.weight_decay:
+        g = g.add(p, alpha=spec.weight_decay)
+    m, v = slots["mu"], slots["nu"]
+    m.mul_(spec.b1).add_(g, alpha=1 - spec.b1)
+    v.mul_(spec.b2).addcmul_(g, g, value=1 - spec.b2)
+    p.addcdiv_(m, v.sqrt().div_(c2_sqrt).add_(spec.eps), value=-step_size)

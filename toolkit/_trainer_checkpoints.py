@@ -1,0 +1,83 @@
+"""The Trainer's checkpoints and stop signals: saving, resuming, and stopping every rank at
+the same step (a mixin of :class:`toolkit.Trainer`, which holds the attributes these read)."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import numpy as np
+
+from toolkit._errors import ToolkitError
+from toolkit._layouts import Pipeline, Sharded
+from toolkit._rank0 import print0
+from toolkit._resume import describe as _describe
+from toolkit._resume import find_checkpoint, restore
+
+
+class Checkpointing:
+    """``save_checkpoint``, resuming at set-up, the checkpoint schedule and the stop-signal
+    agreement of the Trainer."""
+
+    def _restore(self) -> None:
+        ckpt = find_checkpoint(self.resume, self.store)
+        if ckpt is None:
+            print0(f"no checkpoint in {self.checkpoint_dir} yet: starting from step 0",
+                   env=self.env)
+            return
+        restore(ckpt, self.adapter, self.sampler, self._data_fingerprint())
+        self.global_step = self._last_saved = ckpt.step  # that step is saved already
+        print0(f"resumed from {ckpt.path} (step {ckpt.step}, written by "
+               f"{ckpt.meta.get('backend')} on {ckpt.meta.get('world_size')} ranks)",
+               env=self.env)
+
+    def _data_fingerprint(self) -> str | None:  # asked late: computing one may read a corpus
+        return getattr(self._train_data, "fingerprint", None)
+
+    def _note_stop_signal(self, signame: str) -> None:  # the step in flight finishes first
+        self._stop_signal = signame
+
+    def _stop_agreed(self) -> bool:
+        """True on every rank as soon as any rank has received a stop signal."""
+        local = np.asarray([1.0 if self._stop_signal else 0.0])
+        if not self.env.is_distributed:
+            return bool(local[0])
+        if self.global_step % self.stop_check_every:  # the same steps on every rank
+            return False
+        return bool(self.adapter.allreduce(local, "sum")[0] > 0)
+
+    def _checkpoint_due(self, last_time: float) -> bool:
+        if self.store is None:
+            return False
+        if self.checkpoint_every and self.global_step % self.checkpoint_every == 0:
+            return True
+        if self.checkpoint_every_seconds is not None:
+            # Every rank must agree, or rank 0 would save while others move on: rank 0's clock
+            # decides, and the decision is broadcast only on the steps that ask.
+            due = float(time.monotonic() - last_time >= self.checkpoint_every_seconds)
+            return bool(self.adapter.broadcast(np.asarray([due]), 0)[0])
+        return False
+
+    def save_checkpoint(self) -> Path | None:
+        """Writes the current state (rank 0 writes replicated state; returns its path there)."""
+        if self.store is None:
+            raise ToolkitError("no checkpoint directory was given", "pass checkpoint_dir=...")
+        meta = {
+            "epoch": self.sampler.epoch,
+            "sampler": self.sampler.state_dict(),
+            "world_size": self.env.world_size,
+            "backend": self.adapter.name,
+            "layout": self.layout.name,
+            "rng": {"seed": self.seed},  # all randomness (init, shuffling) derives from it
+            "model": _describe(self.model),
+            "optimizer": _describe(self.optimizer),
+            "data_fingerprint": self._data_fingerprint(),  # resuming on other data fails
+        }
+        self._last_saved = self.global_step
+        self.adapter.sync_state()
+        if isinstance(self.layout, Sharded | Pipeline):  # every rank writes its own pieces
+            replicated, pieces = self.adapter.sharded_state()
+            return self.store.save(self.global_step, replicated, meta, shards=pieces,
+                                   barrier=self.adapter.barrier)
+        return self.store.save(self.global_step, self.adapter.state_dict(), meta,
+                               blocking=not self.async_checkpoint)
