@@ -86,3 +86,23 @@ def test_sbatch_template_trains_on_two_tasks(sbatch, tmp_path, read_metrics, ref
     ref = losses(read_metrics, reference[0])
     got = losses(read_metrics, tmp_path / "sbatch.jsonl")
     assert np.max(np.abs(got - ref) / np.abs(ref)) <= TOLERANCE
+
+
+@pytest.mark.slow
+def test_make_example_prints_only_the_toolkits_lines():
+    """The README's first command: make's own echo lines, the installer's one line, and rank
+    0's training lines, nothing from another framework (horovodrun imports TensorFlow in a
+    subprocess to check its build; its start-up notices must not reach the user)."""
+    import subprocess
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    job = subprocess.run(["make", "-s", "example"], cwd=root, capture_output=True, text=True,
+                         timeout=600)
+    assert job.returncode == 0, job
+    lines = (job.stdout + job.stderr).splitlines()
+    other = [line for line in lines if not (line.startswith("[0]<stdout>:")
+                                            or line.startswith("[install] "))]
+    assert other == [], other
+    assert re.search(r"^\[0\]<stdout>:done: world_size 2 .* val_accuracy 0\.9\d+$",
+                     job.stdout, re.M), job.stdout
