@@ -279,7 +279,7 @@ class ShardedParameters:
                 own = self._owned(unit)
                 param = source if self.stage == 3 else source[own]
                 update_shard(spec, param, grad[own] if self.stage == 1 else grad, slots, lr,
-                        step_size, c2_sqrt)
+                             step_size, c2_sqrt)
             if self.stage < 3:
                 gathered = hvd.grouped_allgather(
                     [s.detach()[self._owned(u)] for u, s in enumerate(self.sources)],
