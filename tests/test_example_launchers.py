@@ -94,11 +94,13 @@ def test_make_example_prints_only_the_toolkits_lines():
     0's training lines, nothing from another framework (horovodrun imports TensorFlow in a
     subprocess to check its build; its start-up notices must not reach the user)."""
     import subprocess
+    import sys
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[1]
-    job = subprocess.run(["make", "-s", "example"], cwd=root, capture_output=True, text=True,
-                         timeout=600)
+    # (the virtual environment running these tests: make's default, .venv, in a checkout)
+    job = subprocess.run(["make", "-s", "example", f"VENV={sys.prefix}"], cwd=root,
+                         capture_output=True, text=True, timeout=600)
     assert job.returncode == 0, job
     lines = (job.stdout + job.stderr).splitlines()
     other = [line for line in lines if not (line.startswith("[0]<stdout>:")
