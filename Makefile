@@ -27,10 +27,10 @@ test-fast: install
 	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
 
 install:
-	TOOLKIT_VENV=$(VENV) bash tools/install.sh
+	TOOLKIT_VENV=$(abspath $(VENV)) bash tools/install.sh
 
 install-slurm:
-	TOOLKIT_VENV=$(VENV) bash tools/install.sh --slurm
+	TOOLKIT_VENV=$(abspath $(VENV)) bash tools/install.sh --slurm
 
 lint:
 	$(VENV)/bin/ruff check toolkit adapters examples tests benchmarks

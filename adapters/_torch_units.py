@@ -47,7 +47,6 @@ def spec_units(arrays: dict[str, np.ndarray]) -> dict[str, list[str]]:
             for unit, fl in unit_layouts({n: a.shape for n, a in arrays.items()}, 1).items()}
 
 
-
 def update_shard(spec, p, g, slots, lr: float, step_size: float, c2_sqrt: float) -> None:
     """``toolkit._reference.apply_update`` in place on one flat shard."""
     if isinstance(spec, SGD):

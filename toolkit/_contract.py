@@ -148,9 +148,10 @@ class PipelineAdapter(Protocol):
 class PlacesBatches(Protocol):
     """The optional ability to copy a batch to the backend's devices ahead of its step.
 
-    The Trainer's prefetch thread calls :meth:`device_batch` on each loaded batch, so the copy
-    overlaps the step running before it (jax-pjit's step otherwise makes it on the critical
-    path); ``train_step`` then takes what it returned, as well as host arrays.
+    The Trainer calls :meth:`device_batch` on each loaded batch: in its prefetch thread when
+    that runs (``Trainer(prefetch=...)``), so the copy overlaps the step running before it,
+    else on the training thread; ``train_step`` takes what it returned, as well as host
+    arrays.
     """
 
     def device_batch(self, x: np.ndarray, y: np.ndarray) -> tuple[Any, Any]:

@@ -47,14 +47,14 @@ class BatchPrefetcher:
 
     def __init__(self, dataset: Dataset, sampler: GlobalBatchSampler, steps: int, *,
                  prefetch: bool = True, place: Callable[[Any, Any], tuple[Any, Any]] | None = None):
-        self.dataset, self.prefetch, self.place = dataset, prefetch, place
+        self.dataset, self.prefetch, self.place = dataset, prefetch and steps > 0, place
         self.batches = 0
         self.load_seconds = 0.0  # spent making the batches handed out
         self.wait_seconds = 0.0  # the training thread spent waiting for them
         self._queue: queue.Queue = queue.Queue(maxsize=1)  # plus one in the making
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        if prefetch and steps > 0:
+        if self.prefetch:
             ahead = _indices(copy.copy(sampler), steps)
             self._thread = threading.Thread(target=self._work, args=(ahead,), daemon=True,
                                             name="toolkit-prefetch")

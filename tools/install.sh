@@ -12,7 +12,7 @@
 set -euo pipefail
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
-VENV=${TOOLKIT_VENV:-$ROOT/.venv}
+VENV=$(realpath -m "${TOOLKIT_VENV:-$ROOT/.venv}")  # absolute: later steps change directory
 CACHE=${TOOLKIT_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/hpc-toolkit}
 PYTHON=${PYTHON:-python3}
 HOROVOD_VERSION=0.28.1
