@@ -8,6 +8,7 @@ ever copied into memory. ``Trainer.fit(x, y)`` wraps in-memory arrays in :class:
 from __future__ import annotations
 
 import hashlib
+import mmap
 import numbers
 from typing import Any, Protocol, runtime_checkable
 
@@ -75,6 +76,20 @@ class ArrayDataset:
 
     def batch(self, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         return self.x[indices], self.y[indices]
+
+    @property
+    def in_memory(self) -> bool:
+        """Whether ``x`` and ``y`` are numpy arrays in memory: not memory maps, nor views of
+        one (also through ``np.asarray``), nor other array types."""
+        def mapped(a: Any) -> bool:
+            if not isinstance(a, np.ndarray):
+                return True
+            while a is not None:
+                if isinstance(a, np.memmap | mmap.mmap):
+                    return True
+                a = getattr(a, "base", None)
+            return False
+        return not (mapped(self.x) or mapped(self.y))
 
 
 class TokenWindows:

@@ -263,8 +263,7 @@ class Trainer(Checkpointing):
         its arrays are in memory; a memory map reads from disk)."""
         if self.prefetch != "auto":
             return bool(self.prefetch)
-        return not (type(data) is ArrayDataset and not any(
-            _mapped(a) for a in (data.x, data.y)))
+        return not (type(data) is ArrayDataset and data.in_memory)
 
     def _flush(self) -> None:
         """Averages the pending step losses across ranks (one allreduce) and logs them."""
@@ -354,18 +353,6 @@ class Trainer(Checkpointing):
         with open(self.metrics_log, "a") as f:
             for record in records:
                 f.write(json.dumps({"time": round(time.time(), 3), **record}) + "\n")
-
-
-def _mapped(array: Any) -> bool:
-    """Whether ``array`` is not a numpy array in memory: a memory map, a view of one (also
-    through ``np.asarray``), or anything else."""
-    if not isinstance(array, np.ndarray):
-        return True
-    while array is not None:
-        if isinstance(array, np.memmap) or type(array).__name__ == "mmap":
-            return True
-        array = getattr(array, "base", None)
-    return False
 
 
 def _is_native(optimizer: Any) -> bool:

@@ -181,6 +181,7 @@ def test_auto_prefetch_loads_in_memory_arrays_inline_and_anything_else_in_the_th
     x, y = windows(corpus(0))
     np.save(tmp_path / "x.npy", x)
     mapped = np.load(tmp_path / "x.npy", mmap_mode="r")
+
     class Subclass(toolkit.ArrayDataset):  # its batch() may do anything: the thread
         pass
 
