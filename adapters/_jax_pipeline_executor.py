@@ -319,7 +319,11 @@ class PipelineExecutor:
         def held(*arrays):
             return int(sum(s.data.nbytes for a in arrays for s in a.addressable_shards))
 
-        out = {"params": held(self.params), "grads": held(self.grads),
+        # params: the flat vectors and the by-name copy queued for the next step (_named_params)
+        sliced = getattr(self, "_sliced", None)
+        copies = sum(a.nbytes for named in sliced[1].values() for a in named.values()) if (
+            sliced is not None and sliced[0] is self.params) else 0
+        out = {"params": held(self.params) + copies, "grads": held(self.grads),
                "optimizer": held(*self.opt_state.values())}
         if hasattr(self, "box"):
             out["activations"] = held(self.box)

@@ -87,6 +87,20 @@ def test_1f1b_holds_fewer_activations_than_gpipe(backend):
     assert held["1f1b"][0] * 4 == held["gpipe"][0]  # box slots: 2 against 8
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_memory_counts_the_parameters_sliced_for_the_next_step(backend):
+    """Between steps a stage holds its flat vector and, queued behind the update, its
+    parameters by name for the next step: memory_bytes counts both."""
+    adapter, pipe = pipelined("pipeline:2:4:gpipe", backend=backend)
+    x, y = load_data("mlp", "float64")
+    adapter.build(make_model("mlp"), toolkit.SGD(lr=0.05), "cross_entropy")
+    flat = pipe.memory_bytes()["params"]
+    adapter.train_step(x[:32], y[:32], 0.05)
+    by_name = sum(v.nbytes for k, v in adapter.state_dict().items() if k.startswith("params/"))
+    assert flat >= by_name > 0
+    assert pipe.memory_bytes()["params"] == flat + by_name
+
+
 @pytest.mark.long
 @pytest.mark.slow  # in one process, but compiling the GPT's stage programs takes a while
 def test_tied_gpt_float32_and_its_checkpoint_pieces():
