@@ -199,6 +199,12 @@ class PipelineExecutor:
                 for shard in self.box.addressable_shards:
                     blocks[shard.device][2] = shard.data
         self.grads, self.box, self.losses = (self._joined(blocks, i) for i in (1, 2, 3))
+        # This step's by-name parameters go before the next step's are sliced (behind the
+        # update), so a stage never holds two such copies.
+        for block in blocks.values():
+            block[0] = None
+        del named
+        self._sliced = None
         scalars = self._scalars(a._scalars(lr))
         a.steps += 1
         self.params, self.opt_state, self.grads, loss = self._update(

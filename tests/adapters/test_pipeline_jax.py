@@ -11,6 +11,7 @@ process).
 from __future__ import annotations
 
 import sys
+import weakref
 from pathlib import Path
 
 import numpy as np
@@ -99,6 +100,24 @@ def test_memory_counts_the_parameters_sliced_for_the_next_step(backend):
     by_name = sum(v.nbytes for k, v in adapter.state_dict().items() if k.startswith("params/"))
     assert flat >= by_name > 0
     assert pipe.memory_bytes()["params"] == flat + by_name
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_stage_never_holds_two_by_name_copies(backend):
+    """The step's by-name parameters are dropped before the next step's are sliced."""
+    adapter, pipe = pipelined("pipeline:2:4:gpipe", backend=backend)
+    x, y = load_data("mlp", "float64")
+    adapter.build(make_model("mlp"), toolkit.SGD(lr=0.05), "cross_entropy")
+    adapter.train_step(x[:32], y[:32], 0.05)  # compiles; slices the next step's parameters
+    used = [weakref.ref(a) for named in pipe._sliced[1].values() for a in named.values()]
+    alive, slice_params = [], pipe.local.params
+
+    def counting(stage, block):
+        alive.append(sum(ref() is not None for ref in used))
+        return slice_params(stage, block)
+    pipe.local.params = counting
+    adapter.train_step(x[32:64], y[32:64], 0.05)  # uses them, then slices the next ones
+    assert alive == [0, 0]  # one slice per stage (both here), none while the old were held
 
 
 @pytest.mark.long
