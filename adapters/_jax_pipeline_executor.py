@@ -224,9 +224,11 @@ class PipelineExecutor:
         block: a copy, bound by memory bandwidth (about 32 ms for the 67 MB stage of
         ``benchmarks/pipeline_bubble.py`` on one core; a numpy copy of it takes 16-18 ms).
 
-        ``train_step`` queues the slice right behind the update, so the device copies while the
-        host returns to the Trainer and places the next batch. The cache holds for as long as
-        ``self.params`` is the same array: a restore or any other assignment slices afresh."""
+        ``train_step`` queues the slice right behind the update, so it starts as the update ends,
+        while the host returns to the Trainer (in the bubble benchmark the next step still
+        waits for most of it: the copy is the update's cost, now counted there). The cache holds
+        for as long as ``self.params`` is the same array: a restore or any other assignment
+        slices afresh."""
         cached = getattr(self, "_sliced", None)
         if cached is None or cached[0] is not self.params:
             named = {shard.device: self.local.params(self._stage_of[shard.device], shard.data)
