@@ -36,7 +36,7 @@ from typing import Any
 
 import numpy as np
 
-from adapters._hvd_rounds import RoundMessages, pack, unpack
+from adapters._hvd_rounds import RoundMessages, unpack
 from toolkit import ToolkitError
 from toolkit._layouts import Pipeline
 from toolkit._partition import PipelineGrid
@@ -172,10 +172,9 @@ class HvdPipeline(RoundMessages):
         grid = self.grid
         f64 = np.float64
         first, last = grid.rank(0, self.replica), grid.rank(grid.stages - 1, self.replica)
-        outgoing = {first: [pack(np.asarray(x, f64), f64)]}
-        outgoing.setdefault(last, []).append(pack(np.asarray(y, f64), f64))
-        got = self._exchange({r: np.concatenate(v) for r, v in outgoing.items()}, f64,
-                             "pipeline.eval_data")
+        outgoing = {first: [x]}
+        outgoing.setdefault(last, []).append(y)
+        got = self._exchange(outgoing, f64, "pipeline.eval_data")
         xs, ys = [], []
         for src in grid.pipeline_ranks(self.replica):
             offset = 0
@@ -197,8 +196,7 @@ class HvdPipeline(RoundMessages):
                 h = run(k // S, h)
             if k < V - 1 and S > 1:  # hand the activations on to piece k+1's stage
                 src, dst = k % S, (k + 1) % S
-                out = ({grid.rank(dst, self.replica): pack(self._host(h), self.np_dtype)}
-                       if self.stage == src else {})
+                out = {grid.rank(dst, self.replica): [self._host(h)]} if self.stage == src else {}
                 got = self._exchange(out, self.np_dtype, "pipeline.eval_through")
                 if self.stage == dst:
                     h = self._activation(unpack(got[grid.rank(src, self.replica)], 0)[0],
@@ -257,14 +255,14 @@ class HvdPipeline(RoundMessages):
         if self.grid.replicas == 1 or not self.cut.buffer_specs:
             return
         grid = self.grid
-        flat = [self._host(b).reshape(-1).astype(np.float64) for _, b in self.cut.buffers]
+        mine = [self._host(b) for _, b in self.cut.buffers]
         outgoing = {}
-        if self.replica == 0 and flat:
-            outgoing = {r: np.concatenate(flat) for r in grid.stage_ranks(self.stage)[1:]}
+        if self.replica == 0 and mine:
+            outgoing = {r: mine for r in grid.stage_ranks(self.stage)[1:]}
         got = self._exchange(outgoing, np.float64, "pipeline.buffers")
-        if self.replica and flat:
-            parts = np.split(got[grid.rank(self.stage, 0)],
-                             np.cumsum([f.size for f in flat])[:-1])
-            for (_, b), part in zip(self.cut.buffers, parts, strict=True):
-                self._set_buffer(b, part.reshape(np.shape(self._host(b))))
+        if self.replica and mine:
+            offset = 0
+            for _, b in self.cut.buffers:
+                part, offset = unpack(got[grid.rank(self.stage, 0)], offset)
+                self._set_buffer(b, part)
 

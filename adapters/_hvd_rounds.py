@@ -3,22 +3,23 @@
 Horovod has no send/recv. Each lockstep round of the schedule (``toolkit.lockstep_rounds``)
 that passes messages is **one** ``hvd.alltoall`` over the whole world, named after the round,
 with a split for each receiving rank and zero for the others; several messages to one rank are
-concatenated in the schedule's order, each as a flat ``[ndim, *shape, values...]`` buffer in
-the backend's dtype (``pack``/``unpack``).
+concatenated in the schedule's order, each as ``[ndim, *shape, values...]``, in one flat buffer of
+the backend's dtype (``pack``/``unpack``; each array is copied once, into a 64-byte-aligned
+buffer that horovod-tf hands to TensorFlow without another copy).
 
 Every rank joins every round's alltoall. Where the alltoall is asynchronous (``asynchronous =
-True``: horovod-torch's ``hvd.alltoall_async``; horovod-tf's eager alltoall run on a thread of
-its own), a stage joins every round in
-which it sends nothing at the very start of the step, and a round in which it sends as soon as
-its payload is computed; it waits for a round only when an action needs that round's message.
-A sender therefore never waits, and a receiver has already joined when the message is sent.
-Horovod matches collectives by name whatever order ranks submit them in, and no rank ever waits
-for a round whose senders are themselves waiting on a later round (a sender's inputs come from
-earlier rounds), so nothing can deadlock. Eager horovod-tf ignores names and matches ops by
-the order ranks submit them in, so its thread runs the rounds' alltoalls in the rounds' order
-on every rank: a stage's payload for round ``r`` needs only rounds before ``r``, which that
-order completes first, so this cannot deadlock either. Where the alltoall is synchronous (the
-default hooks), every rank runs the rounds in order and each alltoall completes as it is called.
+True``: horovod-torch's ``hvd.alltoall_async``; horovod-tf's alltoall on an asynchronous
+TensorFlow executor), a stage joins every round in which it sends nothing at the very start of
+the step, and a round in which it sends as soon as its payload is computed; it waits for a round
+only when an action needs that round's message. A sender therefore never waits, and a receiver
+has already joined when the message is sent. Horovod matches collectives by name whatever order
+ranks submit them in, and no rank ever waits for a round whose senders are themselves waiting on
+a later round (a sender's inputs come from earlier rounds), so nothing can deadlock. Eager
+horovod-tf ignores names and matches ops by the order ranks submit them in, so every rank
+submits the rounds' alltoalls in the rounds' order: a stage's payload for round ``r`` needs only
+rounds before ``r``, which that order completes first, so this cannot deadlock either. Where the
+alltoall is synchronous (the default hooks), every rank runs the rounds in order and each
+alltoall completes as it is called.
 """
 
 from __future__ import annotations
@@ -29,21 +30,56 @@ from typing import Any
 
 import numpy as np
 
+ALIGNMENT = 64  # bytes: what TensorFlow requires of a buffer it takes without a copy (DLPack)
 
-def pack(array: np.ndarray, dtype) -> np.ndarray:
-    """``[ndim, *shape, values...]`` as one flat buffer of ``dtype``."""
+
+def packed_size(array: np.ndarray) -> int:
+    """How many elements ``array`` takes in a message: ``[ndim, *shape, values...]``."""
+    return 1 + np.ndim(array) + int(np.size(array))
+
+
+def pack_into(buf: np.ndarray, offset: int, array: np.ndarray) -> int:
+    """Writes ``array`` as ``[ndim, *shape, values...]`` at ``offset`` of ``buf`` (one copy,
+    converted to ``buf``'s dtype); returns the offset after it."""
     array = np.asarray(array)
-    return np.concatenate([np.asarray([array.ndim, *array.shape], dtype),
-                           array.reshape(-1).astype(dtype, copy=False)])
+    start = offset + 1 + array.ndim
+    buf[offset] = array.ndim
+    buf[offset + 1:start] = array.shape
+    buf[start:start + array.size] = array.reshape(-1)
+    return start + array.size
 
 
 def unpack(buf: np.ndarray, offset: int) -> tuple[np.ndarray, int]:
-    """The array packed at ``offset`` of ``buf``, and the offset after it."""
+    """The array ``pack_into`` wrote at ``offset`` of ``buf`` (a view), and the offset after it."""
     ndim = int(buf[offset])
     shape = [int(d) for d in buf[offset + 1:offset + 1 + ndim]]
     start = offset + 1 + ndim
     size = int(np.prod(shape))
     return buf[start:start + size].reshape(shape), start + size
+
+
+def aligned_empty(size: int, dtype) -> np.ndarray:
+    """``np.empty(size, dtype)`` whose data starts on a multiple of ``ALIGNMENT`` bytes."""
+    dtype = np.dtype(dtype)
+    raw = np.empty(size * dtype.itemsize + ALIGNMENT, np.uint8)
+    offset = -raw.ctypes.data % ALIGNMENT
+    return raw[offset:offset + size * dtype.itemsize].view(dtype)
+
+
+def pack(outgoing: dict[int, list[np.ndarray]], world_size: int,
+         dtype) -> tuple[np.ndarray, list[int]]:
+    """One flat buffer of ``dtype`` (``ALIGNMENT``-aligned) with ``outgoing[rank]``'s arrays
+    packed in order, rank after rank, and the alltoall's splits (the elements for each rank).
+    Each array is copied once."""
+    splits = [0] * world_size
+    for r, arrays in outgoing.items():
+        splits[r] = sum(packed_size(a) for a in arrays)
+    buf = aligned_empty(sum(splits), dtype)
+    offset = 0
+    for r in sorted(outgoing):
+        for array in outgoing[r]:
+            offset = pack_into(buf, offset, array)
+    return buf, splits
 
 
 class RoundMessages:
@@ -70,10 +106,11 @@ class RoundMessages:
                     self.sends.add(index)
 
     # ------------------------------------------------------------------------------ collectives
-    def _exchange(self, outgoing: dict[int, np.ndarray], dtype,
+    def _exchange(self, outgoing: dict[int, list[np.ndarray]], dtype,
                   name: str) -> dict[int, np.ndarray]:
-        """One alltoall over the world: ``outgoing[rank]`` (flat) to each rank; returns what
-        each rank sent here (ranks that sent nothing are absent). Every rank must call it.
+        """One alltoall over the world: the arrays ``outgoing[rank]`` (packed) to each rank;
+        returns the flat buffer each rank sent here (``unpack`` reads its arrays in order;
+        ranks that sent nothing are absent). Every rank must call it.
 
         Every collective of the executor is named (``name``): ranks of different stages join
         different process sets, so horovod.torch's unnamed ops (numbered per process) would not
@@ -81,14 +118,8 @@ class RoundMessages:
         are submitted in, which it keeps the same on every rank: see the module docstring.)"""
         return self._exchange_finish(self._exchange_start(outgoing, dtype, name))
 
-    def _exchange_start(self, outgoing: dict[int, np.ndarray], dtype, name: str) -> Any:
-        splits = [0] * self.env.world_size
-        parts = []
-        for r in sorted(outgoing):
-            parts.append(np.asarray(outgoing[r]).reshape(-1).astype(dtype, copy=False))
-            splits[r] = parts[-1].size
-        buf = np.concatenate(parts) if parts else np.zeros(0, dtype)
-        return self._alltoall_start(buf, splits, name)
+    def _exchange_start(self, outgoing: dict[int, list[np.ndarray]], dtype, name: str) -> Any:
+        return self._alltoall_start(*pack(outgoing, self.env.world_size, dtype), name)
 
     def _exchange_finish(self, started: Any) -> dict[int, np.ndarray]:
         got, sizes = self._alltoall_wait(started)
@@ -122,13 +153,11 @@ class RoundMessages:
         for sender, receiver, send, recv in rnd.messages:
             if sender == self.stage:
                 payload = self.outbox.pop((send.kind, send.micro_batch, send.chunk))
-                out.setdefault(rank(receiver, self.replica), []).append(
-                    pack(self._host(payload), dtype))
+                out.setdefault(rank(receiver, self.replica), []).append(self._host(payload))
             if receiver == self.stage:
                 expected.append((rank(sender, self.replica), recv))
         start = time.time()
-        started = self._exchange_start({r: np.concatenate(ts) for r, ts in out.items()}, dtype,
-                                       f"pipeline.round.{index}")
+        started = self._exchange_start(out, dtype, f"pipeline.round.{index}")
         if out and self.asynchronous:
             # Let Horovod's background thread, which moves the message, take the core before
             # this stage's next compute does: the receiver is waiting for it. Pinned, S = 2,
