@@ -38,7 +38,7 @@ import numpy as np
 
 from adapters._common import check_build, loss_name
 from adapters._hvd_pipeline import HvdPipeline
-from adapters._hvd_rounds import ALIGNMENT
+from adapters._hvd_rounds import ALIGNMENT, aligned_empty
 from adapters._keras_native import assign
 from adapters._tf_stages import cut_model
 from adapters._tf_update import apply_update
@@ -198,7 +198,8 @@ class TFPipeline(HvdPipeline):
         """``buf`` as a tensor: without a copy (DLPack) when it is aligned, as ``pack``'s
         buffers are. ``tf.constant`` took 0.5-0.7 ms per 1 MB message in the pipeline (median
         per stage, pinned, S = 2, M = 8)."""
-        if buf.size and buf.flags.c_contiguous and buf.ctypes.data % ALIGNMENT == 0:
+        if (buf.size and buf.flags.c_contiguous and buf.flags.writeable
+                and buf.ctypes.data % ALIGNMENT == 0):
             return self.tf.experimental.dlpack.from_dlpack(buf.__dlpack__())
         return self.tf.constant(buf)
 
@@ -235,7 +236,12 @@ class TFPipeline(HvdPipeline):
         return np.asarray(tensor)  # a tensor's: a read-only view, no copy
 
     def _activation(self, array: np.ndarray, grad: bool):
-        return self.tf.constant(array)  # (a tape watches it explicitly)
+        """A received message (a read-only view) as a tensor of its own: numpy copies it into
+        an aligned buffer that TensorFlow takes as it is, 0.27-0.28 ms per 1 MB message in the
+        pipeline against 0.36-0.51 ms for ``tf.constant``. (A tape watches it explicitly.)"""
+        own = aligned_empty(array.size, array.dtype).reshape(array.shape)
+        np.copyto(own, array)
+        return self._tensor(own)
 
     def _gradients(self) -> dict[str, np.ndarray]:
         return {n: (self.grads[n].numpy() if n in self.grads else
