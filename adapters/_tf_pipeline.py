@@ -137,10 +137,11 @@ class TFPipeline(HvdPipeline):
         a.names = list(a.vars)
         a._build_optimizer(model, optimizer)  # zero slots over this stage's variables
         self.slots = optimizer_slots(optimizer)
-        # Each parameter's gradient is summed over a step's micro-batches in a buffer of its
-        # own, in place, by numpy: 7 ms per 4096 x 4096 float32 matrix, against 14 ms for
-        # TensorFlow's out-of-place add (one core), which made every backward but a step's
-        # first 15 ms slower. The update takes the buffers without a copy (_tensor).
+        # Each parameter's gradient is summed over a step's micro-batches by numpy, into a
+        # buffer of its own (the first micro-batch's gradient is kept as it is): 7 ms per
+        # 4096 x 4096 float32 matrix, against 14 ms for TensorFlow's add (one core), which
+        # made every backward but a step's first 15 ms slower. The update takes the sums
+        # without a copy (_tensor) when they are these buffers.
         self.acc = {n: aligned_empty(v.shape.num_elements(), self.np_dtype).reshape(
             tuple(v.shape)) for n, v in a.vars.items()}
         a.count = a.steps = 0
@@ -250,7 +251,7 @@ class TFPipeline(HvdPipeline):
         return self._tensor(own)
 
     def _gradients(self) -> dict[str, np.ndarray]:
-        return {n: (self.acc[n] if n in self.summed else
+        return {n: (self.sums[n] if n in self.sums else
                     np.zeros(self.cut.shapes[n], self.np_dtype)) for n in self.adapter.names}
 
     def _set_gradients(self, grads: dict[str, np.ndarray]) -> None:
@@ -288,13 +289,13 @@ class TFPipeline(HvdPipeline):
             self.outbox[("SEND_B", m, c)] = grads[0]
             grads = grads[1:]
         for n, g in zip(piece.names, grads, strict=True):
-            if g is not None:  # summed over the micro-batches in place, in numpy (see build)
-                g = np.asarray(tf.convert_to_tensor(g))
-                if n in self.summed:
-                    np.add(self.acc[n], g, out=self.acc[n])
+            if g is not None:  # summed over the micro-batches in numpy (see build)
+                g = np.asarray(tf.convert_to_tensor(g))  # a read-only view
+                if n not in self.sums:
+                    self.sums[n] = g  # the first: kept as it is
                 else:
-                    np.copyto(self.acc[n], g)
-                    self.summed.add(n)
+                    np.add(self.sums[n], g, out=self.acc[n])
+                    self.sums[n] = self.acc[n]
 
     def train_step(self, x: np.ndarray, y: np.ndarray, scalars) -> float:
         """One pipelined step on this replica's local batch with the adapter's
@@ -306,14 +307,14 @@ class TFPipeline(HvdPipeline):
                                                                  self.env.rank)))
         xt, yt = a._inputs(x, y)
         self.xs, self.ys = tf.split(xt, M), tf.split(yt, M)
-        self.summed: set[str] = set()  # the names whose gradient self.acc holds this step
+        self.sums: dict[str, np.ndarray] = {}  # each gradient summed over the micro-batches
         self.reduced: dict[str, Any] | None = None  # the gradients averaged across replicas
         loss = self._run_rounds()
-        grads = self.reduced or {n: self._tensor(self.acc[n]) if n in self.summed else
+        grads = self.reduced or {n: self._tensor(self.sums[n]) if n in self.sums else
                                  tf.zeros_like(a.vars[n]) for n in a.names}
         self.update(grads, scalars)
         self.steps += 1
-        self.xs = self.ys = self.reduced = grads = None
+        self.xs = self.ys = self.reduced = self.sums = grads = None
         return loss
 
     def evaluate(self, x: np.ndarray, y: np.ndarray) -> dict[str, float]:
