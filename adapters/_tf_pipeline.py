@@ -117,8 +117,8 @@ class TFPipeline(HvdPipeline):
         # on, and reading its output waits for it. (TensorFlow's public API has no executor of
         # its own; tf.data and tf.distribute use this one.)
         from tensorflow.python.eager import context, executor
-        self._executor_scope = lambda: context.executor_scope(self._executor)
         self._executor = executor.new_executor(enable_async=True)
+        self._executor_scope = context.executor_scope
         self._spinner = Spinner()
 
     # ------------------------------------------------------------------------------ build
@@ -197,7 +197,7 @@ class TFPipeline(HvdPipeline):
 
     def _submit(self, buf: np.ndarray, splits: list[int], name: str) -> tuple:
         tf = self.tf
-        with self._executor_scope():
+        with self._executor_scope(self._executor):
             return self.hvd.alltoall(self._tensor(buf), splits=tf.constant(splits, tf.int32),
                                      name=name)
 
@@ -233,11 +233,11 @@ class TFPipeline(HvdPipeline):
         return np.asarray(got), [int(n) for n in np.asarray(received)]
 
     def _allgather(self, flat: np.ndarray, name: str) -> np.ndarray:
-        return self.hvd.allgather(self.tf.constant(flat), name=name).numpy()
+        return np.asarray(self.hvd.allgather(self.tf.constant(flat), name=name))  # a view
 
     def _allreduce_sum(self, flat: np.ndarray, process_set, name: str) -> np.ndarray:
-        return self.hvd.allreduce(self.tf.constant(flat), op=self.hvd.Sum, name=name,
-                                  process_set=process_set).numpy()
+        return np.asarray(self.hvd.allreduce(self.tf.constant(flat), op=self.hvd.Sum, name=name,
+                                             process_set=process_set))  # a view, not a copy
 
     def _host(self, tensor) -> np.ndarray:
         return np.asarray(tensor)  # a tensor's: a read-only view, no copy
