@@ -120,6 +120,7 @@ class TFPipeline(HvdPipeline):
         self._executor = executor.new_executor(enable_async=True)
         self._executor_scope = context.executor_scope
         self._spinner = Spinner()
+        self._split_tensors: dict[tuple[int, ...], Any] = {}  # see _splits
 
     # ------------------------------------------------------------------------------ build
     def build(self, model: Any, optimizer: Any, loss: Any, *, seed: int = 0,
@@ -196,10 +197,19 @@ class TFPipeline(HvdPipeline):
         return self._rounds.post(int(index), buf, splits, name)
 
     def _submit(self, buf: np.ndarray, splits: list[int], name: str) -> tuple:
-        tf = self.tf
+        x, counts = self._tensor(buf), self._splits(splits)
         with self._executor_scope(self._executor):
-            return self.hvd.alltoall(self._tensor(buf), splits=tf.constant(splits, tf.int32),
-                                     name=name)
+            return self.hvd.alltoall(x, splits=counts, name=name)
+
+    def _splits(self, splits: list[int]):
+        """A step's round's alltoall ``splits`` as an int32 tensor, made once per distinct value
+        (the rounds repeat theirs every step; evaluation's go through ``tf.constant``):
+        ``tf.constant`` of the short list took 0.23-0.26 ms per message in the pipeline (median
+        per stage, pinned, S = 2, M = 8)."""
+        key = tuple(splits)
+        if key not in self._split_tensors:
+            self._split_tensors[key] = self.tf.constant(splits, self.tf.int32)
+        return self._split_tensors[key]
 
     def _tensor(self, buf: np.ndarray):
         """``buf`` as a tensor: without a copy (DLPack) when it is aligned, as ``pack``'s
