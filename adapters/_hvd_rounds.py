@@ -177,18 +177,21 @@ class RoundMessages:
         if index in self.slot and (index in self.sends or not self.asynchronous):
             self._post(index)
 
+    def _wanted(self, action=None) -> list[int]:
+        """The joined rounds ``_await(action)`` waits for: the one that brings ``action``'s
+        input, if not received yet (every joined round when ``action`` is None)."""
+        if action is None:
+            return sorted(self.pending)
+        key = (action.micro_batch, action.chunk)
+        first = action.chunk * self.grid.stages + self.stage == 0
+        need = (None if (first if action.kind == "F" else self._is_last(action.chunk))
+                else self.delivered[("RECV_" + action.kind, *key)])
+        return [need] if need in self.pending else []
+
     def _await(self, action=None) -> None:
         """Waits for the round that brings ``action``'s input (every joined round when
         ``action`` is None); the wait is recorded as the RECV actions."""
-        if action is None:
-            wanted = sorted(self.pending)
-        else:
-            key = (action.micro_batch, action.chunk)
-            first = action.chunk * self.grid.stages + self.stage == 0
-            need = (None if (first if action.kind == "F" else self._is_last(action.chunk))
-                    else self.delivered[("RECV_" + action.kind, *key)])
-            wanted = [need] if need in self.pending else []
-        for index in wanted:
+        for index in self._wanted(action):
             started, expected = self.pending.pop(index)
             start = time.time()
             got = self._exchange_finish(started)

@@ -32,18 +32,23 @@ import numpy as np
 
 import adapters
 import toolkit
-from toolkit._timeline import TIMELINE_ENV, idle_fraction, peak_in_flight, select
+from toolkit._timeline import (
+    TIMELINE_ENV,
+    action_seconds,
+    idle_fraction,
+    peak_in_flight,
+    select,
+)
 
 
 def stage_times(records: list[dict], stages: int) -> tuple[list[float], list[float]]:
-    """Mean forward and backward time per stage (one micro-batch through the whole stage)."""
+    """Mean forward and backward time per stage (one micro-batch through the whole stage; an
+    action recorded in parts counts as their sum)."""
+    seconds = action_seconds(records)
     fwd, bwd = [], []
     for s in range(stages):
-        mine = [r for r in records if r["stage"] == s]
-        f = [r["end"] - r["start"] for r in mine if r["action"].startswith("F")]
-        b = [r["end"] - r["start"] for r in mine if r["action"].startswith("B")]
-        fwd.append(statistics.mean(f))
-        bwd.append(statistics.mean(b))
+        fwd.append(statistics.mean(t for (st, a), t in seconds.items() if st == s and a[0] == "F"))
+        bwd.append(statistics.mean(t for (st, a), t in seconds.items() if st == s and a[0] == "B"))
     return fwd, bwd
 
 

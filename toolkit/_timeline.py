@@ -6,6 +6,10 @@ Each rank writes its own file with a ``StageRecorder``; ``read_timeline`` merges
 them, and ``python -m toolkit.pipeline_timeline`` draws them. Times from different processes
 are comparable when they share a clock: ``time.time()`` on one node; across nodes subtract each
 rank's time of a common barrier (``StageRecorder(origin=...)``).
+
+An action may have more than one record: horovod-tf adds a backward's parameter gradients to
+the step's sums later, while it waits for a message, and records that as a second part of the
+backward (``action_seconds`` adds the parts up).
 """
 
 from __future__ import annotations
@@ -163,13 +167,27 @@ def idle_fraction(records: list[dict]) -> float:
 
 
 def peak_in_flight(records: list[dict]) -> dict[int, int]:
-    """Per stage, the most forwards whose backward had not started, by the recorded order."""
+    """Per stage, the most forwards whose backward had not started, by the recorded order (an
+    action recorded in parts counts at its first)."""
     peaks = {}
     for stage in sorted({r["stage"] for r in records}):
         live = peak = 0
+        seen = set()
         for r in sorted((r for r in records if r["stage"] == stage and _compute(r)),
                         key=lambda r: r["start"]):
+            if r["action"] in seen:
+                continue
+            seen.add(r["action"])
             live += 1 if r["action"][0] == "F" else -1
             peak = max(peak, live)
         peaks[stage] = peak
     return peaks
+
+
+def action_seconds(records: list[dict]) -> dict[tuple[int, str], float]:
+    """Each (stage, action)'s time, its parts added up (one step of one replica)."""
+    total: dict[tuple[int, str], float] = {}
+    for r in records:
+        key = (r["stage"], r["action"])
+        total[key] = total.get(key, 0.0) + r["end"] - r["start"]
+    return total

@@ -12,7 +12,13 @@ import pytest
 
 from toolkit import StageRecorder, pipeline_schedule, read_timeline, simulate_schedule
 from toolkit._errors import ToolkitError
-from toolkit._timeline import idle_fraction, peak_in_flight, select, write_timeline
+from toolkit._timeline import (
+    action_seconds,
+    idle_fraction,
+    peak_in_flight,
+    select,
+    write_timeline,
+)
 from toolkit.pipeline_timeline import main
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -61,6 +67,20 @@ def test_measured_idle_fraction_and_peaks_by_hand():
                                                         ("B0", 2, 3))]
     assert idle_fraction(records) == pytest.approx(1 - 5 / 10)
     assert peak_in_flight(records) == {0: 1, 1: 1}
+
+
+def test_an_action_recorded_in_parts():
+    """A backward whose gradient sums ran later, in a wait (horovod-tf): both parts count as
+    compute, the action's time adds them up, and the backward frees its forward once."""
+    rows = (("F0", 0, 1), ("F1", 1, 2), ("B0", 2, 3), ("F2", 3, 4), ("B0", 4, 4.5),
+            ("F3", 4.5, 5.5), ("B1", 5.5, 6.5), ("B1", 7.5, 8))
+    records = [{"stage": 0, "replica": 0, "step": 0, "action": a, "micro_batch": int(a[1]),
+                "chunk": 0, "start": b, "end": e} for a, b, e in rows]
+    assert idle_fraction(records) == pytest.approx(1 - 7 / 8)
+    assert peak_in_flight(records) == {0: 3}  # F3 while F1, F2 are held (per part: 2)
+    seconds = action_seconds(records)
+    assert seconds[(0, "B0")] == pytest.approx(1.5) and seconds[(0, "B1")] == pytest.approx(1.5)
+    assert seconds[(0, "F2")] == pytest.approx(1.0)
 
 
 def test_select_picks_the_last_step_of_a_replica():
