@@ -15,9 +15,8 @@ its core busy (``Spinner``).
   chunk) until that micro-batch's backward (no recomputation: the schedule's in-flight
   activations are really held, as ``peak_activations`` counts). The backward is
   ``tape.gradient(out, [input] + variables, output_gradients=grad)``: the input's gradient is
-  the message back to the previous stage, the variables' are summed over the micro-batches,
-  after the message is sent: the sums fill the stage's next wait for a message (``_await``),
-  and the timeline records them as a second part of the backward;
+  the message back to the previous stage, the variables' are summed over the micro-batches
+  once the message is sent (``_defer``: in the stage's next wait);
 - the last stage's loss is each micro-batch's mean over its samples divided by ``M`` (the local
   batch's mean, as data parallel's accumulation steps), gathered so every rank of a replica
   returns it;
@@ -34,7 +33,6 @@ from __future__ import annotations
 
 import os
 import threading
-import time
 from typing import Any
 
 import numpy as np
@@ -124,7 +122,6 @@ class TFPipeline(HvdPipeline):
         self._executor_scope = context.executor_scope
         self._spinner = Spinner()
         self._split_tensors: dict[tuple[int, ...], Any] = {}  # see _splits
-        self.deferred: tuple | None = None  # a backward's unsummed gradients (see _await)
 
     # ------------------------------------------------------------------------------ build
     def build(self, model: Any, optimizer: Any, loss: Any, *, seed: int = 0,
@@ -302,26 +299,11 @@ class TFPipeline(HvdPipeline):
         if not first:
             self.outbox[("SEND_B", m, c)] = grads[0]
             grads = grads[1:]
-        self.deferred = (action, piece.names, grads)  # summed by _await, see there
+        self._defer(action, (piece.names, grads))
 
-    def _await(self, action: Action | None = None) -> None:
-        """Before waiting for a message, or before the next backward (at most one backward's
-        gradients are held unsummed), adds the last backward's parameter gradients to the
-        step's sums: a backward's message goes out before its sums are made, and the sums
-        fill the wait for the next message. (The sums of a 4096 x 4096 matrix take 7 ms, a
-        message 2-4 ms from one stage's compute to the next's; each stage of 1F1B's steady
-        state at S = 2 waits for the other's message once per micro-batch.)"""
-        if self.deferred is not None and (action is None or action.kind == "B"
-                                          or self._wanted(action)):
-            self._accumulate()
-        super()._await(action)
-
-    def _accumulate(self) -> None:
-        """Adds the deferred backward's parameter gradients to the step's sums, in numpy (see
-        build); the time is recorded as a second part of that backward."""
-        action, names, grads = self.deferred
-        self.deferred = None
-        start = time.time()
+    def _sum(self, gradients) -> None:
+        """Adds a backward's parameter gradients to the step's sums, in numpy (see build)."""
+        names, grads = gradients
         for n, g in zip(names, grads, strict=True):
             if g is not None:
                 g = np.asarray(self.tf.convert_to_tensor(g))  # a read-only view
@@ -330,7 +312,6 @@ class TFPipeline(HvdPipeline):
                 else:
                     np.add(self.sums[n], g, out=self.acc[n])
                     self.sums[n] = self.acc[n]
-        self.recorder.add(action, start, time.time(), self.steps)
 
     def train_step(self, x: np.ndarray, y: np.ndarray, scalars) -> float:
         """One pipelined step on this replica's local batch with the adapter's
@@ -343,7 +324,6 @@ class TFPipeline(HvdPipeline):
         xt, yt = a._inputs(x, y)
         self.xs, self.ys = tf.split(xt, M), tf.split(yt, M)
         self.sums: dict[str, np.ndarray] = {}  # each gradient summed over the micro-batches
-        self.deferred = None  # none left over from a step that failed
         self.reduced: dict[str, Any] | None = None  # the gradients averaged across replicas
         loss = self._run_rounds()
         grads = self.reduced or {n: self._tensor(self.sums[n]) if n in self.sums else
