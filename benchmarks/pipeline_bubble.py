@@ -32,24 +32,7 @@ import numpy as np
 
 import adapters
 import toolkit
-from toolkit._timeline import (
-    TIMELINE_ENV,
-    action_seconds,
-    idle_fraction,
-    peak_in_flight,
-    select,
-)
-
-
-def stage_times(records: list[dict], stages: int) -> tuple[list[float], list[float]]:
-    """Mean forward and backward time per stage (one micro-batch through the whole stage; an
-    action recorded in parts counts as their sum)."""
-    seconds = action_seconds(records)
-    fwd, bwd = [], []
-    for s in range(stages):
-        fwd.append(statistics.mean(t for (st, a), t in seconds.items() if st == s and a[0] == "F"))
-        bwd.append(statistics.mean(t for (st, a), t in seconds.items() if st == s and a[0] == "B"))
-    return fwd, bwd
+from toolkit._timeline import TIMELINE_ENV, idle_fraction, peak_in_flight, select, stage_times
 
 
 def measure(records: list[dict], name: str, M: int, steps: range):

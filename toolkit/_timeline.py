@@ -191,3 +191,19 @@ def action_seconds(records: list[dict]) -> dict[tuple[int, str], float]:
         key = (r["stage"], r["action"])
         total[key] = total.get(key, 0.0) + r["end"] - r["start"]
     return total
+
+
+def stage_times(records: list[dict], stages: int,
+                chunks: int = 1) -> tuple[list[float], list[float]]:
+    """Per stage, the mean forward and mean backward time of one micro-batch through all its
+    ``chunks`` (one step of one replica; an action recorded in parts counts as their sum)."""
+    seconds = action_seconds(records)
+    out = []
+    for kind in ("F", "B"):
+        per = []
+        for s in range(stages):
+            d = [t for (stage, a), t in seconds.items()
+                 if stage == s and Action.parse(a).kind == kind]
+            per.append(chunks * sum(d) / len(d) if d else 0.0)
+        out.append(per)
+    return out[0], out[1]

@@ -22,8 +22,15 @@ import sys
 from toolkit._errors import ToolkitError
 from toolkit._layouts import SCHEDULES
 from toolkit._pipeline import simulate_schedule
-from toolkit._schedules import Action, bubble_formula, pipeline_schedule
-from toolkit._timeline import idle_fraction, peak_in_flight, read_timeline, select, write_timeline
+from toolkit._schedules import bubble_formula, pipeline_schedule
+from toolkit._timeline import (
+    idle_fraction,
+    peak_in_flight,
+    read_timeline,
+    select,
+    stage_times,
+    write_timeline,
+)
 
 _COLORS = {"F": ((0.27, 0.45, 0.77), (0.62, 0.75, 0.93)),   # chunk 0 dark, chunk 1+ light
            "B": ((0.90, 0.49, 0.20), (0.98, 0.76, 0.55))}
@@ -90,19 +97,6 @@ def draw_timeline(records: list[dict], path: str, title: str = "", unit: str = "
     plt.close(fig)
 
 
-def _stage_times(records: list[dict], stages: int, chunks: int):
-    """Mean forward and backward time per stage (all its chunks) in ``records``."""
-    out = []
-    for kind in ("F", "B"):
-        per = []
-        for s in range(stages):
-            d = [r["end"] - r["start"] for r in records
-                 if r["stage"] == s and Action.parse(r["action"]).kind == kind]
-            per.append(chunks * sum(d) / len(d) if d else 0.0)
-        out.append(per)
-    return out
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m toolkit.pipeline_timeline",
                                      description=__doc__.split("\n\n")[0])
@@ -159,7 +153,7 @@ def _run(args) -> int:
           + (f" x {chunks} chunks" if chunks > 1 else "") + f", replica {args.replica}")
     print(f"idle fraction: {what} {measured:.4f}, formula {text} = {value:.4f}")
     if name and not args.simulate:  # the same schedule simulated with the measured times
-        f, b = _stage_times(records, stages, chunks)
+        f, b = stage_times(records, stages, chunks)
         if all(f) and all(b):
             sim = simulate_schedule(pipeline_schedule(name, stages, micro, chunks), f, b)
             print(f"idle fraction simulated with the measured stage times: "

@@ -17,6 +17,7 @@ from toolkit._timeline import (
     idle_fraction,
     peak_in_flight,
     select,
+    stage_times,
     write_timeline,
 )
 from toolkit.pipeline_timeline import main
@@ -80,6 +81,7 @@ def test_an_action_recorded_in_parts():
     assert peak_in_flight(records) == {0: 3}  # F3 while F1, F2 are held (per part: 2)
     seconds = action_seconds(records)
     assert seconds[(0, "B0")] == pytest.approx(1.5) and seconds[(0, "B1")] == pytest.approx(1.5)
+    assert stage_times(records, 1) == ([1.0], [1.5])  # per micro-batch, parts added
     assert seconds[(0, "F2")] == pytest.approx(1.0)
 
 
