@@ -153,7 +153,8 @@ class HvdPipeline(RoundMessages):
     def _defer(self, action: Any, gradients: Any) -> None:
         """Holds backward ``action``'s parameter gradients, to be added to the step's sums (the
         subclass's ``_sum(gradients)``) when the stage next waits for a message, or before its
-        next backward (so at most one backward's are held), or at the end of the rounds.
+        next backward (so at most one backward's are held: for that while, one more
+        gradient-sized set of tensors than summing in place), or at the end of the rounds.
 
         A backward's message to the previous stage then goes out before its gradient sums are
         made, and the sums fill the wait for the next message instead of delaying it: in 1F1B's
