@@ -9,10 +9,8 @@ waits for a round only when an action needs its message (``adapters/_hvd_rounds.
 
 This module is the torch side: each rank holds its stage's pieces of the model
 (``_torch_stages.py``), runs a piece's forward keeping its autograd graph per (micro-batch,
-chunk) until that micro-batch's backward (``torch.autograd.grad(out, [input, *params], grad)``:
-the input's gradient is the message back; the parameters' are added to their ``.grad`` once the
-message is sent, in the stage's next wait: ``_defer``), and steps a ``torch.optim`` optimizer
-over its stage's parameters.
+chunk) until that micro-batch's backward (``out.backward(grad)``; the input's ``.grad`` is the
+message back), and steps a ``torch.optim`` optimizer over its stage's parameters.
 
 The loss is the last stage's: each micro-batch's mean over its samples divided by ``M`` (the
 local batch's mean, as with accumulation steps), gathered so that every rank of a replica
@@ -147,25 +145,9 @@ class TorchPipeline(PipelineState, HvdPipeline):
             self.peak_activations = max(self.peak_activations, len(self.outputs))
         else:
             out, inp = self.outputs.pop(key), self.inputs.pop(key)
-            params = [p for _, p, _, _ in self.cut.pieces[c].params if p.requires_grad]
-            sources = params if k == 0 else [inp, *params]
-            grads = self.torch.autograd.grad(out, sources,
-                                             None if last else self.inbox_b.pop(key),
-                                             allow_unused=True)
+            out.backward() if last else out.backward(self.inbox_b.pop(key))
             if k > 0:
-                self.outbox[("SEND_B", m, c)] = grads[0]
-                grads = grads[1:]
-            self._defer(action, (params, grads))
-
-    def _sum(self, gradients) -> None:
-        """Adds a backward's parameter gradients to the parameters' ``.grad``."""
-        for p, g in zip(*gradients, strict=True):
-            if g is None:
-                continue
-            if p.grad is None:
-                p.grad = g.clone()  # g may share memory with another tensor of the graph
-            else:
-                p.grad.add_(g)
+                self.outbox[("SEND_B", m, c)] = inp.grad
 
     def train_step(self, x: np.ndarray, y: np.ndarray, lr: float | None) -> float:
         """One pipelined step on this replica's local batch; returns the replica's mean loss

@@ -7,9 +7,9 @@ them, and ``python -m toolkit.pipeline_timeline`` draws them. Times from differe
 are comparable when they share a clock: ``time.time()`` on one node; across nodes subtract each
 rank's time of a common barrier (``StageRecorder(origin=...)``).
 
-An action may have more than one record: the Horovod executors add a backward's parameter
-gradients to the step's sums later, while the stage waits for a message, and record that as a
-second part of the backward (``action_seconds`` and ``stage_times`` add the parts up).
+An action may have more than one record: horovod-tf adds a backward's parameter gradients to
+the step's sums later, while the stage waits for a message, and records that as a second part
+of the backward (``action_seconds`` and ``stage_times`` add the parts up).
 """
 
 from __future__ import annotations

@@ -16,7 +16,6 @@ import toolkit
 from adapters._torch_pipeline import TorchPipeline
 from toolkit import MLP, SGD, Pipeline, ToolkitError
 from toolkit._layouts import resolve_layout
-from toolkit._timeline import peak_in_flight
 from toolkit.datasets import load_digits
 
 WORKER = "tests/scripts/pipeline_torch_worker.py"
@@ -177,34 +176,6 @@ def test_a_native_sequential_runs_on_one_stage(torch_adapter):
     assert {"params/0.weight", "params/2.bias", "opt/momentum/2.weight", "rng/step"} <= set(state)
     sums = pipe.evaluate(x, y)
     assert sums["count"] == 6.0 and sums["loss_sum"] / 6 < loss
-
-
-def check_deferred_sums(four: tuple[dict, list[dict]], one: tuple[dict, list[dict]]) -> None:
-    """``(state, records)`` of one step of Pipeline(1, 4, "1f1b") and Pipeline(1, 1) from the
-    same initial values: equal parameters (B(m)'s gradients summed once each), and each B(m)
-    recorded in two parts, the sums after the next forward (a stage that waits for no message
-    sums them before its next backward); the peak in flight counts each backward once."""
-    for k, v in four[0].items():
-        if k.startswith("params/"):
-            np.testing.assert_allclose(v, one[0][k], rtol=0, atol=1e-6, err_msg=k)
-    records = four[1]
-    parts = {m: [r for r in records if r["action"] == f"B{m}"] for m in range(4)}
-    assert all(len(p) == 2 and p[0]["end"] <= p[1]["start"] for p in parts.values()), parts
-    forwards = {r["micro_batch"]: r for r in records if r["action"][0] == "F"}
-    for m in range(3):
-        assert parts[m][1]["start"] >= forwards[m + 1]["end"], records
-    assert peak_in_flight(records) == {0: 1}
-
-
-def test_a_backward_sums_its_gradients_in_the_next_wait(torch_adapter):
-    (x, y), _ = load_digits()
-    runs = []
-    for layout in (Pipeline(1, 4, "1f1b"), Pipeline(1, 1)):
-        pipe = TorchPipeline(torch_adapter, layout)
-        pipe.build(MLP((64, 16, 10)), SGD(lr=0.1, momentum=0.9), "cross_entropy")
-        pipe.train_step(x[:16], y[:16], 0.1)
-        runs.append((pipe.state_dict(), list(pipe.recorder.records)))
-    check_deferred_sums(*runs)
 
 
 def test_an_adapter_without_the_ability_is_told_which_have_it():
