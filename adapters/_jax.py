@@ -175,6 +175,10 @@ class JaxBackendBase(BackendBase):
         self.jnp = jnp
         self.dtype = jnp.dtype(self.dtype_name)
 
+    def local_device_count(self) -> int:
+        """Devices this process computes on (``toolkit._contract.DrivesDevices``)."""
+        return self.jax.local_device_count()
+
     def _build_common(self, model, optimizer, loss, seed, accumulation_steps, metrics=None,
                       init_opt: bool = True):
         """Initial ``(params, opt_state, model_state)`` as host trees, rank 0's everywhere

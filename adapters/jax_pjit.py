@@ -78,21 +78,33 @@ class JaxPjitAdapter(PipelineAbility, PjitSharding, JaxBackendBase):
         params, opt_state = apply_optimizer(self.tx, grads, opt_state, params, scalars)
         return params, opt_state, model_state, losses
 
+    def _local_rows(self) -> int:
+        """The data-axis coordinates among this process's devices (its data rows): all its
+        devices under data parallelism, fewer when a ``model`` axis groups them, and one when
+        that group spans several processes, which then feed the same samples."""
+        me, mesh = self.jax.process_index(), self.mesh
+        axis = mesh.axis_names.index("data")
+        return len({i[axis] for i, d in np.ndenumerate(mesh.devices) if d.process_index == me})
+
     def _global(self, local: np.ndarray):
-        return self.jax.make_array_from_process_local_data(self.batch, local)
+        # The global shape stated, not inferred: processes that share data rows pass the same
+        # samples, and the array holds each row once.
+        rows = self.mesh.shape["data"]
+        shape = (len(local) * rows // self._local_rows(), *local.shape[1:])
+        return self.jax.make_array_from_process_local_data(self.batch, local, shape)
 
     def device_batch(self, x: np.ndarray, y: np.ndarray):
         """The local batch as this step's global arrays (``toolkit._contract.PlacesBatches``);
         made in the Trainer's prefetch thread, so the copy overlaps the running step."""
         if self.pipeline is not None:  # the executor places its micro-batches itself
             return x, y
-        devices = self.jax.local_device_count()
-        if len(x) % (devices * self.accumulation_steps):
+        rows = self._local_rows()
+        if len(x) % (rows * self.accumulation_steps):
             raise ToolkitError(
-                f"jax-pjit: the local batch of {len(x)} samples does not split over {devices} "
-                f"local devices x {self.accumulation_steps} accumulation steps",
+                f"jax-pjit: the local batch of {len(x)} samples does not split over {rows} "
+                f"local data shards x {self.accumulation_steps} accumulation steps",
                 f"use a global batch divisible by world size x "
-                f"{devices * self.accumulation_steps}, or change --local-devices")
+                f"{rows * self.accumulation_steps}, or change --local-devices")
         return self._global(self._inputs(x)), self._global(self._labels(y))
 
     def train_step(self, x: np.ndarray, y: np.ndarray, lr: float | None) -> float:
@@ -109,8 +121,10 @@ class JaxPjitAdapter(PipelineAbility, PjitSharding, JaxBackendBase):
         self.params, self.opt_state, self.model_state, losses = out[:4]
         if self.layout is not None:
             self.grads = out[4]  # the gradient this layout keeps (memory_bytes counts it)
-        # Per-sample losses stay sharded like the batch: this process's shards are its samples.
-        return LocalMean([shard.data for shard in losses.addressable_shards])
+        # Per-sample losses stay sharded like the batch: this process's shards are its samples,
+        # each once (a shard is on every device of its data row's ``model`` group).
+        shards = {(s.index[0].start, s.index[0].stop): s.data for s in losses.addressable_shards}
+        return LocalMean(list(shards.values()))
 
     def evaluate(self, x: np.ndarray, y: np.ndarray) -> dict[str, float]:
         if self.pipeline is not None:

@@ -145,6 +145,17 @@ class PipelineAdapter(Protocol):
 
 
 @runtime_checkable
+class DrivesDevices(Protocol):
+    """The optional ability to say how many devices each process drives (JAX: a process may
+    drive several; without this ability, one). The Trainer asks after ``setup``: with the
+    layout, it decides which share of each global batch this process loads
+    (``Layout.data_share``)."""
+
+    def local_device_count(self) -> int:
+        """Devices this process computes on (the same number in every process)."""
+
+
+@runtime_checkable
 class PlacesBatches(Protocol):
     """The optional ability to copy a batch to the backend's devices ahead of its step.
 

@@ -17,11 +17,28 @@ import dataclasses
 import numbers
 
 from toolkit._errors import ToolkitError
+from toolkit._partition import PipelineGrid
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
 # The backends whose adapters run toolkit.Pipeline (named in the error for the others).
 PIPELINE_BACKENDS = ("horovod-torch", "horovod-tf", "jax-pmap", "jax-pjit")
 LAYOUT_FORMS = "data, sharded:1|2|3, pipeline:STAGES:MICRO_BATCHES[:gpipe|1f1b|interleaved-1f1b]"
+
+
+@dataclasses.dataclass(frozen=True)
+class DataShare:
+    """Which share of every global batch a process loads: the global batch is cut into
+    ``count`` equal shares (the sampler's strided partition) and this process loads share
+    ``index``. Processes that hold pieces of one model replica (the stages of a pipeline, the
+    tensor-parallel group of a ``model`` axis that spans processes) load the same share.
+
+    Example (4 processes of 1 device, tensor parallel over 2: two data shares):
+        >>> Sharded(stage=3, tensor_parallel=2).data_share(4, rank=3)
+        DataShare(count=2, index=1)
+    """
+
+    count: int
+    index: int
 
 
 def _positive_int(owner: str, field: str, value: object, example: str) -> int:
@@ -39,6 +56,10 @@ class DataParallel:
     @property
     def name(self) -> str:
         return "data_parallel"
+
+    def data_share(self, world_size: int, rank: int, local_devices: int = 1) -> DataShare:
+        """Every process loads its own share."""
+        return DataShare(world_size, rank)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,6 +87,30 @@ class Sharded:
     def name(self) -> str:
         tp = f":tp{self.tensor_parallel}" if self.tensor_parallel > 1 else ""
         return f"sharded:{self.stage}{tp}"
+
+    def data_share(self, world_size: int, rank: int, local_devices: int = 1) -> DataShare:
+        """The share of process ``rank`` of ``world_size`` (each driving ``local_devices``).
+
+        The devices form a ``(data, model)`` mesh, process-major: a tensor-parallel group is
+        ``tensor_parallel`` consecutive devices. When a group fits in a process, every process
+        holds whole groups and loads its own share; when it spans ``g`` processes, those ``g``
+        consecutive processes compute one replica and load the same share.
+        """
+        k, local = self.tensor_parallel, local_devices
+        if k <= local:
+            if local % k:
+                raise ToolkitError(
+                    f"tensor_parallel={k} does not divide the {local} devices of a process",
+                    f"use a divisor of {local} (a group inside each process) or a multiple of "
+                    f"it (a group over several processes)")
+            return DataShare(world_size, rank)
+        if k % local or (world_size * local) % k:
+            raise ToolkitError(
+                f"tensor_parallel={k} does not fit {world_size} processes of {local} "
+                f"device(s) each", f"use a multiple of {local} that divides the "
+                f"{world_size * local} devices")
+        group = k // local
+        return DataShare(world_size // group, rank // group)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,6 +163,12 @@ class Pipeline:
     def name(self) -> str:
         chunks = f":{self.chunks}" if self.chunks > 1 else ""
         return f"pipeline:{self.stages}:{self.micro_batches}:{self.schedule}{chunks}"
+
+    def data_share(self, world_size: int, rank: int, local_devices: int = 1) -> DataShare:
+        """Every rank of a replica loads the replica's share (stage 0 uses the inputs, the
+        last stage the labels): ``D = world_size / stages`` shares."""
+        grid = PipelineGrid(world_size, self.stages)
+        return DataShare(grid.replicas, grid.replica_of(rank))
 
 
 Layout = DataParallel | Sharded | Pipeline

@@ -13,14 +13,14 @@ from typing import Any
 import numpy as np
 
 from toolkit._checkpoint import CheckpointStore
-from toolkit._contract import Adapter, PlacesBatches
+from toolkit._contract import Adapter, DrivesDevices, PlacesBatches
 from toolkit._data import ArrayDataset, Dataset, as_dataset
 from toolkit._env import LaunchEnv
 from toolkit._errors import ToolkitError
 from toolkit._evaluation import check_metrics, evaluate
 from toolkit._history import History, ProgressLine
-from toolkit._layouts import Pipeline, Sharded, resolve_layout
-from toolkit._partition import PipelineGrid, micro_batch_size
+from toolkit._layouts import DataShare, Pipeline, Sharded, resolve_layout
+from toolkit._partition import micro_batch_size
 from toolkit._preemption import PREEMPTED_EXIT_CODE, TrainingPreempted, noting_signals
 from toolkit._prefetch import BatchPrefetcher
 from toolkit._rank0 import current_env, print0
@@ -184,23 +184,24 @@ class Trainer(Checkpointing):
     # ------------------------------------------------------------------------ set-up
     def _setup(self, num_samples: int) -> None:
         env = self.env
-        # Under a pipeline the D replicas of S stages share out the samples: every rank of a
-        # replica loads the replica's local batch (stage 0 uses the inputs, the last the labels).
-        replicas, replica = self._data_parallel_rank()
+        if isinstance(self.layout, Sharded | Pipeline):  # before setup: Horovod's process sets
+            self.adapter.set_layout(self.layout)     # are fixed when it starts
+        self.adapter.setup(env)
+        # The layout says which share of each global batch this process loads: its own under
+        # data parallelism, its replica's under a pipeline or a tensor-parallel group that
+        # spans processes (those processes compute one replica and must see the same samples).
+        share = self._data_share()
         self.sampler = GlobalBatchSampler(
-            num_samples, self.global_batch_size, world_size=replicas, rank=replica,
+            num_samples, self.global_batch_size, world_size=share.count, rank=share.index,
             shuffle=self.shuffle, seed=self.seed, drop_last=self.drop_last)
         if isinstance(self.layout, Pipeline):
             micro_batch_size(self.sampler.local_batch_size, self.layout.micro_batches)
         if self.sampler.local_batch_size % self.accumulation_steps:
             raise ToolkitError(
                 f"the local batch of {self.sampler.local_batch_size} samples (global "
-                f"{self.global_batch_size} / {env.world_size} ranks) does not split into "
-                f"accumulation_steps={self.accumulation_steps} micro-batches",
+                f"{self.global_batch_size} / {share.count} data-parallel shares) does not split "
+                f"into accumulation_steps={self.accumulation_steps} micro-batches",
                 "choose a global batch divisible by world size x accumulation steps")
-        if isinstance(self.layout, Sharded | Pipeline):  # before setup: Horovod's process sets
-            self.adapter.set_layout(self.layout)     # are fixed when it starts
-        self.adapter.setup(env)
         self.adapter.build(self.model, self.optimizer, self.loss, seed=self.seed,
                            accumulation_steps=self.accumulation_steps,
                            sync_batchnorm=self.sync_batchnorm, metrics=self.metrics)
@@ -210,12 +211,12 @@ class Trainer(Checkpointing):
             self._restore()
         self._setup_done = True
 
-    def _data_parallel_rank(self) -> tuple[int, int]:
-        """(replicas, this rank's replica): the world and the rank, except under a pipeline."""
-        if not isinstance(self.layout, Pipeline):
-            return self.env.world_size, self.env.rank
-        grid = PipelineGrid(self.env.world_size, self.layout.stages)
-        return grid.replicas, grid.replica_of(self.env.rank)
+    def _data_share(self) -> DataShare:
+        """This process's share of each global batch, as the layout places it on the devices
+        (the adapter says how many each process drives; after ``setup``)."""
+        devices = self.adapter.local_device_count() \
+            if isinstance(self.adapter, DrivesDevices) else 1
+        return self.layout.data_share(self.env.world_size, self.env.rank, devices)
 
     # ------------------------------------------------------------------------ the loop
     def fit(self, data: Dataset | np.ndarray, y: np.ndarray | None = None,
@@ -248,7 +249,7 @@ class Trainer(Checkpointing):
         try:
             with loader, noting_signals(self.stop_signals, self._note_stop_signal):
                 self._loop(loader, validation, total,
-                           lr_scale(self.lr_scaling, self._data_parallel_rank()[0]))
+                           lr_scale(self.lr_scaling, sampler.world_size))
         finally:  # the thread is joined by now, whatever happened
             self.prefetch_stats = loader.stats()
         self._log_records([{"event": "prefetch", **self.prefetch_stats}])

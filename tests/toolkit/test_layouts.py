@@ -7,7 +7,7 @@ import pytest
 
 from toolkit._errors import ToolkitError
 from toolkit._gpt import GPT
-from toolkit._layouts import DataParallel, Pipeline, Sharded, parse_layout
+from toolkit._layouts import DataParallel, DataShare, Pipeline, Sharded, parse_layout
 from toolkit._shards import FlatLayout, unit_layouts, units_of
 from toolkit._specs import MLP
 
@@ -147,3 +147,44 @@ def test_unit_layouts_round_trip_a_gpt():
         back = layout.gather([layout.shard(part, r) for r in range(5)])
         for name in layout.names:
             np.testing.assert_array_equal(back[name], params[name])
+
+
+def test_the_data_share_of_each_process_follows_its_place_in_the_mesh():
+    """Processes that compute one replica together load the same share; the others their own.
+    Checked against the mesh drawn by hand: devices process-major, ``tensor_parallel``
+    consecutive devices per model group."""
+
+    def shares(layout, world, local):
+        return [tuple(dataclass_values(layout.data_share(world, r, local)))
+                for r in range(world)]
+
+    def dataclass_values(share):
+        assert isinstance(share, DataShare)
+        return share.count, share.index
+
+    assert shares(DataParallel(), 4, 1) == [(4, 0), (4, 1), (4, 2), (4, 3)]
+    assert shares(Sharded(3), 2, 2) == [(2, 0), (2, 1)]
+    # 4 processes x 1 device, model groups {0, 1} and {2, 3}
+    assert shares(Sharded(3, tensor_parallel=2), 4, 1) == [(2, 0), (2, 0), (2, 1), (2, 1)]
+    assert shares(Sharded(3, tensor_parallel=4), 4, 1) == [(1, 0)] * 4
+    # 2 processes x 2 devices: groups of 2 inside each process; of 4 across both
+    assert shares(Sharded(3, tensor_parallel=2), 2, 2) == [(2, 0), (2, 1)]
+    assert shares(Sharded(1, tensor_parallel=4), 2, 2) == [(1, 0), (1, 0)]
+    # 4 processes x 2 devices, groups of 4: processes {0, 1} and {2, 3}
+    assert shares(Sharded(2, tensor_parallel=4), 4, 2) == [(2, 0), (2, 0), (2, 1), (2, 1)]
+    # a pipeline's stages share their replica's samples: rank r is replica r % D
+    assert shares(Pipeline(2, 4), 4, 1) == [(2, 0), (2, 1), (2, 0), (2, 1)]
+    assert shares(Pipeline(2, 4), 2, 1) == [(1, 0), (1, 0)]
+
+
+@pytest.mark.parametrize(("layout", "world", "local", "match"), [
+    (Sharded(3, tensor_parallel=2), 2, 3, "does not divide the 3 devices of a process"),
+    (Sharded(3, tensor_parallel=4), 3, 2, "does not fit 3 processes of 2 device"),
+    (Sharded(3, tensor_parallel=3), 2, 2, "does not fit 2 processes"),
+    (Sharded(3, tensor_parallel=4), 2, 1, "does not fit 2 processes of 1 device"),
+])
+def test_a_tensor_parallel_size_the_devices_cannot_take_is_a_clear_error(layout, world, local,
+                                                                         match):
+    with pytest.raises(ToolkitError, match=match) as err:
+        layout.data_share(world, 0, local)
+    assert "HINT" in str(err.value)
