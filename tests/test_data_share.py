@@ -14,8 +14,9 @@ import pytest
 # (backend, processes, devices per process, layouts with the number of data shares each
 # should have: processes / (processes per replica)).
 CONFIGS = [
-    ("horovod-torch", 4, None, {"data": 4, "sharded:2": 4, "pipeline:2:2": 2}),
-    ("horovod-tf", 4, None, {"data": 4, "sharded:3": 4, "pipeline:2:2": 2}),
+    # (Horovod fixes its process sets when it starts: the pipeline runs first)
+    ("horovod-torch", 4, None, {"pipeline:2:2": 2, "data": 4, "sharded:2": 4}),
+    ("horovod-tf", 4, None, {"pipeline:2:2": 2, "data": 4, "sharded:3": 4}),
     ("jax-pmap", 2, 1, {"data": 2, "sharded:3": 2, "pipeline:2:2": 1}),
     ("jax-pmap", 2, 2, {"data": 2, "sharded:2": 2}),
     # one device per process: a model axis of 2 spans both processes (one replica)

@@ -97,18 +97,19 @@ class Sharded:
         consecutive processes compute one replica and load the same share.
         """
         k, local = self.tensor_parallel, local_devices
-        if k <= local:
-            if local % k:
-                raise ToolkitError(
-                    f"tensor_parallel={k} does not divide the {local} devices of a process",
-                    f"use a divisor of {local} (a group inside each process) or a multiple of "
-                    f"it (a group over several processes)")
-            return DataShare(world_size, rank)
-        if k % local or (world_size * local) % k:
+        devices = world_size * local
+        fits = [d for d in range(1, devices + 1)
+                if devices % d == 0 and (local % d == 0 or d % local == 0)]
+        hint = f"use one of {fits} ({world_size} process(es) x {local} device(s))"
+        if devices % k:
+            raise ToolkitError(f"tensor_parallel={k} does not divide the {devices} devices",
+                               hint)
+        if (local % k if k <= local else k % local):
             raise ToolkitError(
-                f"tensor_parallel={k} does not fit {world_size} processes of {local} "
-                f"device(s) each", f"use a multiple of {local} that divides the "
-                f"{world_size * local} devices")
+                f"tensor_parallel={k} cuts the {local} devices of a process into uneven model "
+                "groups", hint + ": a group lies inside one process or spans whole processes")
+        if k <= local:
+            return DataShare(world_size, rank)
         group = k // local
         return DataShare(world_size // group, rank // group)
 

@@ -130,18 +130,37 @@ def test_tensor_parallel_gpt_equals_the_reference():
     assert [s.data.shape for s in fc.addressable_shards] == [(1, 4 * 16 * 16 // 2)] * 2
 
 
-@pytest.mark.long
-@pytest.mark.slow
-def test_tensor_parallel_on_two_processes_of_two_devices(launch, tmp_path):
-    """A (data=2, model=2) mesh across processes: equals the float64 reference."""
+def tensor_parallel_equivalence(launch, tmp_path, world_sizes, local_devices, dtype, optimizer):
     out = tmp_path / "eq.json"
     job = launch("python", 1, ["-m", "toolkit.equivalence", "--backends", "jax-pjit",
-                               "--model", "gpt", "--layout", "sharded:3:tp2", "--local-devices",
-                               "2", "--world-sizes", "2", "--steps", "6", "--batch-size", "48",
-                               "--optimizer", "adamw", "--json", str(out)], timeout=600)
+                               "--model", "gpt", "--layout", "sharded:3:tp2,sharded:1:tp2",
+                               "--local-devices", str(local_devices), "--world-sizes",
+                               world_sizes, "--steps", "6", "--dtype", dtype, "--optimizer",
+                               optimizer, "--json", str(out)], timeout=600)
     assert job.returncode == 0, job
-    (row,) = json.loads(out.read_text())["results"]
-    assert row["status"] == "pass", row
+    rows = json.loads(out.read_text())["results"]
+    assert sorted((r["world_size"], r["layout"]) for r in rows) == sorted(
+        (int(w), layout) for w in world_sizes.split(",")
+        for layout in ("sharded:3:tp2", "sharded:1:tp2")), rows
+    for row in rows:
+        assert row["status"] == "pass", row
+        assert row["max_rel_loss_dev"] <= LOSS_TOLERANCE[dtype], row
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("dtype", "optimizer"), [("float32", "sgd"), ("float32", "adamw"),
+                                                  ("float64", "sgd"), ("float64", "adamw")])
+def test_tensor_parallel_with_one_device_per_process(launch, tmp_path, dtype, optimizer):
+    """One rank per device, as on GPU nodes: the model axis spans processes (2 ranks: one
+    replica; 4 ranks: two replicas of two), and equals the float64 reference."""
+    tensor_parallel_equivalence(launch, tmp_path, "2,4", 1, dtype, optimizer)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("dtype", "optimizer"), [("float32", "adamw"), ("float64", "sgd")])
+def test_tensor_parallel_on_two_processes_of_two_devices(launch, tmp_path, dtype, optimizer):
+    """A (data=2, model=2) mesh across processes: equals the float64 reference."""
+    tensor_parallel_equivalence(launch, tmp_path, "2", 2, dtype, optimizer)
 
 
 @pytest.mark.parametrize(("backend", "stage"), [("jax-pjit", 3), ("jax-pmap", 2)])
