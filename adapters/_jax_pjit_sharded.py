@@ -118,11 +118,20 @@ class PjitSharding:
 
     # ------------------------------------------------------------------ inside jit
     def _named(self, store: dict[str, Any]) -> dict[str, Any]:
-        """A store -> parameters by neutral name (split tensors as their views)."""
-        named = self.units.named(store["units"])
+        """A store -> parameters by neutral name (split tensors as their views).
+
+        Each buffer is gathered whole first (one all-gather per unit, as FSDP2 gathers a
+        module's parameters at once; its transpose, one reduce-scatter), then cut locally.
+        Cutting the sharded buffer directly lets the compiler gather every tensor on its own
+        and move the slices across shard boundaries with collective-permutes: 90 collectives
+        per step for the 2-block GPT instead of about 10, each a cross-process round trip.
+        """
+        whole = {u: self._constrain(b, ()) for u, b in store["units"].items()}
+        named = self.units.named(whole)
         for n, shape in self.views.items():  # each row's padding dropped
             row = math.prod(shape) // self.layout.tensor_parallel
-            named[n] = store["split"][n][:, :row].reshape(shape)
+            rows = self._constrain(store["split"][n], ("model", None))
+            named[n] = rows[:, :row].reshape(shape)
         return named
 
     def _named_full(self, store: dict[str, Any]) -> dict[str, Any]:
