@@ -66,4 +66,5 @@ def test_every_rank_trains_on_the_samples_its_position_calls_for(launch, backend
         if by_rank[0]["global_array"]:
             bounds = sorted(holders)
             assert bounds[0][0] == 0 and bounds[-1][1] == len(batch), (where, bounds)
-            assert all(a[1] == b[0] for a, b in zip(bounds, bounds[1:])), (where, bounds)
+            assert all(a[1] == b[0] for a, b in zip(bounds[:-1], bounds[1:], strict=True)), \
+                (where, bounds)
