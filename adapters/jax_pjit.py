@@ -100,9 +100,11 @@ class JaxPjitAdapter(PipelineAbility, PjitSharding, JaxBackendBase):
             return x, y
         rows = self._local_rows()
         if len(x) % (rows * self.accumulation_steps):
+            where = (f"{rows} local devices" if rows == self.jax.local_device_count() else
+                     f"this process's {rows} data shard(s) (a model axis groups its devices)")
             raise ToolkitError(
-                f"jax-pjit: the local batch of {len(x)} samples does not split over {rows} "
-                f"local data shards x {self.accumulation_steps} accumulation steps",
+                f"jax-pjit: the local batch of {len(x)} samples does not split over {where} "
+                f"x {self.accumulation_steps} accumulation steps",
                 f"use a global batch divisible by world size x "
                 f"{rows * self.accumulation_steps}, or change --local-devices")
         return self._global(self._inputs(x)), self._global(self._labels(y))
