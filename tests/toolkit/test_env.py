@@ -1,5 +1,8 @@
 """The launch environment, from tables of real-looking launcher variables."""
 
+import dataclasses
+import random
+
 import pytest
 
 from toolkit import LaunchEnv, ToolkitError, detect_launch_env, expand_nodelist
@@ -32,6 +35,11 @@ SRUN_2_NODES = {
     "SLURM_JOB_NODELIST": "node[07-08]", "SLURM_STEP_TASKS_PER_NODE": "2(x2)",
 }
 
+# The coordinator port derived from a job id: any free port will do, so the table leaves its
+# value open and the tests after it check what matters (the same for every rank of a step,
+# different for concurrent jobs and steps).
+DERIVED = None
+
 CASES = {
     "single process": ({}, LaunchEnv()),
     "horovodrun gloo": (
@@ -39,23 +47,23 @@ CASES = {
          "HOROVOD_LOCAL_SIZE": "2", "HOROVOD_CROSS_RANK": "0",
          "HOROVOD_GLOO_RENDEZVOUS_ADDR": "10.1.2.3", "HOROVOD_GLOO_RENDEZVOUS_PORT": "40000"},
         LaunchEnv(2, 1, 1, 2, 0, "10.1.2.3", 40001, "horovodrun")),
-    "srun two nodes": (SRUN_2_NODES, LaunchEnv(4, 3, 1, 2, 1, "node07", 24840, "srun")),
+    "srun two nodes": (SRUN_2_NODES, LaunchEnv(4, 3, 1, 2, 1, "node07", DERIVED, "srun")),
     "srun uneven tasks per node": (
         {**SRUN_2_NODES, "SLURM_STEP_NUM_TASKS": "3", "SLURM_NTASKS": "3", "SLURM_PROCID": "2",
          "SLURM_LOCALID": "0", "SLURM_STEP_TASKS_PER_NODE": "2,1"},
-        LaunchEnv(3, 2, 0, 1, 1, "node07", 24840, "srun")),
+        LaunchEnv(3, 2, 0, 1, 1, "node07", DERIVED, "srun")),
     "mpirun": (
         {"OMPI_COMM_WORLD_SIZE": "4", "OMPI_COMM_WORLD_RANK": "2",
          "OMPI_COMM_WORLD_LOCAL_RANK": "0", "OMPI_COMM_WORLD_LOCAL_SIZE": "2",
          "OMPI_COMM_WORLD_NODE_RANK": "1",
          "OMPI_MCA_orte_hnp_uri": "1234567.0;tcp://10.0.0.5,172.17.0.2:45123"},
-        LaunchEnv(4, 2, 0, 2, 1, "10.0.0.5", 20000 + 567 * 20, "mpirun")),
+        LaunchEnv(4, 2, 0, 2, 1, "10.0.0.5", DERIVED, "mpirun")),
     "mpirun inside a Slurm allocation": (
         {**SRUN_2_NODES, "SLURM_PROCID": "0", "OMPI_COMM_WORLD_SIZE": "4",
          "OMPI_COMM_WORLD_RANK": "3", "OMPI_COMM_WORLD_LOCAL_RANK": "1",
          "OMPI_COMM_WORLD_LOCAL_SIZE": "2", "OMPI_COMM_WORLD_NODE_RANK": "1",
          "OMPI_MCA_orte_hnp_uri": "99.0;tcp://node07:1"},
-        LaunchEnv(4, 3, 1, 2, 1, "node07", 20000 + 99 * 20, "mpirun")),
+        LaunchEnv(4, 3, 1, 2, 1, "node07", DERIVED, "mpirun")),
     "torchrun": (
         {"RANK": "5", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "4",
          "GROUP_RANK": "1", "MASTER_ADDR": "host-a", "MASTER_PORT": "29500"},
@@ -68,7 +76,49 @@ CASES = {
 @pytest.mark.parametrize("name", list(CASES))
 def test_environment_table(name):
     environ, expected = CASES[name]
-    assert detect_launch_env(environ) == expected
+    got = detect_launch_env(environ)
+    if expected.coordinator_port is DERIVED:
+        assert isinstance(got.coordinator_port, int) and 1024 <= got.coordinator_port < 65536
+        got = dataclasses.replace(got, coordinator_port=DERIVED)
+    assert got == expected
+
+
+def srun_port(job_id, step_id=0, rank=0):
+    """The coordinator port that rank ``rank`` of a 4-task srun step resolves."""
+    environ = {**SRUN_2_NODES, "SLURM_JOB_ID": str(job_id), "SLURM_STEP_ID": str(step_id),
+               "SLURM_PROCID": str(rank), "SLURM_LOCALID": str(rank % 2),
+               "SLURM_NODEID": str(rank // 2)}
+    return detect_launch_env(environ).coordinator_port
+
+
+def test_every_rank_of_a_step_agrees_on_the_port():
+    for job in (7, 4242, 1_234_567):
+        assert len({srun_port(job, 0, rank) for rank in range(4)}) == 1
+
+
+@pytest.mark.parametrize("jobs", [
+    [4242, 4243],  # submitted one after the other
+    list(range(100_000, 100_500)),  # 500 jobs in flight at once on a busy cluster
+    # a random sample of many ids, all from one stretch of 999 submissions
+    sorted(random.Random(0).sample(range(73_001, 74_000), 300)),
+])
+def test_concurrent_slurm_jobs_get_different_ports(jobs):
+    ports = [srun_port(job) for job in jobs]
+    assert len(set(ports)) == len(jobs)
+    # the ports of a job's steps do not reach into another job's either
+    steps = {srun_port(job, step) for job in jobs[:50] for step in range(3)}
+    assert len(steps) == 3 * len(jobs[:50])
+
+
+@pytest.mark.xfail(strict=True, reason="the port is derived from the job id modulo 1000, so "
+                   "two jobs whose ids are 1000 apart (job 4242 still running when job 5242 "
+                   "starts on the same node) ask for the same coordinator port")
+def test_jobs_1000_ids_apart_get_different_ports():
+    assert srun_port(4242) != srun_port(5242)
+
+
+def test_the_steps_of_one_job_get_different_ports():
+    assert len({srun_port(4242, step) for step in range(10)}) == 10
 
 
 def test_sbatch_python_without_srun_is_an_error_not_a_world_of_one():

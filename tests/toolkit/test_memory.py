@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from toolkit import memory
@@ -166,3 +167,35 @@ def test_module_runs_and_exits_2_on_bad_input():
                           "--world-size", "0"], capture_output=True, text=True, check=False)
     assert bad.returncode == 2
     assert bad.stderr.startswith("error: world size 0") and "HINT" in bad.stderr
+
+
+@pytest.mark.parametrize("spec, batch", [
+    (GPT(vocab=50, context=16, width=32, layers=3, heads=4), 2),
+    (GPT(vocab=7, context=5, width=12, layers=1, heads=3, tied=False), 3),
+])
+def test_gpt_activation_bytes_are_what_the_numpy_forward_keeps(spec, batch):
+    """The ``full`` count against the arrays the reference GPT's forward hands its backward,
+    counted one by one. That backward also keeps GELU's tanh (4d per token: the published
+    count recomputes it from the GELU input) and LayerNorm's 1/std (one number per row: not
+    in the published count); both are taken out by name."""
+    params = spec.init(0, "float32")
+    x = np.random.default_rng(0).integers(0, spec.vocab, (batch, spec.context))
+    _, (blocks, _, _) = spec._forward(params, x)  # per-block caches; embeddings, final norm out
+    kept = 0
+    # (unpacking all twelve entries: an array added to the cache fails here until counted)
+    for a, (normed1, _rstd1), q, k, v, probs, o, m, (normed2, _rstd2), z, _tanh, g in blocks:
+        arrays = (a, normed1, q, k, v, probs, o, m, normed2, z, g)
+        assert {t.dtype for t in arrays} == {np.dtype(np.float32)}  # 4 bytes an element
+        kept += sum(t.nbytes for t in arrays)
+    assert memory.gpt_activation_bytes(spec.layers, spec.width, spec.context, batch,
+                                       spec.heads) == kept
+
+
+@pytest.mark.parametrize("sizes", [(64, 128, 10), (5, 7, 3, 2)])
+def test_mlp_activation_bytes_are_what_the_numpy_forward_keeps(sizes):
+    """Every distinct array the reference MLP's forward keeps for its backward (the input, each
+    hidden layer's pre-activation and activation, the output), counted one by one."""
+    spec, batch = MLP(sizes), 4
+    hs, zs = spec._forward(spec.init(0, "float32"), np.ones((batch, sizes[0]), np.float32))
+    kept = {id(t): t for t in (*hs, *zs)}  # the output is both the last h and the last z
+    assert memory.mlp_activation_bytes(sizes, batch) == sum(t.nbytes for t in kept.values())

@@ -279,5 +279,13 @@ def test_lockstep_idle_fraction_by_hand():
     """GPipe, 2 stages, 1 micro-batch, F = 1, B = 2: rounds F0|-, -|F0, -|B0, B0|-: each stage
     busy 3 of 6 time units."""
     assert lockstep_idle_fraction(pipeline_schedule("gpipe", 2, 1)) == pytest.approx(0.5)
-    # 1F1B at S = 4, M = 8: 0.400 in rounds against 0.273 without them (the README's table).
-    assert lockstep_idle_fraction(pipeline_schedule("1f1b", 4, 8)) == pytest.approx(0.4)
+    # 1F1B at S = 4, M = 8, F = 1, B = 2. Without rounds: the published GPipe/1F1B bubble
+    # (S-1)/(M+S-1) (Huang et al. 2019; Narayanan et al. 2021) = 3/11 = 0.273.
+    one_f = pipeline_schedule("1f1b", 4, 8)
+    assert simulate_schedule(one_f).idle_fraction == pytest.approx(3 / 11)
+    # In rounds, counted by hand: 2 (M+S-1) = 22 rounds, all but the last passing messages, so
+    # each lasts its longest compute. The first S = 4 rounds are the forward wave F0..F3 down
+    # the pipeline (1 unit each); the last stage starts B0 in round 5 and from then on every
+    # round up to the 22nd holds some stage's backward (2 units each): 4 x 1 + 18 x 2 = 40
+    # units, in which each stage computes M (F + B) = 24: idle 1 - 24/40 = 0.4.
+    assert lockstep_idle_fraction(one_f) == pytest.approx(1 - 24 / 40)

@@ -59,6 +59,69 @@ def test_accumulation_and_lr_scaling(digits):
                                rtol=1e-6)
 
 
+class LrRecorder:
+    """A numpy stand-in for a backend that records the learning rate of every train_step; its
+    collectives are those of one process, so it can play any rank of a larger LaunchEnv."""
+
+    name = "lr-recorder"
+
+    def __init__(self):
+        self.lrs: list[float] = []
+
+    def setup(self, env):
+        self.env = env
+
+    def build(self, model, optimizer, loss, *, seed=0, accumulation_steps=1,
+              sync_batchnorm=False, metrics=None):
+        self.params = model.init(seed)
+
+    def train_step(self, x, y, lr):
+        self.lrs.append(lr)
+        return 0.0
+
+    def evaluate(self, x, y):
+        return {"loss_sum": 0.0, "count": float(len(x))}
+
+    def allreduce(self, values, op="mean"):
+        return np.asarray(values, np.float64)
+
+    def broadcast(self, values, root=0):
+        return np.asarray(values)
+
+    def barrier(self):
+        pass
+
+    def sync_state(self):
+        pass
+
+    def state_dict(self):
+        return {f"params/{k}": v for k, v in self.params.items()}
+
+    def load_state_dict(self, state):
+        self.params = {k[7:]: v for k, v in state.items()}
+
+    def shutdown(self):
+        pass
+
+
+@pytest.mark.parametrize("mode, world_size, lr", [
+    ("none", 2, 0.05), ("none", 4, 0.05),
+    ("linear", 2, 0.1), ("linear", 4, 0.2),  # base x N
+    ("sqrt", 2, 0.05 * 2 ** 0.5), ("sqrt", 4, 0.1),  # base x sqrt(N)
+])
+def test_lr_scaling_multiplies_the_lr_on_larger_worlds(digits, mode, world_size, lr):
+    """The lr each train_step receives on every rank of a world of 2 or 4 (base lr 0.05)."""
+    (x, y), _ = digits
+    for rank in (0, world_size - 1):
+        adapter = LrRecorder()
+        env = toolkit.LaunchEnv(world_size=world_size, rank=rank, local_size=world_size,
+                                local_rank=rank)
+        toolkit.Trainer(adapter, toolkit.MLP((64, 32, 10)), toolkit.SGD(lr=0.05),
+                        global_batch_size=64, max_steps=3, progress=False, env=env,
+                        lr_scaling=mode).fit(x, y)
+        assert adapter.lrs == pytest.approx([lr] * 3, rel=1e-12)
+
+
 @pytest.mark.parametrize("kwargs, match", [
     (dict(accumulation_steps=3), "does not split into accumulation_steps=3"),
     (dict(accumulation_steps=0), "accumulation_steps=0 must be >= 1"),
