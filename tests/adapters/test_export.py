@@ -57,5 +57,42 @@ def test_orbax_checkpoint_restores_the_flax_tree(checkpoint):
     tree = ocp.PyTreeCheckpointer().restore((tmp / "orbax").resolve())
     weights = export.weights(ckpt)
     assert sorted(tree) == ["convs_0", "head"]
-    np.testing.assert_array_equal(tree["convs_0"]["kernel"], weights["convs.0.kernel"])
-    np.testing.assert_array_equal(tree["head"]["bias"], weights["head.bias"])
+    restored = {f"{a.replace('_', '.')}.{b}": v for a, leaves in tree.items()
+                for b, v in leaves.items()}
+    assert restored.keys() == weights.keys() and len(weights) == 4
+    for name, value in weights.items():
+        np.testing.assert_array_equal(restored[name], value, err_msg=name)
+
+
+@pytest.fixture(scope="module")
+def gpt_checkpoint(tmp_path_factory):
+    from toolkit.equivalence import load_data
+
+    tmp = tmp_path_factory.mktemp("export-gpt")
+    x, y = load_data("gpt", "float32")
+    spec = toolkit.GPT(vocab=256, context=16, width=32, layers=2, heads=2)
+    toolkit.Trainer(adapters.get("horovod-torch"), spec, toolkit.Adam(lr=1e-2),
+                    global_batch_size=16, max_steps=3, progress=False,
+                    checkpoint_dir=tmp / "ckpt", env=toolkit.LaunchEnv()).fit(x[:256], y[:256])
+    return tmp, spec, toolkit.CheckpointStore(tmp / "ckpt").load("latest"), x[:4]
+
+
+def test_orbax_export_of_the_gpt_runs_in_flax_as_the_toolkit_does(gpt_checkpoint):
+    """Every array restored, and the Flax GPT built from the restored tree gives the logits of
+    the toolkit's own numpy GPT on the checkpoint's weights."""
+    import jax.numpy as jnp
+    import orbax.checkpoint as ocp
+
+    from adapters._gpt_flax import FlaxGPT, from_tree
+
+    tmp, spec, ckpt, x = gpt_checkpoint
+    export.main([str(tmp / "ckpt"), "--format", "orbax", "--out", str(tmp / "orbax")])
+    tree = ocp.PyTreeCheckpointer().restore((tmp / "orbax").resolve())
+    weights = export.weights(ckpt)
+    restored = from_tree(tree)
+    assert restored.keys() == weights.keys()
+    for name, value in weights.items():
+        np.testing.assert_array_equal(np.asarray(restored[name]), value, err_msg=name)
+    logits = FlaxGPT(spec).apply({"params": tree}, jnp.asarray(x))
+    np.testing.assert_allclose(np.asarray(logits), spec.apply(weights, x), rtol=1e-4,
+                               atol=1e-5)

@@ -122,6 +122,55 @@ def test_lr_scaling_multiplies_the_lr_on_larger_worlds(digits, mode, world_size,
         assert adapter.lrs == pytest.approx([lr] * 3, rel=1e-12)
 
 
+class BatchRecorder(LrRecorder):
+    """Also records the samples of every train_step (inputs are sample ids)."""
+
+    def __init__(self):
+        super().__init__()
+        self.batches: list[list[int]] = []
+
+    def train_step(self, x, y, lr):
+        self.batches.append([int(v) for v in np.asarray(x)[:, 0]])
+        return super().train_step(x, y, lr)
+
+
+def batches_of_each_rank(world_size, samples, epochs, **kw):
+    """The sample ids each rank of ``world_size`` trains on, step by step."""
+    x = np.arange(samples, dtype=np.float32)[:, None].repeat(3, axis=1)
+    y = np.zeros(samples, np.int64)
+    out = []
+    for rank in range(world_size):
+        adapter = BatchRecorder()
+        env = toolkit.LaunchEnv(world_size=world_size, rank=rank, local_size=world_size,
+                                local_rank=rank)
+        toolkit.Trainer(adapter, toolkit.MLP((3, 2)), toolkit.SGD(lr=0.1), global_batch_size=4,
+                        epochs=epochs, progress=False, env=env, **kw).fit(x, y)
+        out.append(adapter.batches)
+    return out
+
+
+def test_without_shuffling_the_trainer_takes_samples_in_order_every_epoch():
+    ranks = batches_of_each_rank(2, 10, epochs=2, shuffle=False)  # 2 steps, 2 samples left out
+    assert ranks[0] == [[0, 2], [4, 6]] * 2
+    assert ranks[1] == [[1, 3], [5, 7]] * 2
+
+
+def test_drop_last_false_pads_the_last_batch_from_the_start_of_the_epoch():
+    ranks = batches_of_each_rank(2, 10, epochs=1, shuffle=False, drop_last=False)
+    assert ranks[0] == [[0, 2], [4, 6], [8, 0]]
+    assert ranks[1] == [[1, 3], [5, 7], [9, 1]]
+    # shuffled: every sample once per epoch, the padding taken from the same epoch's order
+    ranks = batches_of_each_rank(2, 10, epochs=2, shuffle=True, drop_last=False)
+    for epoch in range(2):
+        steps = [ranks[0][3 * epoch + s] + ranks[1][3 * epoch + s] for s in range(3)]
+        seen = [i for step in steps for i in step]
+        assert len(seen) == 12 and set(seen) == set(range(10)), seen
+        twice = sorted(i for i in set(seen) if seen.count(i) == 2)
+        # the repeated samples are the epoch's first two: rank 0's and rank 1's first
+        assert twice == sorted([ranks[0][3 * epoch][0], ranks[1][3 * epoch][0]]), steps
+    assert ranks[0][:3] != ranks[0][3:]  # each epoch its own order
+
+
 @pytest.mark.parametrize("kwargs, match", [
     (dict(accumulation_steps=3), "does not split into accumulation_steps=3"),
     (dict(accumulation_steps=0), "accumulation_steps=0 must be >= 1"),
