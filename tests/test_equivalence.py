@@ -138,3 +138,16 @@ def test_pipeline_with_two_replicas_per_stage(launch, tmp_path):
                                   "--layout", "pipeline:2:4:1f1b")
     check_all_pass(job, report, [4], LOSS_TOLERANCE["float32"])
     assert {r["layout"] for r in report["results"]} == {"pipeline:2:4:1f1b"}
+
+
+@pytest.mark.slow
+def test_inside_a_slurm_allocation_the_runs_launch_with_srun(sbatch, tmp_path):
+    """``--launcher auto`` in a batch job: the 2-rank run goes through srun (and passes)."""
+    out = tmp_path / "eq.json"
+    state, log = sbatch("tests/scripts/equivalence.sbatch", [
+        "--backends", "jax-pjit", "--world-sizes", "1,2", "--steps", "3", "--json", str(out)],
+        ntasks=2)
+    assert state == "COMPLETED", log
+    rows = {r["world_size"]: r for r in json.loads(out.read_text())["results"]}
+    assert rows[2]["launcher"] == "srun" and rows[2]["status"] == "pass", rows
+    assert rows[1]["launcher"] == "srun" and rows[1]["status"] == "pass", rows  # srun -n 1

@@ -69,3 +69,50 @@ def test_slurm_preemption_requeues_and_matches_an_uninterrupted_run(
     assert f"requeueing job {job}" in log and "(restart count 1)" in log, log
     assert "resumed from" in log and "training ended with status 0" in log, log
     assert same_params(tmp_path / "ref.npz", tmp_path / "final.npz")
+
+
+def rank_process(launcher_proc, rank: int, script: str, timeout=60):
+    """The process of ``rank`` among a launcher's descendants (its OMPI_COMM_WORLD_RANK)."""
+    import psutil
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for child in psutil.Process(launcher_proc.pid).children(recursive=True):
+            try:
+                if script in " ".join(child.cmdline()) and \
+                        child.environ().get("OMPI_COMM_WORLD_RANK") == str(rank):
+                    return child
+            except psutil.NoSuchProcess:
+                continue
+        time.sleep(0.1)
+    raise AssertionError(f"no rank {rank} process of {script}")
+
+
+@pytest.mark.slow
+def test_a_signal_on_one_rank_stops_every_rank_at_the_same_step(start, tmp_path):
+    """Only rank 1 receives SIGUSR1 (a node-local signal): both ranks agree to stop, write one
+    complete checkpoint at the same step, and rank 0 says another rank was signalled."""
+    ckpt = tmp_path / "ckpt"
+    proc = start("any", 2, [EXAMPLE, "--steps", "1000000", "--checkpoint-dir", str(ckpt),
+                            "--checkpoint-every", "1000", "--layout", "sharded:2"])
+    wait_for_checkpoint(ckpt)
+    rank_process(proc, 1, EXAMPLE).send_signal(signal.SIGUSR1)
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == toolkit.PREEMPTED_EXIT_CODE, stderr
+    latest = toolkit.CheckpointStore(ckpt).load("latest")  # every rank's pieces are there
+    assert f"preempted: stopped by a signal on another rank after step {latest.step}" in stderr
+    assert latest.step % 1000 != 0
+
+
+@pytest.mark.slow
+def test_checkpoints_by_time_are_taken_at_the_same_steps_on_every_rank(launch, tmp_path):
+    """Rank 0's clock decides for all: with rank 1 lagging, the job still ends, and every
+    checkpoint it wrote is complete (each rank's pieces of the same step)."""
+    ckpt = tmp_path / "ckpt"
+    job = launch("any", 2, ["tests/scripts/timed_checkpoints.py", "--checkpoint-dir",
+                            str(ckpt)], timeout=180)
+    assert job.returncode == 0, job
+    store = toolkit.CheckpointStore(ckpt)
+    paths = store.checkpoints()
+    steps = [store.load(path).step for path in paths]  # strict: every piece present, intact
+    assert len(steps) >= 3 and steps[-1] == 40, steps  # by time, then the final one

@@ -137,8 +137,8 @@ def worker_command(args, backend: str, world_size: int, launcher: str, out: Path
               "--seed", str(args.seed), "--layout", ",".join(args.layouts), "--out", str(out)]
     if args.local_devices and backend.startswith("jax-"):
         worker += ["--local-devices", str(args.local_devices)]
-    if world_size == 1:
-        return worker
+    if world_size == 1 and launcher != "srun":  # (inside an allocation, a lone process
+        return worker                             # must be a step of it, as srun -n 1 makes)
     if launcher == "horovodrun":
         exe = shutil.which("horovodrun") or str(Path(sys.executable).parent / "horovodrun")
         return [exe, "-np", str(world_size), "--gloo", *worker]
@@ -155,7 +155,7 @@ def run_one(args, backend: str, world_size: int, launcher: str, workdir: Path) -
     out.mkdir(parents=True, exist_ok=True)
     cmd = worker_command(args, backend, world_size, launcher, out)
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "TF_CPP_MIN_LOG_LEVEL": "2"}
-    used = "python" if world_size == 1 else launcher
+    used = "python" if world_size == 1 and launcher != "srun" else launcher
     bases = [{"backend": backend, "world_size": world_size, "launcher": used, "layout": layout}
              for layout in args.layouts]
     timeout = args.timeout * len(args.layouts)
