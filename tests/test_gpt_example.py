@@ -2,9 +2,13 @@
 same losses on 2 ranks as on 1 process, the lines a user reads, and a resume."""
 
 import re
+import shutil
 
 import numpy as np
 import pytest
+
+import toolkit
+from toolkit import read_checkpoint
 
 GPT = "examples/train_gpt.py"
 TINY = ["--layers", "2", "--width", "32", "--heads", "2", "--context", "32", "--steps", "20",
@@ -64,12 +68,29 @@ def test_two_ranks_reproduce_one_process(backend, launcher, launch, tmp_path, on
 
 
 @pytest.mark.slow
-def test_resume_continues_from_the_checkpoint(launch, tmp_path):
-    ckpt = ["--checkpoint-dir", str(tmp_path / "ckpt")]
-    first = launch("any", 2, args(tmp_path, "a", extra=ckpt))
+def test_resume_continues_from_the_checkpoint(launch, tmp_path, read_metrics):
+    """A 30-step run whose last checkpoint is then removed, as if it had been killed after
+    step 20's: rerun with ``--resume latest``, it takes the last 10 steps of the uninterrupted
+    run bit for bit (the same losses, and a step-30 checkpoint equal to the removed one)."""
+    ckpt = tmp_path / "ckpt"
+    run = ["--steps", "30", "--checkpoint-dir", str(ckpt)]
+    first = launch("any", 2, args(tmp_path, "a", extra=run))
     assert first.returncode == 0, first
-    again = launch("any", 2, args(tmp_path, "b", extra=[
-        *ckpt, "--resume", "latest", "--steps", "30"]))
+    saved = {read_checkpoint(p).step: p for p in toolkit.CheckpointStore(ckpt).checkpoints()}
+    assert {20, 30} <= saved.keys(), saved  # one at the end of each evaluation interval
+    uninterrupted = read_checkpoint(saved[30])
+    shutil.rmtree(saved[30])
+    again = launch("any", 2, args(tmp_path, "b", extra=[*run, "--resume", "latest"]))
     assert again.returncode == 0, again
-    assert "resumed from" in again.stdout and "(step 20, written by horovod-torch" in again.stdout
+    assert f"resumed from {saved[20]} (step 20, written by horovod-torch" in again.stdout, again
     assert "done: world_size 2  steps 30" in again.stdout
+    before = read_metrics(tmp_path / "a.jsonl")["steps"]
+    after = read_metrics(tmp_path / "b.jsonl")["steps"]
+    assert sorted(after) == list(range(21, 31)), after
+    assert [after[k] for k in after] == [before[k] for k in after]
+    resumed = read_checkpoint(saved[30])  # written again, by the resumed run
+    assert resumed.step == 30
+    assert resumed.tensors.keys() == uninterrupted.tensors.keys()
+    assert "params/blocks.1.attn.qkv.kernel" in resumed.tensors
+    for name, value in uninterrupted.tensors.items():
+        np.testing.assert_array_equal(resumed.tensors[name], value, err_msg=name)

@@ -34,16 +34,52 @@ def test_every_backend_has_the_sharded_ability():
     assert SHARDED == list(adapters.BACKENDS)
 
 
-@pytest.mark.parametrize("backend", adapters.BACKENDS)
+# Only jax-pjit splits layers (the GPT's, tests/adapters/test_sharded_jax.py); every other
+# backend refuses tensor parallelism.
+SPLITS_LAYERS = "jax-pjit"
+REFUSE_TENSOR_PARALLEL = [b for b in adapters.BACKENDS if b != SPLITS_LAYERS]
+
+
+@pytest.mark.parametrize("backend", REFUSE_TENSOR_PARALLEL)
 def test_tensor_parallel_is_refused_where_layers_are_not_split(backend):
-    if backend == "jax-pjit":
-        return  # jax-pjit splits the GPT's layers (tests/adapters/test_sharded_jax.py)
     trainer = toolkit.Trainer(adapters.get(backend), toolkit.MLP((64, 10)), toolkit.SGD(lr=0.1),
                               global_batch_size=4, layout="sharded:3:tp2", env=toolkit.LaunchEnv())
     with pytest.raises(toolkit.ToolkitError, match="tensor_parallel=2") as err:
         (x, y), _ = load_digits()
         trainer.fit(x[:8], y[:8])
     assert "jax-pjit" in str(err.value)
+
+
+def test_jax_pjit_splits_the_gpt_and_refuses_tensor_parallel_for_other_models():
+    """jax-pjit takes ``tensor_parallel=2`` for a toolkit.GPT (on the 2 local devices: each
+    holds half of every split kernel, and the losses are the reference's), and refuses it for
+    any other model with an error that names the GPT and the way out."""
+    from toolkit._reference import reference_run
+
+    assert SPLITS_LAYERS in adapters.BACKENDS
+    (x, y), _ = load_digits()
+    mlp = toolkit.Trainer(adapters.get(SPLITS_LAYERS), toolkit.MLP((64, 10)),
+                          toolkit.SGD(lr=0.1), global_batch_size=4, layout="sharded:3:tp2",
+                          env=toolkit.LaunchEnv(), progress=False)
+    with pytest.raises(toolkit.ToolkitError, match=r"jax-pjit: tensor_parallel=2 splits the "
+                       r"attention and MLP kernels of a toolkit\.GPT, not of MLP") as err:
+        mlp.fit(x[:8], y[:8])
+    assert "use tensor_parallel=1" in str(err.value)
+
+    gpt = toolkit.GPT(vocab=32, context=8, width=16, layers=2, heads=2)
+    tokens = np.random.default_rng(1).integers(0, 32, 16 * 8 + 1)
+    xs, ys = tokens[:-1].reshape(16, 8), tokens[1:].reshape(16, 8)
+    optimizer = toolkit.SGD(lr=0.1, momentum=0.9)
+    adapter = adapters.get(SPLITS_LAYERS)
+    trainer = toolkit.Trainer(adapter, gpt, optimizer, global_batch_size=8, max_steps=2,
+                              layout="sharded:3:tp2", env=toolkit.LaunchEnv(), progress=False)
+    history = trainer.fit(xs, ys)
+    assert adapter.layout.tensor_parallel == 2
+    fc = adapter.params["split"]["blocks.0.mlp.fc.kernel"]  # (4w, w) in 2 rows of halves
+    assert [s.data.shape for s in fc.addressable_shards] == [(1, 4 * 16 * 16 // 2)] * 2
+    ref_losses, _ = reference_run(gpt, optimizer, "cross_entropy", xs, ys,
+                                  global_batch_size=8, steps=2, dtype="float64")
+    np.testing.assert_allclose(history.losses, ref_losses, rtol=LOSS_TOLERANCE["float32"])
 
 
 # Every stage at 2 and 3 ranks (3: uneven shards, the padding lies in the last rank's shard),

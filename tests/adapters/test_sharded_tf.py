@@ -73,11 +73,20 @@ def test_one_rank_state_round_trips_and_data_parallel_reports_its_bytes():
         dp.sharded_state()
 
 
-def run_worker(launch, launcher, nproc, parts):
+TRANSPORTS = {"gloo": {"gloo": True, "mpi": False, "gloo_rendezvous": True},
+              "mpi": {"gloo": False, "mpi": True, "gloo_rendezvous": False}}
+
+
+def run_worker(launch, launcher, nproc, parts, transport):
+    """The worker's results by rank, after checking that every rank's Horovod ran its
+    collectives over ``transport`` ("gloo" or "mpi")."""
     job = launch(launcher, nproc, [WORKER, ",".join(parts)], timeout=600)
     assert job.returncode == 0, job
     results = sorted(job.results, key=lambda r: r["rank"])
     assert [r["rank"] for r in results] == list(range(nproc)), job
+    for r in results:
+        assert r["size"] == nproc, r["size"]
+        assert r["transport"] == TRANSPORTS[transport], (r["rank"], r["transport"])
     return results
 
 
@@ -134,8 +143,8 @@ def check_layouts(results):
 @pytest.mark.long
 @pytest.mark.slow
 def test_three_ranks_under_gloo(launch):
-    results = run_worker(launch, "any", 3,
-                         ["collectives", "gradients", "state", "layouts"])
+    results = run_worker(launch, "horovodrun-gloo", 3,
+                         ["collectives", "gradients", "state", "layouts"], "gloo")
     check_collectives(results)
     check_state(results, 3)
     check_layouts(results)
@@ -146,5 +155,5 @@ def test_three_ranks_under_gloo(launch):
 def test_two_ranks_under_mpi(launch):
     """The collectives and the gradient shards again, over MPI (state and layouts do not
     depend on the transport)."""
-    results = run_worker(launch, "horovodrun-mpi", 2, ["collectives", "gradients"])
+    results = run_worker(launch, "horovodrun-mpi", 2, ["collectives", "gradients"], "mpi")
     check_collectives(results)

@@ -7,6 +7,7 @@ stage keeps against a numpy gradient on a model whose unit is over 1 MiB per ran
 and evaluation under every stage against data parallel (float64).
 """
 
+import os
 import sys
 import time
 
@@ -152,7 +153,10 @@ def main() -> None:
     hvd.init()
     size, rank = hvd.size(), hvd.rank()
     parts = sys.argv[1].split(",")  # which checks to run
-    result = {"rank": rank, "size": size, "seconds": {}}
+    result = {"rank": rank, "size": size, "seconds": {},
+              # Which transport Horovod's collectives run over: the launcher decides.
+              "transport": {"gloo": hvd.gloo_enabled(), "mpi": hvd.mpi_enabled(),
+                            "gloo_rendezvous": "HOROVOD_GLOO_RENDEZVOUS_ADDR" in os.environ}}
     for part, check in (("collectives", lambda: collectives(tf, hvd, rank, size)),
                         ("gradients", lambda: gradient_shards(env, size)),
                         ("state", lambda: memory_and_pieces(env, size)),
