@@ -7,7 +7,6 @@
 Kill it at any moment and rerun the same command with ``--resume latest`` to continue.
 """
 
-import argparse
 
 import numpy as np
 
@@ -17,7 +16,7 @@ from toolkit.datasets import load_digits
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = toolkit.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--backend", default="horovod-torch",
                         help=f"one of {', '.join(adapters.BACKENDS)}")
     parser.add_argument("--epochs", type=int, default=10)

@@ -10,7 +10,6 @@ context would score) and tokens per second; at the end, a continuation of a fixe
 sampled from the trained model. Kill it and rerun with ``--resume latest`` to continue.
 """
 
-import argparse
 import math
 import time
 
@@ -24,7 +23,7 @@ PROMPT = "def __init__(self"
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = toolkit.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--backend", default="horovod-torch",
                    help=f"one of {', '.join(adapters.BACKENDS)}")
     p.add_argument("--layers", type=int, default=4)

@@ -5,7 +5,7 @@ Backends live in the ``adapters`` package and import their framework when chosen
 """
 
 from toolkit._checkpoint import Checkpoint, CheckpointError, CheckpointStore, read_checkpoint
-from toolkit._cli import run
+from toolkit._cli import ArgumentParser, UsageError, run
 from toolkit._contract import Adapter, ShardedAdapter
 from toolkit._data import ArrayDataset, Dataset, TokenWindows
 from toolkit._env import LaunchEnv, detect_launch_env, expand_nodelist
@@ -35,14 +35,15 @@ from toolkit._timeline import StageRecorder, read_timeline
 from toolkit._trainer import PREEMPTED_EXIT_CODE, History, Trainer, TrainingPreempted
 
 __all__ = [
-    "Action", "Adam", "Adapter", "ArrayDataset", "CNN", "Checkpoint", "CheckpointError",
-    "CheckpointStore", "DataParallel", "Dataset", "GPT", "GlobalBatchSampler", "History",
-    "LaunchEnv", "LockstepRound", "MLP", "ModelPartition", "PREEMPTED_EXIT_CODE", "Pipeline",
-    "PipelineGrid", "SGD", "Schedule", "Sharded", "ShardedAdapter", "Simulation", "StageRecorder",
-    "TokenWindows", "ToolkitError", "Trainer", "TrainingPreempted", "WarmupCosine", "atomic_open",
-    "bubble_formula", "current_env", "detect_launch_env", "expand_nodelist", "learning_rate",
-    "lockstep_idle_fraction", "lockstep_rounds", "lr_scale", "micro_batch_size", "parse_layout",
-    "partition_layers", "partition_model", "pipeline_schedule", "print0", "read_checkpoint",
-    "read_timeline", "run", "save0", "shard_indices", "simulate_schedule", "validate_schedule",
+    "Action", "Adam", "Adapter", "ArgumentParser", "ArrayDataset", "CNN", "Checkpoint",
+    "CheckpointError", "CheckpointStore", "DataParallel", "Dataset", "GPT", "GlobalBatchSampler",
+    "History", "LaunchEnv", "LockstepRound", "MLP", "ModelPartition", "PREEMPTED_EXIT_CODE",
+    "Pipeline", "PipelineGrid", "SGD", "Schedule", "Sharded", "ShardedAdapter", "Simulation",
+    "StageRecorder", "TokenWindows", "ToolkitError", "Trainer", "TrainingPreempted", "UsageError",
+    "WarmupCosine", "atomic_open", "bubble_formula", "current_env", "detect_launch_env",
+    "expand_nodelist", "learning_rate", "lockstep_idle_fraction", "lockstep_rounds", "lr_scale",
+    "micro_batch_size", "parse_layout", "partition_layers", "partition_model", "pipeline_schedule",
+    "print0", "read_checkpoint", "read_timeline", "run", "save0", "shard_indices",
+    "simulate_schedule", "validate_schedule",
 ]
 __version__ = "0.1.0"

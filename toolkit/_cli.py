@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import argparse
 import os
+import signal
 import sys
+import time
 import traceback
 from collections.abc import Callable
 
@@ -11,10 +14,63 @@ from toolkit._errors import ToolkitError
 from toolkit._rank0 import current_env, eprint
 from toolkit._trainer import PREEMPTED_EXIT_CODE, TrainingPreempted
 
+# How long the other ranks wait before exiting on a usage error, so that rank 0 prints it
+# before the launcher (which ends the job when any rank exits) can stop it.
+USAGE_GRACE_SECONDS = 2.0
+
+
+class UsageError(Exception):
+    """A command-line mistake found by :class:`ArgumentParser` (printed once by :func:`run`)."""
+
+    def __init__(self, usage: str, message: str):
+        super().__init__(message)
+        self.usage, self.message = usage, message
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse's parser for scripts every rank runs: ``--help`` shows each option's default,
+    and help and usage errors are printed once per job (by rank 0), not once per rank.
+
+    A usage error raises :class:`UsageError`; under :func:`run` it prints the usage line and
+    the message on rank 0 and exits with status 2 on every rank, without a traceback.
+
+    Example:
+        >>> p = ArgumentParser(prog="train.py")
+        >>> _ = p.add_argument("--steps", type=int, default=1500, help="training steps")
+        >>> "(default: 1500)" in p.format_help()
+        True
+    """
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("formatter_class", argparse.ArgumentDefaultsHelpFormatter)
+        super().__init__(*args, **kwargs)
+
+    def add_argument(self, *args, **kwargs):
+        # argparse shows a default only beside a help text: give every option one.
+        if kwargs.get("help") is None and kwargs.get("default") not in (None, argparse.SUPPRESS):
+            kwargs["help"] = "(default: %(default)s)"
+        return super().add_argument(*args, **kwargs)
+
+    def error(self, message: str):
+        raise UsageError(self.format_usage(), f"{self.prog}: error: {message}")
+
+    def _print_message(self, message, file=None):
+        if _rank() == 0:
+            super()._print_message(message, file)
+
+
+def _rank() -> int:
+    try:
+        return current_env().rank
+    except ToolkitError:  # an inconsistent launch: run() reports it
+        return 0
+
 
 def run(main: Callable[[], object]) -> None:
     """Calls ``main()`` and turns failures into a clear message and a non-zero exit.
 
+    - A :class:`UsageError` (a command-line mistake) prints the usage line and the message
+      once, on rank 0, and exits with status 2 on every rank.
     - A :class:`ToolkitError` (bad input) prints ``error: ...`` and its HINT (prefixed with
       the rank in multi-process jobs) and exits with status 2.
     - :class:`TrainingPreempted` (a stop signal; the state is checkpointed) exits with
@@ -35,6 +91,15 @@ def run(main: Callable[[], object]) -> None:
         if env.rank == 0:
             eprint(f"preempted: {stop}")
         _exit(PREEMPTED_EXIT_CODE, env.is_distributed)
+    except UsageError as err:
+        if env.rank == 0:
+            eprint(err.usage.rstrip() + "\n" + err.message)
+        elif env.is_distributed:
+            # Ended by the launcher meanwhile (it stops the job when rank 0 exits), a rank
+            # still exits with the usage error's status, not the signal's.
+            signal.signal(signal.SIGTERM, lambda *_: os._exit(2))
+            time.sleep(USAGE_GRACE_SECONDS)
+        _exit(2, env.is_distributed)
     except ToolkitError as err:
         # Every rank reports: the launcher may end the job the moment any rank exits, before
         # rank 0 has had its turn to print.

@@ -7,7 +7,6 @@
 With --checkpoint-dir DIR, kill it at any moment and rerun with --resume latest to continue.
 """
 
-import argparse
 
 import flax.linen as nn
 import jax
@@ -47,7 +46,7 @@ def accuracy(logits, labels):  # an evaluation metric: one value per sample, lik
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = toolkit.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--backend", choices=("jax-pjit", "jax-pmap"), default="jax-pjit")
     parser.add_argument("--epochs", type=int, default=10)
     parser.add_argument("--batch-size", type=int, default=64, help="global batch (all ranks)")

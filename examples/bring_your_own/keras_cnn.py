@@ -7,7 +7,6 @@
 With --checkpoint-dir DIR, kill it at any moment and rerun with --resume latest to continue.
 """
 
-import argparse
 
 import adapters
 import toolkit
@@ -15,7 +14,7 @@ from toolkit.datasets import load_digits
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = toolkit.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--epochs", type=int, default=10)
     parser.add_argument("--batch-size", type=int, default=64, help="global batch (all ranks)")
     parser.add_argument("--lr", type=float, default=3e-3)

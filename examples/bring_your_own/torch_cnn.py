@@ -7,7 +7,6 @@
 With --checkpoint-dir DIR, kill it at any moment and rerun with --resume latest to continue.
 """
 
-import argparse
 
 import torch
 from torch import nn
@@ -27,7 +26,7 @@ def accuracy(logits, labels):  # an evaluation metric: one value per sample, lik
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = toolkit.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--epochs", type=int, default=10)
     parser.add_argument("--batch-size", type=int, default=64, help="global batch (all ranks)")
     parser.add_argument("--lr", type=float, default=3e-3)
