@@ -36,6 +36,8 @@ def main() -> None:
     parser.add_argument("--checkpoint-every", type=int, default=None, help="steps")
     parser.add_argument("--keep", type=int, default=3)
     parser.add_argument("--resume", default=None, help="'latest' or a checkpoint directory")
+    parser.add_argument("--allow-changes", action="store_true",
+                         help="resume even if the schedule, batch, seed or optimizer differ")
     parser.add_argument("--metrics-log", default=None, help="JSON-lines file (rank 0)")
     parser.add_argument("--save-model", default=None, help="write final weights (.npz) here")
     args = parser.parse_args()
@@ -58,6 +60,7 @@ def main() -> None:
         checkpoint_every=args.checkpoint_every,
         keep=args.keep,
         resume=args.resume,
+        allow_changes=args.allow_changes,
         metrics_log=args.metrics_log,
     )
     history = trainer.fit(x_train, y_train, validation)

@@ -46,6 +46,8 @@ def main() -> None:
     p.add_argument("--checkpoint-every", type=int, default=None, help="steps")
     p.add_argument("--keep", type=int, default=3)
     p.add_argument("--resume", default=None, help="'latest' or a checkpoint directory")
+    p.add_argument("--allow-changes", action="store_true",
+                    help="resume even if the schedule, batch, seed or optimizer differ")
     p.add_argument("--metrics-log", default=None, help="JSON-lines file (rank 0)")
     p.add_argument("--sample-bytes", type=int, default=200)
     args = p.parse_args()
@@ -65,7 +67,8 @@ def main() -> None:
         model, toolkit.Adam(lr=schedule, b2=0.99, weight_decay=0.1, decoupled=True),
         global_batch_size=args.batch_size, max_steps=0, seed=args.seed, layout=args.layout,
         checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
-        keep=args.keep, resume=args.resume, metrics_log=args.metrics_log)
+        keep=args.keep, resume=args.resume, allow_changes=args.allow_changes,
+        metrics_log=args.metrics_log)
     toolkit.print0(f"GPT {model.num_params:,} parameters; corpus {corpus.files} files, "
                    f"{len(corpus.train):,} training bytes; validation unigram entropy "
                    f"{entropy:.3f} nats/byte")

@@ -94,3 +94,21 @@ def test_resume_continues_from_the_checkpoint(launch, tmp_path, read_metrics):
     assert "params/blocks.1.attn.qkv.kernel" in resumed.tensors
     for name, value in uninterrupted.tensors.items():
         np.testing.assert_array_equal(resumed.tensors[name], value, err_msg=name)
+
+
+@pytest.mark.slow
+def test_resuming_with_another_schedule_stops_unless_allowed(launch, tmp_path):
+    """``--steps`` sets the cosine schedule's length: resuming a 20-step run with
+    ``--steps 30`` would change it; the run says so and exits 2, and goes on when allowed."""
+    ckpt = ["--checkpoint-dir", str(tmp_path / "ckpt"), "--checkpoint-every", "10"]
+    first = launch("python", 1, args(tmp_path, "first", extra=ckpt))
+    assert first.returncode == 0, first
+    longer = [a if a != "20" else "30" for a in args(tmp_path, "second", extra=ckpt)]
+    refused = launch("python", 1, [*longer, "--resume", "latest"])
+    assert refused.returncode == 2, refused
+    assert "optimizer.lr.total_steps 20 -> 30" in refused.stderr, refused
+    assert "optimizer.lr.warmup_steps" not in refused.stderr  # max(1, steps // 20) is 1 both
+    allowed = launch("python", 1, [*longer, "--resume", "latest", "--allow-changes"])
+    assert allowed.returncode == 0, allowed
+    assert "resumed with changed settings (allowed): optimizer.lr.total_steps 20 -> 30" in \
+        allowed.stdout, allowed

@@ -25,7 +25,7 @@ def find_checkpoint(resume: str | os.PathLike, store: CheckpointStore | None
 
 
 def restore(ckpt: Checkpoint, adapter: Adapter, sampler: GlobalBatchSampler,
-            data_fingerprint: str | None) -> None:
+            data_fingerprint: str | None, allow_changes: bool = False) -> None:
     """Loads ``ckpt`` into the adapter and the sampler after checking that it fits.
 
     Raises:
@@ -63,7 +63,7 @@ def restore(ckpt: Checkpoint, adapter: Adapter, sampler: GlobalBatchSampler,
                               "resume with the model and optimizer that wrote it")
     adapter.load_state_dict(
         {n: a.astype(expected[n].dtype, copy=False) for n, a in ckpt.tensors.items()})
-    sampler.load_state_dict(ckpt.meta["sampler"])
+    sampler.load_state_dict(ckpt.meta["sampler"], allow_changes=allow_changes)
 
 
 def describe(spec: Any) -> dict[str, Any] | None:

@@ -161,14 +161,23 @@ class GlobalBatchSampler:
             "drop_last": self.drop_last,
         }
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state: dict[str, Any], allow_changes: bool = False) -> None:
         """Resumes at the saved position; the world size may differ from the saving run's.
 
+        Args:
+            state: from :meth:`state_dict`.
+            allow_changes: accept another global batch size, seed or ordering (the user
+                changes the run on purpose): the position moves to the first global minibatch
+                not yet fully seen, counted in samples of the epoch.
+
         Raises:
-            ToolkitError: when the saved run used other data, batch size, seed or ordering,
-                so resuming would not continue the same sequence of minibatches.
+            ToolkitError: when the saved run used other data (always), or another batch
+                size, seed or ordering (unless ``allow_changes``), so resuming would not
+                continue the same sequence of minibatches.
         """
-        for key in ("num_samples", "global_batch_size", "seed", "shuffle", "drop_last"):
+        keys = ("num_samples",) if allow_changes else (
+            "num_samples", "global_batch_size", "seed", "shuffle", "drop_last")
+        for key in keys:
             if key in state and state[key] != getattr(self, key):
                 raise ToolkitError(
                     f"the saved sampler state has {key}={state[key]!r}, this run has "
@@ -177,7 +186,8 @@ class GlobalBatchSampler:
                     "settings as the run that saved it (the world size may differ)",
                 )
         self.epoch = int(state["epoch"])
-        self.step = int(state["step"])
+        saved_batch = int(state.get("global_batch_size", self.global_batch_size))
+        self.step = int(state["step"]) * saved_batch // self.global_batch_size
         if self.step >= len(self):
             self.set_epoch(self.epoch + 1)
 

@@ -72,6 +72,10 @@ class Trainer(Checkpointing):
         resume: ``"latest"`` (newest intact checkpoint in ``checkpoint_dir``, or a fresh start
             when there is none yet) or the path of a checkpoint directory.
         async_checkpoint: write checkpoints in a background thread.
+        allow_changes: resume even when the settings that define the trajectory (model,
+            optimizer and schedule, global batch, seed, shuffling, lr scaling) differ from the
+            checkpoint's; the changes are printed and recorded. Without it such a resume stops
+            with the list of differences. Backend, layout and world size may always change.
         metrics_log: a JSON-lines file rank 0 appends step and epoch records to.
         log_every: also print a line every this many steps (0: once per epoch).
         progress: show a progress line on rank 0 when stderr is a terminal.
@@ -120,6 +124,7 @@ class Trainer(Checkpointing):
         keep: int = 3,
         resume: str | os.PathLike | None = None,
         async_checkpoint: bool = False,
+        allow_changes: bool = False,
         metrics_log: str | os.PathLike | None = None,
         log_every: int = 0,
         progress: bool = True,
@@ -153,6 +158,8 @@ class Trainer(Checkpointing):
         self.checkpoint_every = checkpoint_every
         self.checkpoint_every_seconds = checkpoint_every_seconds
         self.keep, self.resume, self.async_checkpoint = keep, resume, async_checkpoint
+        self.allow_changes = allow_changes
+        self._changes: list[dict] = []  # settings changed on purpose at resumes
         self.metrics_log = Path(metrics_log) if metrics_log else None
         self.log_every, self.progress = log_every, progress
         for name in stop_signals:

@@ -13,6 +13,7 @@ from toolkit._layouts import Pipeline, Sharded
 from toolkit._rank0 import print0
 from toolkit._resume import describe as _describe
 from toolkit._resume import find_checkpoint, restore
+from toolkit._settings import check_resume, describe_changes, run_settings, saved_settings
 
 
 class Checkpointing:
@@ -25,11 +26,31 @@ class Checkpointing:
             print0(f"no checkpoint in {self.checkpoint_dir} yet: starting from step 0",
                    env=self.env)
             return
-        restore(ckpt, self.adapter, self.sampler, self._data_fingerprint())
+        trajectory, placement = check_resume(ckpt.path, saved_settings(ckpt.meta),
+                                             self._settings(), self.allow_changes)
+        restore(ckpt, self.adapter, self.sampler, self._data_fingerprint(),
+                allow_changes=bool(trajectory))
         self.global_step = self._last_saved = ckpt.step  # that step is saved already
         print0(f"resumed from {ckpt.path} (step {ckpt.step}, written by "
                f"{ckpt.meta.get('backend')} on {ckpt.meta.get('world_size')} ranks)",
                env=self.env)
+        self._changes = list(ckpt.meta.get("changes", []))
+        if placement:
+            print0(f"resumed on another placement: {describe_changes(placement)}",
+                   env=self.env)
+        if trajectory:  # allowed: said, and recorded in every later checkpoint and the log
+            print0(f"resumed with changed settings (allowed): {describe_changes(trajectory)}",
+                   env=self.env)
+            record = {"step": ckpt.step, "changes": [list(c) for c in trajectory]}
+            self._changes.append(record)
+            self._log_records([{"event": "changes", **record}])
+
+    def _settings(self) -> dict:
+        return run_settings(
+            model=_describe(self.model), optimizer=_describe(self.optimizer),
+            global_batch_size=self.global_batch_size, seed=self.seed, shuffle=self.shuffle,
+            drop_last=self.drop_last, lr_scaling=self.lr_scaling, backend=self.adapter.name,
+            layout=self.layout.name, world_size=self.env.world_size)
 
     def _data_fingerprint(self) -> str | None:  # asked late: computing one may read a corpus
         return getattr(self._train_data, "fingerprint", None)
@@ -72,6 +93,8 @@ class Checkpointing:
             "model": _describe(self.model),
             "optimizer": _describe(self.optimizer),
             "data_fingerprint": self._data_fingerprint(),  # resuming on other data fails
+            "settings": self._settings(),  # compared on resume
+            "changes": self._changes,  # settings changed on purpose at earlier resumes
         }
         self._last_saved = self.global_step
         self.adapter.sync_state()

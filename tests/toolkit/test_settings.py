@@ -1,0 +1,88 @@
+"""A resume compares the run's settings with the checkpoint's: trajectory changes stop it
+(unless allowed, then they are said and recorded); placement changes are said."""
+
+import json
+
+import pytest
+
+import adapters
+import toolkit
+from toolkit._settings import check_resume, differences, saved_settings
+from toolkit.datasets import load_digits
+
+
+@pytest.fixture(scope="module")
+def digits():
+    return load_digits()
+
+
+def schedule(total):
+    return toolkit.SGD(lr=toolkit.WarmupCosine(0.1, 2, total), momentum=0.9)
+
+
+def trainer(tmp_path, optimizer, backend="horovod-torch", **kw):
+    options = dict(global_batch_size=64, max_steps=6, progress=False, env=toolkit.LaunchEnv(),
+                   checkpoint_dir=tmp_path / "ckpt", checkpoint_every=3,
+                   metrics_log=tmp_path / "log.jsonl")
+    options.update(kw)
+    return toolkit.Trainer(adapters.get(backend), toolkit.MLP((64, 16, 10)), optimizer,
+                           **options)
+
+
+def test_differences_name_nested_settings():
+    old = {"optimizer": {"type": "SGD", "lr": {"peak": 0.1, "total_steps": 3000}}, "seed": 0}
+    new = {"optimizer": {"type": "SGD", "lr": {"peak": 0.1, "total_steps": 800}}, "seed": 0,
+           "lr_scaling": "none"}  # not recorded in old: not compared
+    assert differences(old, new) == [("optimizer.lr.total_steps", 3000, 800)]
+
+
+def test_an_older_checkpoint_without_a_settings_record_is_read_from_its_other_fields():
+    meta = {"sampler": {"global_batch_size": 64, "shuffle": True, "drop_last": True},
+            "rng": {"seed": 3}, "model": None, "optimizer": None, "backend": "jax-pjit",
+            "layout": "data_parallel", "world_size": 2}
+    saved = saved_settings(meta)
+    assert saved["seed"] == 3 and saved["global_batch_size"] == 64 and "lr_scaling" not in saved
+    trajectory, placement = check_resume("ckpt", saved, {**saved, "world_size": 4}, False)
+    assert trajectory == [] and placement == [("world_size", 2, 4)]
+
+
+def test_a_changed_schedule_stops_the_resume_with_the_list_of_changes(digits, tmp_path):
+    (x, y), _ = digits
+    trainer(tmp_path, schedule(30)).fit(x, y)
+    with pytest.raises(toolkit.ToolkitError) as err:
+        trainer(tmp_path, schedule(8), max_steps=8, resume="latest",
+                global_batch_size=32).fit(x, y)
+    text = str(err.value)
+    assert "would change the run" in text and "optimizer.lr.total_steps 30 -> 8" in text
+    assert "global_batch_size 64 -> 32" in text and "--allow-changes" in text
+    # nothing was lost: the checkpoint is still the newest
+    assert toolkit.CheckpointStore(tmp_path / "ckpt").load("latest").step == 6
+
+
+def test_allowed_changes_are_said_and_recorded(digits, tmp_path, capsys):
+    (x, y), _ = digits
+    trainer(tmp_path, schedule(30)).fit(x, y)
+    resumed = trainer(tmp_path, schedule(12), max_steps=12, resume="latest",
+                      allow_changes=True, global_batch_size=32)
+    resumed.fit(x, y)
+    out = capsys.readouterr().out
+    assert "resumed with changed settings (allowed): " in out
+    assert "optimizer.lr.total_steps 30 -> 12" in out
+    # 6 steps of 64 samples are 12 steps of 32: the position moves by samples
+    assert resumed.sampler.state_dict()["step"] == 12 + 6
+    latest = toolkit.CheckpointStore(tmp_path / "ckpt").load("latest")
+    assert latest.step == 12
+    changes = [["optimizer.lr.total_steps", 30, 12], ["global_batch_size", 64, 32]]
+    assert latest.meta["changes"] == [{"step": 6, "changes": changes}]
+    assert latest.meta["settings"]["optimizer"]["lr"]["total_steps"] == 12
+    log = [json.loads(line) for line in (tmp_path / "log.jsonl").read_text().splitlines()]
+    assert [r["changes"] for r in log if r["event"] == "changes"] == [changes]
+
+
+def test_another_backend_is_allowed_and_said(digits, tmp_path, capsys):
+    (x, y), _ = digits
+    trainer(tmp_path, schedule(30)).fit(x, y)
+    trainer(tmp_path, schedule(30), backend="jax-pjit", max_steps=9, resume="latest").fit(x, y)
+    out = capsys.readouterr().out
+    assert "resumed on another placement: backend 'horovod-torch' -> 'jax-pjit'" in out
+    assert "changed settings" not in out
