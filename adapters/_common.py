@@ -20,6 +20,13 @@ class BackendBase:
     def sync_state(self) -> None:
         """Nothing to do for models without non-trained state (see toolkit.Adapter)."""
 
+    def local_device_count(self) -> int:
+        """One device per process (``toolkit._contract.DrivesDevices``)."""
+        return 1
+
+    def device_names(self) -> list[str]:
+        return ["cpu"]
+
 
 def missing_framework(backend: str, what: str, err: BaseException) -> ToolkitError:
     """The error for a backend whose framework (or Horovod build) is not installed."""

@@ -179,6 +179,9 @@ class JaxBackendBase(BackendBase):
         """Devices this process computes on (``toolkit._contract.DrivesDevices``)."""
         return self.jax.local_device_count()
 
+    def device_names(self) -> list[str]:
+        return [f"{d.platform}:{d.id}" for d in self.jax.local_devices()]
+
     def _build_common(self, model, optimizer, loss, seed, accumulation_steps, metrics=None,
                       init_opt: bool = True):
         """Initial ``(params, opt_state, model_state)`` as host trees, rank 0's everywhere

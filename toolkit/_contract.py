@@ -146,13 +146,18 @@ class PipelineAdapter(Protocol):
 
 @runtime_checkable
 class DrivesDevices(Protocol):
-    """The optional ability to say how many devices each process drives (JAX: a process may
-    drive several; without this ability, one). The Trainer asks after ``setup``: with the
-    layout, it decides which share of each global batch this process loads
-    (``Layout.data_share``)."""
+    """The optional ability to say which devices each process drives (JAX: a process may
+    drive several; without this ability, one), and in which dtype. The Trainer asks after
+    ``setup``: with the layout, it decides which share of each global batch this process
+    loads (``Layout.data_share``), and it says what runs."""
+
+    dtype_name: str  # the compute dtype, e.g. "float32"
 
     def local_device_count(self) -> int:
         """Devices this process computes on (the same number in every process)."""
+
+    def device_names(self) -> list[str]:
+        """This process's devices as the framework names them (e.g. ``["cpu"]``)."""
 
 
 @runtime_checkable

@@ -61,6 +61,10 @@ class DataParallel:
         """Every process loads its own share."""
         return DataShare(world_size, rank)
 
+    def describe(self, world_size: int, local_devices: int = 1) -> str:
+        """The layout in words, on ``world_size`` processes of ``local_devices`` each."""
+        return f"data parallel over {world_size * local_devices} device(s)"
+
 
 @dataclasses.dataclass(frozen=True)
 class Sharded:
@@ -112,6 +116,13 @@ class Sharded:
             return DataShare(world_size, rank)
         group = k // local
         return DataShare(world_size // group, rank // group)
+
+    def describe(self, world_size: int, local_devices: int = 1) -> str:
+        """The layout in words, e.g. ``sharded:3 (ZeRO-3) over data=2 x model=2``."""
+        k = self.tensor_parallel
+        model = f" x model={k}" if k > 1 else ""
+        return (f"{self.name} (ZeRO-{self.stage}) over data={world_size * local_devices // k}"
+                f"{model}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -170,6 +181,12 @@ class Pipeline:
         last stage the labels): ``D = world_size / stages`` shares."""
         grid = PipelineGrid(world_size, self.stages)
         return DataShare(grid.replicas, grid.replica_of(rank))
+
+    def describe(self, world_size: int, local_devices: int = 1) -> str:
+        """The layout in words: the stage grid and the schedule."""
+        chunks = f", {self.chunks} chunks per stage" if self.chunks > 1 else ""
+        return (f"pipeline of {self.stages} stages x {world_size // self.stages} replica(s), "
+                f"{self.micro_batches} micro-batches, {self.schedule}{chunks}")
 
 
 Layout = DataParallel | Sharded | Pipeline

@@ -26,6 +26,7 @@ from toolkit._prefetch import BatchPrefetcher
 from toolkit._rank0 import current_env, print0
 from toolkit._sampler import GlobalBatchSampler
 from toolkit._specs import LOSSES, OptimizerSpec, check_choice, learning_rate, lr_scale
+from toolkit._summary import format_facts, start_facts
 from toolkit._trainer_checkpoints import Checkpointing
 
 __all__ = ["PREEMPTED_EXIT_CODE", "History", "Trainer", "TrainingPreempted"]
@@ -185,6 +186,7 @@ class Trainer(Checkpointing):
         self.env = env or current_env()
         lr_scale(lr_scaling, 1)  # validates the name before any process group exists
         self.global_step = 0
+        self._resumed_from = None  # the checkpoint this run continues, if any
         self._last_saved = -1  # the step of the newest checkpoint this run wrote
         self._setup_done = False
 
@@ -218,6 +220,21 @@ class Trainer(Checkpointing):
             self._restore()
         self._setup_done = True
 
+    def _say_what_runs(self, samples: int) -> None:
+        """The start-up block on rank 0, and the metrics log's first record."""
+        drives = isinstance(self.adapter, DrivesDevices)
+        facts = start_facts(
+            backend=self.adapter.name, layout=self.layout, world_size=self.env.world_size,
+            local_size=self.env.local_size,
+            devices=self.adapter.device_names() if drives else ["1 device"],
+            dtype=self.adapter.dtype_name if drives else None,
+            global_batch=self.global_batch_size, local_batch=self.sampler.local_batch_size,
+            accumulation_steps=self.accumulation_steps, model=self.model, samples=samples,
+            steps_per_epoch=len(self.sampler), checkpoint_dir=self.checkpoint_dir,
+            resumed_from=self._resumed_from, resumed_step=self.global_step)
+        print0(format_facts(facts), env=self.env)
+        self._log_records([{"event": "start", **facts}])
+
     def _data_share(self) -> DataShare:
         """This process's share of each global batch, as the layout places it on the devices
         (the adapter says how many each process drives; after ``setup``)."""
@@ -245,6 +262,7 @@ class Trainer(Checkpointing):
         self._train_data = train
         if not self._setup_done:
             self._setup(len(train))
+            self._say_what_runs(len(train))
         env, sampler = self.env, self.sampler
         total = self.max_steps if self.max_steps is not None else self.epochs * len(sampler)
         self._history = History(first_step=self.global_step, world_size=env.world_size)

@@ -22,15 +22,23 @@ class Checkpointing:
 
     def _restore(self) -> None:
         ckpt = find_checkpoint(self.resume, self.store)
-        if ckpt is None:
-            print0(f"no checkpoint in {self.checkpoint_dir} yet: starting from step 0",
-                   env=self.env)
+        if ckpt is None:  # (created on the first save: a mistyped parent shows here)
+            if not Path(self.checkpoint_dir).exists():
+                print0(f"{self.checkpoint_dir} does not exist: starting a new run there",
+                       env=self.env)
+            else:
+                print0(f"no checkpoint in {self.checkpoint_dir} yet: starting from step 0",
+                       env=self.env)
             return
-        trajectory, placement = check_resume(ckpt.path, saved_settings(ckpt.meta),
-                                             self._settings(), self.allow_changes)
+        saved, now = saved_settings(ckpt.meta), self._settings()
+        trajectory, _ = check_resume(ckpt.path, saved, now, allow_changes=True)
+        # The checkpoint's structure first (another model's tensors: which ones do not fit),
+        # then its settings; either error leaves every checkpoint as it was.
         restore(ckpt, self.adapter, self.sampler, self._data_fingerprint(),
                 allow_changes=bool(trajectory))
+        trajectory, placement = check_resume(ckpt.path, saved, now, self.allow_changes)
         self.global_step = self._last_saved = ckpt.step  # that step is saved already
+        self._resumed_from = ckpt.path
         print0(f"resumed from {ckpt.path} (step {ckpt.step}, written by "
                f"{ckpt.meta.get('backend')} on {ckpt.meta.get('world_size')} ranks)",
                env=self.env)

@@ -1,0 +1,66 @@
+"""What is running: the block rank 0 prints before the first step, and the metrics log's first
+record, with the same facts."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from toolkit._layouts import Pipeline
+
+
+def parameter_count(model: Any) -> int | None:
+    """Parameters of a spec model (None for a native one: its framework counts them)."""
+    shapes = getattr(model, "param_shapes", None)
+    if callable(shapes):
+        return sum(math.prod(s) for s in shapes().values())
+    init = getattr(model, "init", None)
+    if callable(init) and hasattr(model, "apply"):
+        return sum(int(a.size) for a in init(0).values())
+    return None
+
+
+def start_facts(*, backend: str, layout: Any, world_size: int, local_size: int,
+                devices: list[str], dtype: str | None, global_batch: int, local_batch: int,
+                accumulation_steps: int, model: Any, samples: int, steps_per_epoch: int,
+                checkpoint_dir: Any, resumed_from: Any, resumed_step: int) -> dict[str, Any]:
+    """The facts of a run's start, as JSON values."""
+    micro = (local_batch // layout.micro_batches if isinstance(layout, Pipeline)
+             else local_batch // accumulation_steps)
+    return {
+        "backend": backend, "dtype": dtype,
+        "layout": layout.name, "layout_words": layout.describe(world_size, len(devices)),
+        "world_size": world_size, "nodes": max(1, world_size // max(1, local_size)),
+        "ranks_per_node": local_size, "devices_per_rank": devices,
+        "global_batch": global_batch, "local_batch": local_batch, "micro_batch": micro,
+        "model": type(model).__name__, "parameters": parameter_count(model),
+        "samples": samples, "steps_per_epoch": steps_per_epoch,
+        "checkpoint_dir": None if checkpoint_dir is None else str(checkpoint_dir),
+        "resumed_from": None if resumed_from is None else str(resumed_from),
+        "start_step": resumed_step,
+    }
+
+
+def format_facts(f: dict[str, Any]) -> str:
+    """The start-up block (a few aligned lines)."""
+    params = f"{f['parameters']:,} parameters" if f["parameters"] is not None else \
+        "a native model"
+    dtype = f", {f['dtype']}" if f["dtype"] else ""
+    if f["checkpoint_dir"] is None:
+        ckpt = "none"
+    elif f["resumed_from"] is None:
+        ckpt = f"{f['checkpoint_dir']} (a new run)"
+    else:
+        ckpt = f"{f['checkpoint_dir']} (resumed from {f['resumed_from']}, step {f['start_step']})"
+    rows = [
+        ("backend", f"{f['backend']}{dtype}"),
+        ("layout", f["layout_words"]),
+        ("world", f"{f['world_size']} rank(s) on {f['nodes']} node(s), {f['ranks_per_node']} "
+                  f"per node; devices per rank: {', '.join(f['devices_per_rank'])}"),
+        ("batch", f"global {f['global_batch']}, local {f['local_batch']} per data share, "
+                  f"micro {f['micro_batch']}"),
+        ("model", f"{f['model']}, {params}"),
+        ("data", f"{f['samples']:,} samples, {f['steps_per_epoch']} steps per epoch"),
+        ("checkpoints", ckpt),
+    ]
+    return "\n".join(f"{name:<12}{value}" for name, value in rows)
