@@ -1,0 +1,116 @@
+"""Where jax-pjit's sharded step spends its time across processes: the collectives in its
+compiled program, its step time beside jax-pmap's, and what one combined all-reduce costs.
+
+    mpirun -np 2 .venv/bin/python benchmarks/jax_collectives.py --local-devices 2
+
+1. For each layout, builds the equivalence preset GPT (2 blocks, width 32) under jax-pjit and
+   jax-pmap, trains ``--steps`` steps and prints the median step time (after 5 warm-up
+   steps); for jax-pjit, also the collectives of its compiled step, counted in
+   ``jit(...).lower(...).compile().as_text()``.
+2. Times a jitted gradient of 30 small matrices over a batch sharded across every device (the
+   compiler combines their 30 all-reduces into one op of 30 operands) beside the same with one
+   matrix: on XLA:CPU the combined op costs about 30 times the single one, because its
+   operands are reduced one after another over Gloo.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import statistics
+import time
+from collections import Counter
+
+import numpy as np
+
+import adapters
+import toolkit
+from toolkit.equivalence import load_data, make_model, make_optimizer
+
+COLLECTIVES = ("all-gather", "reduce-scatter", "all-reduce", "collective-permute", "all-to-all")
+
+
+def collectives(hlo: str) -> dict[str, int]:
+    """How many collective ops a compiled program's text holds, by kind."""
+    found = re.findall(r" (" + "|".join(COLLECTIVES) + r")(?:-start)?\(", hlo)
+    return dict(Counter(found))
+
+
+def train(backend: str, layout: str, args, env) -> tuple[float, dict[str, int] | None]:
+    adapter = adapters.get(backend, local_devices=args.local_devices)
+    x, y = load_data("gpt", "float32")
+    trainer = toolkit.Trainer(adapter, make_model("gpt"), make_optimizer("sgd", args.steps),
+                              global_batch_size=64, max_steps=args.steps, progress=False,
+                              layout=layout, env=env)
+    seconds, real = [], adapter.train_step
+    captured = {}
+
+    def timed(xb, yb, lr):
+        captured.setdefault("args", (xb, yb))
+        start = time.perf_counter()
+        loss = real(xb, yb, lr)
+        float(loss)
+        seconds.append(time.perf_counter() - start)
+        return loss
+
+    adapter.train_step = timed
+    trainer.fit(x, y)
+    ops = None
+    if backend == "jax-pjit":
+        xb, yb = captured["args"]  # as the step received them: already global arrays
+        lowered = adapter._jstep.lower(adapter.params, adapter.opt_state, adapter.model_state,
+                                       xb, yb, adapter._scalars(0.1), adapter._step_seed())
+        ops = collectives(lowered.compile().as_text())
+    median = statistics.median(seconds[5:])
+    return float(adapter.allreduce(np.asarray([median]), "mean")[0]), ops
+
+
+def combined_all_reduce(env, local_devices: int | None) -> dict[int, float]:
+    adapter = adapters.get("jax-pjit", local_devices=local_devices)
+    adapter.setup(env)
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
+    mesh = Mesh(np.asarray(devices), ("data",))
+    batch = jax.make_array_from_callback(
+        (64 * len(devices), 32), NamedSharding(mesh, PartitionSpec("data")),
+        lambda index: np.ones((64, 32), np.float32))
+    out = {}
+    for count in (1, 30):
+        weights = [np.ones((32, 32), np.float32) for _ in range(count)]
+        grad = jax.jit(lambda ws, xb: jax.grad(
+            lambda ws: sum(jnp.sum(xb @ w) for w in ws))(ws),
+            out_shardings=NamedSharding(mesh, PartitionSpec()))
+        jax.block_until_ready(grad(weights, batch))
+        start = time.perf_counter()
+        for _ in range(20):
+            jax.block_until_ready(grad(weights, batch))
+        out[count] = (time.perf_counter() - start) / 20
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--local-devices", type=int, default=None, help="JAX CPU devices each")
+    p.add_argument("--layouts", default="data,sharded:3", help="comma-separated")
+    p.add_argument("--steps", type=int, default=30)
+    args = p.parse_args()
+    env = toolkit.current_env()
+    devices = args.local_devices or 1
+    toolkit.print0(f"{env.world_size} process(es) x {devices} device(s); GPT preset, batch 64",
+                   env=env)
+    for layout in args.layouts.split(","):
+        pjit, ops = train("jax-pjit", layout, args, env)
+        pmap, _ = train("jax-pmap", layout, args, env)
+        toolkit.print0(f"{layout:12s} jax-pjit {pjit * 1e3:8.2f} ms/step  jax-pmap "
+                       f"{pmap * 1e3:8.2f} ms/step  ratio {pjit / pmap:5.2f}  "
+                       f"jax-pjit's collectives: {ops}", env=env)
+    times = combined_all_reduce(env, args.local_devices)
+    toolkit.print0(f"gradient all-reduce of 1 matrix {times[1] * 1e3:.2f} ms; of 30 matrices "
+                   f"(one combined op) {times[30] * 1e3:.2f} ms", env=env)
+
+
+if __name__ == "__main__":
+    toolkit.run(main)
