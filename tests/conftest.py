@@ -56,6 +56,8 @@ def launch_command(launcher: str, nproc: int, argv: list[str]) -> list[str]:
         return ["mpirun", "--allow-run-as-root", "--oversubscribe", "-np", str(nproc), *py]
     if launcher == "srun":
         return ["srun", "-n", str(nproc), "--mpi=pmix", "--kill-on-bad-exit=1", *py]
+    if launcher == "torchrun":
+        return [str(BIN / "torchrun"), "--nproc-per-node", str(nproc), *argv]
     raise ValueError(launcher)
 
 

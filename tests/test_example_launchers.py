@@ -110,3 +110,16 @@ def test_make_example_prints_only_the_toolkits_lines():
     assert other == [], other
     assert re.search(r"^\[0\]<stdout>:done: world_size 2 .* val_accuracy 0\.9\d+$",
                      job.stdout, re.M), job.stdout
+
+
+@pytest.mark.slow
+def test_torchrun_serves_the_jax_backends_and_refuses_horovod_clearly(launch):
+    job = launch("torchrun", 2, ["examples/train_digits.py", "--backend", "jax-pjit",
+                                 "--steps", "3"], timeout=240)
+    assert job.returncode == 0, job
+    assert "done: world_size 2  steps 3" in job.stdout, job
+    job = launch("torchrun", 2, ["examples/train_digits.py", "--backend", "horovod-torch",
+                                 "--steps", "3"], timeout=240)
+    assert job.returncode != 0, job
+    assert "horovod-torch cannot run under torchrun" in job.stderr, job
+    assert "launch with horovodrun -np N, mpirun -np N or srun -n N --mpi=pmix" in job.stderr
