@@ -116,3 +116,58 @@ def test_checkpoints_by_time_are_taken_at_the_same_steps_on_every_rank(launch, t
     paths = store.checkpoints()
     steps = [store.load(path).step for path in paths]  # strict: every piece present, intact
     assert len(steps) >= 3 and steps[-1] == 40, steps  # by time, then the final one
+
+
+def interrupt_and_wait(proc, sig, group=False, timeout=120):
+    import os
+
+    os.killpg(proc.pid, sig) if group else proc.send_signal(sig)
+    _, stderr = proc.communicate(timeout=timeout)
+    return stderr
+
+
+@pytest.mark.slow
+def test_ctrl_c_stops_at_a_step_boundary_checkpoints_and_exits_130(start, tmp_path):
+    ckpt = tmp_path / "ckpt"
+    proc = start("python", 1, [EXAMPLE, "--steps", "1000000", "--checkpoint-dir", str(ckpt),
+                               "--checkpoint-every", "1000"])
+    wait_for_checkpoint(ckpt)
+    stderr = interrupt_and_wait(proc, signal.SIGINT)
+    assert proc.returncode == 130, stderr
+    step = toolkit.CheckpointStore(ckpt).load("latest").step
+    assert f"interrupted: stopped by SIGINT after step {step}; checkpoint " in stderr, stderr
+    assert "Traceback" not in stderr
+
+
+@pytest.mark.slow
+def test_a_signal_mpirun_forwards_stops_the_job_with_status_75(start, tmp_path):
+    """mpirun forwards SIGUSR1 to the ranks (and a copy may come twice): one line, a complete
+    checkpoint, and status 75 passed through."""
+    ckpt = tmp_path / "ckpt"
+    proc = start("mpirun", 2, [EXAMPLE, "--steps", "1000000", "--checkpoint-dir", str(ckpt),
+                               "--checkpoint-every", "1000"])
+    wait_for_checkpoint(ckpt)
+    time.sleep(1)
+    stderr = interrupt_and_wait(proc, signal.SIGUSR1)
+    assert proc.returncode == 75, stderr
+    step = toolkit.CheckpointStore(ckpt).load("latest").step
+    assert stderr.count(f"preempted: stopped by SIGUSR1 after step {step}; checkpoint") == 1
+    assert "Traceback" not in stderr
+
+
+@pytest.mark.slow
+def test_ctrl_c_under_horovodrun_checkpoints_without_horovod_noise(start, tmp_path):
+    """Ctrl-C reaches horovodrun's process group; horovodrun sends SIGTERM to the ranks. The
+    ranks stop together and shut Horovod down in order: no broken-connection report. (The
+    shell sees horovodrun's own status 1 and its RuntimeError report.)"""
+    ckpt = tmp_path / "ckpt"
+    proc = start("horovodrun-gloo", 2, [EXAMPLE, "--steps", "1000000", "--checkpoint-dir",
+                                        str(ckpt), "--checkpoint-every", "1000"])
+    wait_for_checkpoint(ckpt, timeout=180)
+    time.sleep(1)
+    stderr = interrupt_and_wait(proc, signal.SIGINT, group=True)
+    assert proc.returncode == 1, stderr
+    step = toolkit.CheckpointStore(ckpt).load("latest").step
+    assert f"preempted: stopped by SIGTERM after step {step}; checkpoint " in stderr, stderr
+    assert "Horovod background loop uncaught exception" not in stderr, stderr
+    assert "<stderr>:Traceback" not in stderr, stderr

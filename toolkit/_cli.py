@@ -14,6 +14,8 @@ from toolkit._errors import ToolkitError
 from toolkit._rank0 import current_env, eprint
 from toolkit._trainer import PREEMPTED_EXIT_CODE, TrainingPreempted
 
+INTERRUPTED_EXIT_CODE = 130  # 128 + SIGINT, what a shell reports for Ctrl-C
+
 # How long the other ranks wait before exiting on a usage error, so that rank 0 prints it
 # before the launcher (which ends the job when any rank exits) can stop it.
 USAGE_GRACE_SECONDS = 2.0
@@ -74,7 +76,8 @@ def run(main: Callable[[], object]) -> None:
     - A :class:`ToolkitError` (bad input) prints ``error: ...`` and its HINT (prefixed with
       the rank in multi-process jobs) and exits with status 2.
     - :class:`TrainingPreempted` (a stop signal; the state is checkpointed) exits with
-      status 75 (``PREEMPTED_EXIT_CODE``), which a requeueing batch script looks for.
+      status 75 (``PREEMPTED_EXIT_CODE``), which a requeueing batch script looks for; after
+      Ctrl-C (SIGINT) with status 130, the user's own stop.
     - Any other exception prints the traceback prefixed with the rank that failed and exits
       with status 1 at once, skipping interpreter shutdown: the framework's communicator could
       otherwise wait forever for the other ranks, and the launcher (horovodrun, mpirun, srun)
@@ -88,9 +91,12 @@ def run(main: Callable[[], object]) -> None:
     try:
         main()
     except TrainingPreempted as stop:
+        # Ctrl-C is the user's own stop (status 130, as for any interrupted program); the
+        # other signals are the scheduler's, answered by requeueing on status 75.
+        interrupted = stop.signame == "SIGINT"
         if env.rank == 0:
-            eprint(f"preempted: {stop}")
-        _exit(PREEMPTED_EXIT_CODE, env.is_distributed)
+            eprint(f"{'interrupted' if interrupted else 'preempted'}: {stop}")
+        _exit(INTERRUPTED_EXIT_CODE if interrupted else PREEMPTED_EXIT_CODE, env.is_distributed)
     except UsageError as err:
         if env.rank == 0:
             eprint(err.usage.rstrip() + "\n" + err.message)
@@ -106,8 +112,11 @@ def run(main: Callable[[], object]) -> None:
         prefix = f"[rank {env.rank}/{env.world_size}] " if env.is_distributed else ""
         eprint(f"{prefix}error: {err}")
         _exit(2, env.is_distributed)
-    except KeyboardInterrupt:
-        _exit(130, env.is_distributed)
+    except KeyboardInterrupt:  # Ctrl-C outside a Trainer that checkpoints
+        if env.rank == 0:
+            eprint("interrupted by SIGINT: nothing saved (a Trainer with a checkpoint "
+                   "directory stops at a step boundary and checkpoints instead)")
+        _exit(INTERRUPTED_EXIT_CODE, env.is_distributed)
     except BaseException as err:
         if isinstance(err, SystemExit) and err.code in (0, None):
             raise

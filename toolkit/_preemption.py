@@ -32,7 +32,10 @@ def noting_signals(names: tuple[str, ...], note: Callable[[str], None]) -> Itera
         yield
         return
 
+    noted: set[str] = set()
+
     def handler(signum, frame):
+        noted.add(signal.Signals(signum).name)
         note(signal.Signals(signum).name)
 
     previous = {name: signal.signal(getattr(signal, name), handler) for name in names}
@@ -40,4 +43,9 @@ def noting_signals(names: tuple[str, ...], note: Callable[[str], None]) -> Itera
         yield
     finally:
         for name, old in previous.items():
+            # Once a stop is under way, a second copy of the signal (a launcher forwards it to
+            # the rank and its process group; Ctrl-C twice) must not kill the rank while it
+            # reports: a default handler is replaced by "ignore" for a signal that came.
+            if name in noted and old in (signal.SIG_DFL, signal.default_int_handler):
+                old = signal.SIG_IGN
             signal.signal(getattr(signal, name), old)

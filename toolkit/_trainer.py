@@ -81,9 +81,9 @@ class Trainer(Checkpointing):
         log_every: also print a line every this many steps (0: once per epoch).
         progress: show a progress line on rank 0 when stderr is a terminal.
         stop_signals: with a checkpoint directory, these signals (what ``sbatch --signal``,
-            ``srun --signal``, ``scancel --signal`` and a time limit send) make every rank
-            finish its current step, write a checkpoint and raise :class:`TrainingPreempted`.
-            Pass ``()`` to install none.
+            ``srun --signal``, ``scancel --signal`` and a time limit send, and Ctrl-C) make
+            every rank finish its current step, write a checkpoint and raise
+            :class:`TrainingPreempted`. Pass ``()`` to install none.
         stop_check_every: in multi-process jobs, ranks agree on stopping through one tiny
             allreduce every this many steps (a signal may reach ranks at different steps), so
             a job stops within that many steps of the signal. Every step costs one allreduce's
@@ -129,7 +129,7 @@ class Trainer(Checkpointing):
         metrics_log: str | os.PathLike | None = None,
         log_every: int = 0,
         progress: bool = True,
-        stop_signals: tuple[str, ...] = ("SIGUSR1", "SIGTERM"),
+        stop_signals: tuple[str, ...] = ("SIGUSR1", "SIGTERM", "SIGINT"),
         stop_check_every: int = 10,
         prefetch: bool | str = "auto",
         eval_batch_size: int = 1024,
@@ -333,6 +333,11 @@ class Trainer(Checkpointing):
                     self._log_records([{"event": "prefetch", **self.prefetch_stats}])
                     path = self.save_checkpoint()
                     self.store.wait()
+                    # Every rank leaves together, its communicator shut down in order: a rank
+                    # that exits while another's still runs makes that one report a broken
+                    # connection (Horovod's background loop does).
+                    self.adapter.barrier()
+                    self.adapter.shutdown()
                     raise TrainingPreempted(self._stop_signal or "a signal on another rank",
                                             self.global_step, path or self.checkpoint_dir)
                 if self.global_step >= total:

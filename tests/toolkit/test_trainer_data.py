@@ -267,12 +267,18 @@ def test_a_stop_signal_with_prefetch_checkpoints_and_resumes(data, tmp_path):
             return super().train_step(x, y, lr)
 
     straight = make(max_steps=12).fit(train).losses
-    before = signal.getsignal(signal.SIGUSR1)
+    before = {name: signal.getsignal(getattr(signal, name)) for name in ("SIGUSR1", "SIGTERM")}
+    assert before["SIGUSR1"] == signal.SIG_DFL
     log = tmp_path / "m.jsonl"
     first = make(SignalledAtStep5(), max_steps=12, checkpoint_dir=tmp_path / "c", metrics_log=log)
     with pytest.raises(toolkit.TrainingPreempted, match="stopped by SIGUSR1 after step 5"):
         first.fit(train)
-    assert not prefetch_threads() and signal.getsignal(signal.SIGUSR1) == before
+    assert not prefetch_threads()
+    # the handlers are back, but a signal that came is ignored from then on (a second copy,
+    # e.g. forwarded by a launcher, must not kill the rank while it reports)
+    assert signal.getsignal(signal.SIGTERM) == before["SIGTERM"]
+    assert signal.getsignal(signal.SIGUSR1) == signal.SIG_IGN
+    signal.signal(signal.SIGUSR1, before["SIGUSR1"])
     assert first.prefetch_stats["batches"] == 5
     assert any(json.loads(line)["event"] == "prefetch" for line in log.read_text().splitlines())
     resumed = make(max_steps=12, checkpoint_dir=tmp_path / "c", resume="latest").fit(train)
