@@ -7,8 +7,11 @@
 CHECKPOINT is a ``step_*`` directory or a store directory (its newest intact checkpoint).
 
 - ``torch``: a ``state_dict`` file (``torch.load``); for spec models it is the state_dict of
-  the same ``nn.Module`` the horovod-torch backend builds (``Linear.weight`` as (out, in),
-  ``Conv2d.weight`` as OIHW), so ``module.load_state_dict(torch.load(path))`` works.
+  the same ``nn.Module`` the horovod-torch backend builds, which :func:`torch_module` builds
+  for you: ``torch_module(spec).load_state_dict(torch.load(path))``. The MLP and CNN are
+  ``nn.Linear``/``nn.Conv2d`` layers (``weight`` (out, in), OIHW); the GPT keeps GPT-2's
+  Conv1D convention, ``kernel`` (in, out), under the spec's names
+  (``blocks.0.attn.qkv.kernel``, LayerNorm ``scale``/``bias``).
 - ``tf``: a TensorFlow checkpoint (``tf.train.Checkpoint(params={name: tf.Variable})``), in
   the spec's layout (kernels (in, out), HWIO).
 - ``orbax``: an Orbax PyTree checkpoint of the Flax parameter tree the JAX backends use
@@ -42,6 +45,24 @@ def load(path: str | os.PathLike) -> toolkit.Checkpoint:
 
 def weights(ckpt: toolkit.Checkpoint) -> dict[str, np.ndarray]:
     return {k[len("params/"):]: v for k, v in ckpt.tensors.items() if k.startswith("params/")}
+
+
+def torch_module(spec):
+    """The ``torch.nn.Module`` of a spec model (``toolkit.MLP``, ``CNN`` or ``GPT``), as the
+    horovod-torch backend builds it: what a ``--format torch`` export loads into.
+
+    Example:
+        >>> import torch, toolkit
+        >>> net = torch_module(toolkit.MLP((4, 3)))
+        >>> sorted(net.state_dict())
+        ['layers.0.bias', 'layers.0.weight']
+    """
+    import torch
+
+    from adapters._torch_models import build_spec_model
+
+    net, _ = build_spec_model(torch, spec)
+    return net
 
 
 def to_torch(ckpt: toolkit.Checkpoint, out: Path) -> None:

@@ -23,12 +23,10 @@ def checkpoint(tmp_path_factory):
 def test_torch_state_dict_loads_into_the_module_and_computes_the_same(checkpoint):
     import torch
 
-    from adapters._torch_models import build_spec_model
-
     tmp, ckpt = checkpoint
     export.main([str(tmp / "ckpt"), "--format", "torch", "--out", str(tmp / "model.pt")])
     spec = toolkit.CNN((8, 8, 1), (4,), 10)
-    net, _ = build_spec_model(torch, spec)
+    net = export.torch_module(spec)  # the public builder
     net.load_state_dict(torch.load(tmp / "model.pt"))
     x = np.random.default_rng(0).normal(size=(5, 8, 8, 1)).astype(np.float32)
     weights = export.weights(ckpt)
@@ -75,6 +73,23 @@ def gpt_checkpoint(tmp_path_factory):
                     global_batch_size=16, max_steps=3, progress=False,
                     checkpoint_dir=tmp / "ckpt", env=toolkit.LaunchEnv()).fit(x[:256], y[:256])
     return tmp, spec, toolkit.CheckpointStore(tmp / "ckpt").load("latest"), x[:4]
+
+
+def test_torch_export_of_the_gpt_loads_into_a_plain_module_with_the_toolkits_logits(
+        gpt_checkpoint):
+    """``torch_module(spec).load_state_dict(torch.load(path))`` works, strictly, and the
+    module's logits are those of the toolkit's evaluation of the same checkpoint."""
+    import torch
+
+    tmp, spec, ckpt, x = gpt_checkpoint
+    export.main([str(tmp / "ckpt"), "--format", "torch", "--out", str(tmp / "gpt.pt")])
+    net = export.torch_module(spec)
+    net.load_state_dict(torch.load(tmp / "gpt.pt"), strict=True)
+    assert net.state_dict()["blocks.0.attn.qkv.kernel"].shape == (32, 96)  # (in, out)
+    with torch.no_grad():
+        logits = net(torch.from_numpy(x)).numpy()
+    np.testing.assert_allclose(logits, spec.apply(export.weights(ckpt), x), rtol=1e-4,
+                               atol=1e-5)
 
 
 def test_orbax_export_of_the_gpt_runs_in_flax_as_the_toolkit_does(gpt_checkpoint):
