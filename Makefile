@@ -3,8 +3,9 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 NP ?= 2
 PYTEST_ARGS ?=
+FAULTS_ARGS ?=
 
-.PHONY: example test test-long test-fast install install-slurm lint
+.PHONY: example test test-long test-fast faults install install-slurm lint
 
 ## make example: install, then train the digits MLP with horovod-torch on $(NP) processes
 ## (horovodrun checks its build by importing horovod.tensorflow in a subprocess, whose
@@ -25,6 +26,12 @@ test-long: install-slurm
 ## make test-fast: the suite without the multi-process (slow) tests
 test-fast: install
 	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
+
+## make faults: install, then apply each hand-written fault of tools/faults.py (gradients not
+## averaged or averaged twice, a fixed dropout seed, ...) to a scratch copy of the code and run
+## the tests that must catch it; fails unless every fault turns a test red (docs/faults.md)
+faults: install
+	$(PY) tools/faults.py $(FAULTS_ARGS)
 
 install:
 	TOOLKIT_VENV=$(abspath $(VENV)) bash tools/install.sh

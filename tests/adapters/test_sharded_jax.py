@@ -106,6 +106,30 @@ def test_stage_3_with_accumulation_custom_loss_and_metric_equals_data_parallel(b
         np.testing.assert_allclose(state[name], dp_state[name], atol=1e-6, err_msg=name)
 
 
+@pytest.mark.parametrize("backend", JAX)
+def test_checkpoint_pieces_of_padded_units_are_the_owned_slices(backend):
+    """Stage 3 on the 2 local devices: the second unit (18 + 3 elements) is padded to 22, so
+    its last tensor's piece on device 1 must stop before the padding. Each piece equals the
+    slice of the full tensor that ``FlatLayout.owned`` gives this process's devices."""
+    model = toolkit.MLP((5, 6, 3))
+    adapter, _, _ = train(backend, model, toolkit.Sharded(stage=3), steps=2)
+    full = adapter.state_dict()
+    replicated, pieces = adapter.sharded_state()
+    layouts = unit_layouts({k: v.shape for k, v in model.init(0).items()}, 2)
+    assert any(layout.padded > layout.total for layout in layouts.values())
+    expected = {}
+    for layout in layouts.values():
+        for device in (0, 1):
+            for name, a, b, _ in layout.owned(device):
+                for prefix in ("params", "opt/mu", "opt/nu"):
+                    expected.setdefault(f"{prefix}/{name}", []).append(
+                        full[f"{prefix}/{name}"].reshape(-1)[a:b])
+    assert set(pieces) == set(expected) and set(replicated) == {"opt/count"}
+    for name, (piece, axis, shape) in pieces.items():
+        assert axis == 0 and tuple(shape) == full[name].shape, name
+        np.testing.assert_array_equal(piece, np.concatenate(expected[name]), err_msg=name)
+
+
 def jax_logsumexp(jnp, out):
     m = jnp.max(out, axis=1, keepdims=True)
     return m + jnp.log(jnp.sum(jnp.exp(out - m), axis=1, keepdims=True))
