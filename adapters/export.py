@@ -3,6 +3,7 @@
     python -m adapters.export CHECKPOINT --format torch --out model.pt
     python -m adapters.export CHECKPOINT --format tf    --out tf_ckpt/model
     python -m adapters.export CHECKPOINT --format orbax --out /abs/path/orbax_dir
+    python -m adapters.export CHECKPOINT --format hf    --out gpt2_dir      (a toolkit.GPT)
 
 CHECKPOINT is a ``step_*`` directory or a store directory (its newest intact checkpoint).
 
@@ -16,6 +17,11 @@ CHECKPOINT is a ``step_*`` directory or a store directory (its newest intact che
   the spec's layout (kernels (in, out), HWIO).
 - ``orbax``: an Orbax PyTree checkpoint of the Flax parameter tree the JAX backends use
   (``{"layers_0": {"kernel", "bias"}, ...}``).
+
+- ``hf``: for a ``toolkit.GPT``, ``model.safetensors`` and ``config.json`` that Hugging Face's
+  ``GPT2LMHeadModel.from_pretrained(dir)`` loads offline: the toolkit's GPT is GPT-2's
+  architecture, mapped by renaming alone (``toolkit._gpt2_files``). ``toolkit.GPT.
+  from_pretrained(dir)`` reads such a directory back as a spec to fine-tune.
 
 Parameters are exported, and for native torch models their buffers (BatchNorm statistics) too;
 optimizer state stays in the toolkit's own format.
@@ -33,7 +39,7 @@ import numpy as np
 import toolkit
 from toolkit._specs import spec_from_dict
 
-FORMATS = ("torch", "tf", "orbax")
+FORMATS = ("torch", "tf", "orbax", "hf")
 
 
 def load(path: str | os.PathLike) -> toolkit.Checkpoint:
@@ -110,6 +116,19 @@ def to_orbax(ckpt: toolkit.Checkpoint, out: Path) -> None:
     ocp.PyTreeCheckpointer().save(out.resolve(), tree)
 
 
+def to_hf(ckpt: toolkit.Checkpoint, out: Path) -> None:
+    from toolkit._gpt import GPT
+    from toolkit._gpt2_files import save_pretrained
+
+    spec = spec_from_dict(ckpt.meta.get("model"))
+    if not isinstance(spec, GPT):
+        raise toolkit.ToolkitError(
+            f"--format hf writes GPT-2 models; {ckpt.path} holds "
+            f"{type(spec).__name__ if spec is not None else 'a native model'}",
+            "export it with --format torch, tf or orbax")
+    save_pretrained(spec, weights(ckpt), out)
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m adapters.export", description=__doc__.split(
         "\n\n")[0])
@@ -122,7 +141,7 @@ def main(argv: list[str] | None = None) -> None:
         raise toolkit.ToolkitError(f"{out} exists", "choose a new --out (Orbax never overwrites)")
     out.parent.mkdir(parents=True, exist_ok=True)
     ckpt = load(args.checkpoint)
-    {"torch": to_torch, "tf": to_tf, "orbax": to_orbax}[args.format](ckpt, out)
+    {"torch": to_torch, "tf": to_tf, "orbax": to_orbax, "hf": to_hf}[args.format](ckpt, out)
     print(f"exported step {ckpt.step} of {ckpt.path} to {out} ({args.format})", file=sys.stderr)
 
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import numbers
+import os
 
 import numpy as np
 
@@ -46,6 +47,8 @@ class GPT:
         layers: number of transformer blocks.
         heads: attention heads per block.
         tied: the output head reuses ``tok_emb`` (``logits = f @ tok_emb.T``).
+        init_from: a GPT-2 directory whose weights ``init`` returns instead of drawing them
+            (see :meth:`from_pretrained`).
 
     Example:
         >>> spec = GPT(vocab=256, context=16, width=32, layers=2, heads=2)
@@ -60,6 +63,17 @@ class GPT:
     layers: int = 4
     heads: int = 4
     tied: bool = True
+    init_from: str | None = None
+
+    @classmethod
+    def from_pretrained(cls, directory: str | os.PathLike) -> GPT:
+        """The GPT of a GPT-2 directory (``config.json`` + ``model.safetensors``, as
+        ``GPT2LMHeadModel.save_pretrained`` or ``python -m adapters.export --format hf``
+        write them): its ``init`` returns those weights, so any backend and layout fine-tunes
+        them (tokens are the directory's vocabulary's ids)."""
+        from toolkit._gpt2_files import load_pretrained
+
+        return load_pretrained(directory)[0]
 
     def __post_init__(self) -> None:
         for name in ("vocab", "context", "width", "layers", "heads"):
@@ -104,7 +118,8 @@ class GPT:
     def init(self, seed: int, dtype: str = "float32") -> dict[str, np.ndarray]:
         """GPT-2's initialisation, drawn in float64 in a fixed order, then cast to ``dtype``.
 
-        Normal(0, 0.02) for ``tok_emb``, ``pos_emb``, ``qkv``, ``mlp.fc`` and ``head``;
+        With ``init_from``, the weights of that GPT-2 directory instead (``seed`` unused).
+        Else Normal(0, 0.02) for ``tok_emb``, ``pos_emb``, ``qkv``, ``mlp.fc`` and ``head``;
         Normal(0, 0.02 / sqrt(2 * layers)) for the two residual projections (``attn.proj``,
         ``mlp.proj``); biases 0, LayerNorm scales 1. Draw order: ``tok_emb``, ``pos_emb``, per
         block ``qkv``, ``attn.proj``, ``mlp.fc``, ``mlp.proj``, then ``head`` if untied.
@@ -112,6 +127,14 @@ class GPT:
         from toolkit._specs import DTYPES, check_choice  # _specs imports this module
 
         check_choice("dtype", dtype, DTYPES)
+        if self.init_from is not None:  # a pretrained GPT-2's weights, whatever the seed
+            from toolkit._gpt2_files import load_pretrained
+
+            spec, params = load_pretrained(self.init_from, dtype)
+            if dataclasses.replace(spec, init_from=self.init_from) != self:
+                raise ToolkitError(f"{self.init_from} holds {spec}, not this {self}",
+                                   f"build the spec with GPT.from_pretrained({self.init_from!r})")
+            return params
         rng = np.random.default_rng(seed)
         shapes = self.param_shapes()
         std, residual_std = 0.02, 0.02 / math.sqrt(2 * self.layers)

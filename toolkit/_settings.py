@@ -57,9 +57,9 @@ def differences(saved: dict[str, Any], now: dict[str, Any]) -> list[tuple[str, A
         if key not in saved:
             continue
         old, new = _flat(saved[key], key), _flat(now[key], key)
-        for name in sorted(set(old) | set(new)):
-            if old.get(name, "(none)") != new.get(name, "(none)"):
-                out.append((name, old.get(name, "(none)"), new.get(name, "(none)")))
+        for name in sorted(set(old) | set(new)):  # (a field an older record lacks is None)
+            if old.get(name) != new.get(name):
+                out.append((name, old.get(name), new.get(name)))
     return out
 
 

@@ -2,7 +2,10 @@
 (unless allowed, then they are said and recorded); placement changes are said."""
 
 import json
+import shutil
+from pathlib import Path
 
+import numpy as np
 import pytest
 
 import adapters
@@ -86,3 +89,31 @@ def test_another_backend_is_allowed_and_said(digits, tmp_path, capsys):
     out = capsys.readouterr().out
     assert "resumed on another placement: backend 'horovod-torch' -> 'jax-pjit'" in out
     assert "changed settings" not in out
+
+
+FIXTURE = Path(__file__).parents[1] / "fixtures" / "checkpoint-before-settings"
+
+
+def test_a_checkpoint_written_before_settings_were_recorded_resumes_bit_for_bit(
+        digits, tmp_path, capsys):
+    """tests/fixtures/checkpoint-before-settings: 4 steps of MLP 64-16-10, SGD with a
+    warm-up + cosine schedule over 8 steps, batch 64, seed 0, written by horovod-torch before
+    checkpoints recorded a settings block. It resumes with the same settings without a word
+    about changes, and ends bit for bit where an uninterrupted run does."""
+    (x, y), _ = digits
+    shutil.copytree(FIXTURE, tmp_path / "ckpt")
+    assert "settings" not in toolkit.read_checkpoint(tmp_path / "ckpt" / "step_000000004").meta
+    resumed = trainer(tmp_path, schedule(8), max_steps=8, resume="latest")
+    resumed.fit(x, y)
+    out = capsys.readouterr().out
+    assert "resumed from" in out and "changed settings" not in out and "placement" not in out
+    straight = trainer(tmp_path / "straight", schedule(8), max_steps=8)
+    straight.fit(x, y)
+    a, b = resumed.adapter.state_dict(), straight.adapter.state_dict()
+    assert a.keys() == b.keys()
+    for name in a:
+        np.testing.assert_array_equal(a[name], b[name], err_msg=name)
+    with pytest.raises(toolkit.ToolkitError, match="optimizer.lr.total_steps 8 -> 9"):
+        shutil.rmtree(tmp_path / "ckpt")
+        shutil.copytree(FIXTURE, tmp_path / "ckpt")
+        trainer(tmp_path, schedule(9), max_steps=9, resume="latest").fit(x, y)
