@@ -65,6 +65,10 @@ class DataParallel:
         """The layout in words, on ``world_size`` processes of ``local_devices`` each."""
         return f"data parallel over {world_size * local_devices} device(s)"
 
+    def micro_batch(self, local_batch: int, accumulation_steps: int = 1) -> int:
+        """Samples per forward pass: the local batch over the accumulation steps."""
+        return local_batch // accumulation_steps
+
 
 @dataclasses.dataclass(frozen=True)
 class Sharded:
@@ -123,6 +127,10 @@ class Sharded:
         model = f" x model={k}" if k > 1 else ""
         return (f"{self.name} (ZeRO-{self.stage}) over data={world_size * local_devices // k}"
                 f"{model}")
+
+    def micro_batch(self, local_batch: int, accumulation_steps: int = 1) -> int:
+        """Samples per forward pass: the local batch over the accumulation steps."""
+        return local_batch // accumulation_steps
 
 
 @dataclasses.dataclass(frozen=True)
@@ -187,6 +195,10 @@ class Pipeline:
         chunks = f", {self.chunks} chunks per stage" if self.chunks > 1 else ""
         return (f"pipeline of {self.stages} stages x {world_size // self.stages} replica(s), "
                 f"{self.micro_batches} micro-batches, {self.schedule}{chunks}")
+
+    def micro_batch(self, local_batch: int, accumulation_steps: int = 1) -> int:
+        """Samples per forward pass: the replica's batch over the schedule's micro-batches."""
+        return local_batch // self.micro_batches
 
 
 Layout = DataParallel | Sharded | Pipeline

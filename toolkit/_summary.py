@@ -6,8 +6,6 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from toolkit._layouts import Pipeline
-
 
 def parameter_count(model: Any) -> int | None:
     """Parameters of a spec model (None for a native one: its framework counts them)."""
@@ -25,8 +23,7 @@ def start_facts(*, backend: str, layout: Any, world_size: int, local_size: int,
                 accumulation_steps: int, model: Any, samples: int, steps_per_epoch: int,
                 checkpoint_dir: Any, resumed_from: Any, resumed_step: int) -> dict[str, Any]:
     """The facts of a run's start, as JSON values."""
-    micro = (local_batch // layout.micro_batches if isinstance(layout, Pipeline)
-             else local_batch // accumulation_steps)
+    micro = layout.micro_batch(local_batch, accumulation_steps)
     return {
         "backend": backend, "dtype": dtype,
         "layout": layout.name, "layout_words": layout.describe(world_size, len(devices)),

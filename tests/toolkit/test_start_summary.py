@@ -70,3 +70,9 @@ def test_the_block_is_printed_once_per_job(launch):
     assert "world       2 rank(s) on 1 node(s), 2 per node; devices per rank: cpu" in job.stdout
     assert "layout      sharded:2 (ZeRO-2) over data=2" in job.stdout
     assert "batch       global 64, local 32 per data share, micro 32" in job.stdout
+
+
+def test_each_layout_says_its_micro_batch():
+    assert toolkit.DataParallel().micro_batch(32, accumulation_steps=4) == 8
+    assert toolkit.Sharded(2).micro_batch(32, accumulation_steps=2) == 16
+    assert toolkit.Pipeline(2, micro_batches=8).micro_batch(32) == 4
