@@ -4,8 +4,10 @@ PY := $(VENV)/bin/python
 NP ?= 2
 PYTEST_ARGS ?=
 FAULTS_ARGS ?=
+MODULES ?=
+MUTATION_ARGS ?=
 
-.PHONY: example test test-long test-fast faults install install-slurm lint
+.PHONY: example test test-long test-fast faults mutation install install-slurm lint
 
 ## make example: install, then train the digits MLP with horovod-torch on $(NP) processes
 ## (horovodrun checks its build by importing horovod.tensorflow in a subprocess, whose
@@ -32,6 +34,14 @@ test-fast: install
 ## the tests that must catch it; fails unless every fault turns a test red (docs/faults.md)
 faults: install
 	$(PY) tools/faults.py $(FAULTS_ARGS)
+
+## make mutation: install, then install the pinned mutmut (requirements-mutation.txt) and mutate
+## the framework-free core module by module against its fast unit tests (tools/mutation.py, in
+## scratch copies under build/mutation/); MODULES=toolkit/_sampler.py chooses modules, all by
+## default; MUTATION_ARGS=--write-doc updates the table of docs/mutation.md. Not part of make test
+mutation: install
+	$(VENV)/bin/pip install -q -c constraints.txt -r requirements-mutation.txt
+	$(PY) tools/mutation.py $(MUTATION_ARGS) $(MODULES)
 
 install:
 	TOOLKIT_VENV=$(abspath $(VENV)) bash tools/install.sh
