@@ -23,14 +23,15 @@ SCRIPTS = {
     "keras_cnn.py": ("horovod-tf", "horovodrun-mpi", "horovodrun-gloo"),
     "flax_cnn.py": ("jax-pjit", "horovodrun-gloo", "srun"),
 }
-# What the examples may print: the toolkit's lines and nothing of any framework's start-up.
+# What the examples may print: the toolkit's lines (its start-up block among them) and nothing
+# of any framework's start-up.
 # horovodrun tags output "[0]<stdout>:" (Gloo) or "[1,0]<stdout>:" (MPI: also before a line's
 # newline when print writes it separately, which can end up at the end of the line).
 TAG = re.compile(r"\[[\d,]+\]<stdout>:")
 ALLOWED = re.compile(r"(epoch \d+  step \d+  loss \d+\.\d+  val_loss \d+\.\d+  "
                      r"\(\d+\.\d+ s\)|done: world_size 2  steps \d+  val_loss \d+\.\d+  "
                      r"val_accuracy \d\.\d{4}|resumed from \S+ \(step \d+, written by \S+ on 2 "
-                     r"ranks\))$")
+                     r"ranks\)|(backend|layout|world|batch|model|data|checkpoints) +\S.*)$")
 
 
 def run(launch, launcher, script, ckpt, epochs, extra=()) -> str:
