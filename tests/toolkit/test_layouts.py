@@ -193,3 +193,70 @@ def test_a_tensor_parallel_size_the_devices_cannot_take_is_a_clear_error(layout,
     with pytest.raises(ToolkitError, match=re.compile(match, re.S)) as err:
         layout.data_share(world, 0, local)
     assert "HINT" in str(err.value)
+
+
+def test_forms_and_field_types_are_normalised():
+    assert parse_layout("dp") == DataParallel() == parse_layout("data_parallel")
+    sharded = Sharded(np.int64(3), tensor_parallel=np.int64(2))
+    assert type(sharded.stage) is int and type(sharded.tensor_parallel) is int
+    assert sharded.name == "sharded:3:tp2"
+    pipeline = Pipeline(2, 4, splits=[3])  # a list of split points becomes a tuple
+    assert pipeline.splits == (3,) and isinstance(pipeline.splits, tuple)
+    for bad in (3, (1.5,), (True,)):
+        with pytest.raises(ToolkitError, match="splits="):
+            Pipeline(2, 4, splits=bad)
+
+
+def test_data_shares_are_integers_and_one_device_is_the_default():
+    share = Sharded(3, tensor_parallel=2).data_share(4, rank=3)
+    assert share == DataShare(2, 1) and type(share.count) is int and type(share.index) is int
+    assert Sharded(3, tensor_parallel=2).data_share(2, 1) == DataShare(1, 0)  # 1 device each
+
+
+def test_layouts_in_words_and_their_micro_batch():
+    assert DataParallel().describe(2, 2) == "data parallel over 4 device(s)"
+    assert Sharded(1, 4).describe(2, 2) == "sharded:1:tp4 (ZeRO-1) over data=1 x model=4"
+    assert Pipeline(4, 8, "interleaved-1f1b", chunks=2).describe(8) == (
+        "pipeline of 4 stages x 2 replica(s), 8 micro-batches, interleaved-1f1b, "
+        "2 chunks per stage")
+    assert DataParallel().micro_batch(12, 3) == 4 and Sharded(2).micro_batch(12) == 12
+    assert Pipeline(2, 6).micro_batch(12, accumulation_steps=3) == 2
+
+
+class _Plain:  # a backend with data parallelism only (toolkit.Adapter's methods)
+    name = "plain"
+
+    def setup(self, env): ...
+    def build(self, model, optimizer, loss, **kw): ...
+    def train_step(self, x, y, lr): ...
+    def evaluate(self, x, y): ...
+    def allreduce(self, values, op="mean"): ...
+    def broadcast(self, values, root=0): ...
+    def barrier(self): ...
+    def sync_state(self): ...
+    def state_dict(self): ...
+    def load_state_dict(self, state): ...
+    def shutdown(self): ...
+
+
+class _Able(_Plain):  # ... with sharded and pipeline layouts too
+    name = "able"
+
+    def set_layout(self, layout): ...
+    def sharded_state(self): ...
+    def memory_bytes(self): ...
+    def pipeline_position(self): ...
+
+
+def test_resolve_layout_reads_forms_and_refuses_what_a_backend_cannot_run():
+    from toolkit._layouts import resolve_layout
+
+    assert resolve_layout(None, _Plain()) == DataParallel()
+    assert resolve_layout("sharded:2", _Able()) == Sharded(2)
+    assert resolve_layout(Pipeline(2, 4), _Able()) == Pipeline(2, 4)
+    with pytest.raises(ToolkitError, match="backend 'plain' cannot run layout 'sharded:2'"):
+        resolve_layout("sharded:2", _Plain())
+    with pytest.raises(ToolkitError, match="backend 'plain' cannot run layout 'pipeline:2:4"):
+        resolve_layout("pipeline:2:4", _Plain())
+    with pytest.raises(ToolkitError, match="is not a parallel layout"):
+        resolve_layout(object(), _Able())

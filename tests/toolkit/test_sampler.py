@@ -145,3 +145,51 @@ def test_evaluation_shards_cover_everything_once():
     shards = [shard_indices(11, 4, r) for r in range(4)]
     assert sorted(np.concatenate(shards).tolist()) == list(range(11))
     assert [len(s) for s in shards] == [3, 3, 3, 2]
+
+
+def test_the_smallest_sampler_and_a_batch_of_the_whole_data_set():
+    one = GlobalBatchSampler(1, 1)
+    assert len(one) == 1 and [b.tolist() for b in one] == [[0]]
+    whole = GlobalBatchSampler(8, 8, shuffle=False)
+    assert len(whole) == 1 and [b.tolist() for b in whole] == [list(range(8))]
+    assert GlobalBatchSampler(8, 4).epoch_order(0).tolist() == \
+        GlobalBatchSampler(8, 4, seed=0).epoch_order(0).tolist()  # the default seed is 0
+    with pytest.raises(IndexError):
+        whole.global_batch(0, len(whole))
+
+
+def test_state_names_every_setting_and_each_changed_one_is_refused():
+    state = GlobalBatchSampler(100, 8, seed=5).state_dict()
+    assert state == {"epoch": 0, "step": 0, "num_samples": 100, "global_batch_size": 8,
+                     "seed": 5, "shuffle": True, "drop_last": True}
+    for key, sampler in [("global_batch_size", GlobalBatchSampler(100, 4, seed=5)),
+                         ("shuffle", GlobalBatchSampler(100, 8, seed=5, shuffle=False)),
+                         ("drop_last", GlobalBatchSampler(100, 8, seed=5, drop_last=False))]:
+        with pytest.raises(ToolkitError, match=f"saved sampler state has {key}="):
+            sampler.load_state_dict(state)
+
+
+def test_allowed_changes_move_the_position_by_samples():
+    saved = GlobalBatchSampler(100, 8, seed=5)
+    for _ in range(5):
+        next(iter(saved))
+    state = saved.state_dict()
+    assert state["step"] == 5
+    # 5 steps of 8 samples are 10 steps of 4 (and 2 of 16, the third only partly seen)
+    for batch, step in ((4, 10), (16, 2), (8, 5)):
+        s = GlobalBatchSampler(100, batch, seed=6, shuffle=False)
+        s.load_state_dict(state, allow_changes=True)
+        assert (s.epoch, s.step) == (0, step), batch
+    with pytest.raises(ToolkitError, match="num_samples=100"):  # other data: never allowed
+        GlobalBatchSampler(90, 8, seed=5).load_state_dict(state, allow_changes=True)
+    old = {k: v for k, v in state.items() if k != "global_batch_size"}  # an older record
+    s = GlobalBatchSampler(100, 8, seed=5)
+    s.load_state_dict(old)
+    assert s.step == 5
+    # 24 steps of 4 (96 samples) are 3 of 32, past the last whole one: the next epoch
+    late = {**state, "global_batch_size": 4, "step": 24, "epoch": 2}
+    big = GlobalBatchSampler(100, 32, seed=5)
+    big.load_state_dict(late, allow_changes=True)
+    assert (big.epoch, big.step) == (3, 0)
+    big.load_state_dict({**late, "step": 23}, allow_changes=True)  # 92 samples: 2 of 32
+    assert (big.epoch, big.step) == (2, 2)
