@@ -22,10 +22,10 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import numpy as np
+from _paired import time_steps
 
 BACKENDS = ("horovod-torch", "horovod-tf", "jax-pmap", "jax-pjit")
 LAYOUTS = ("data", "sharded:1", "sharded:2", "sharded:3")
@@ -50,17 +50,7 @@ def worker(args) -> None:
     tokens = stdlib_bytes(n * spec.context + 1).astype(np.int64)
     x, y = tokens[:-1].reshape(n, spec.context), tokens[1:].reshape(n, spec.context)
     adapter = adapters.get(args.backend)
-    times = []
-    real_step = adapter.train_step
-
-    def timed(xb, yb, lr):
-        start = time.perf_counter()
-        loss = real_step(xb, yb, lr)
-        float(loss)
-        times.append(time.perf_counter() - start)
-        return loss
-
-    adapter.train_step = timed
+    times = time_steps(adapter)
     layout = toolkit.parse_layout(args.layout)
     trainer = toolkit.Trainer(adapter, spec, toolkit.Adam(lr=1e-3, weight_decay=0.1,
                                                           decoupled=True),
