@@ -219,8 +219,16 @@ def test_layouts_in_words_and_their_micro_batch():
     assert Pipeline(4, 8, "interleaved-1f1b", chunks=2).describe(8) == (
         "pipeline of 4 stages x 2 replica(s), 8 micro-batches, interleaved-1f1b, "
         "2 chunks per stage")
+    assert DataParallel().describe(3) == "data parallel over 3 device(s)"  # 1 device each
+    assert Sharded(2).describe(4) == "sharded:2 (ZeRO-2) over data=4"
+    assert Sharded(3, 2).describe(4) == "sharded:3:tp2 (ZeRO-3) over data=2 x model=2"
+    assert Pipeline(2, 4).describe(4) == (
+        "pipeline of 2 stages x 2 replica(s), 4 micro-batches, 1f1b")
     assert DataParallel().micro_batch(12, 3) == 4 and Sharded(2).micro_batch(12) == 12
+    assert DataParallel().micro_batch(12) == 12 and Sharded(2).micro_batch(12, 4) == 3
     assert Pipeline(2, 6).micro_batch(12, accumulation_steps=3) == 2
+    for layout in (DataParallel(), Sharded(1), Pipeline(2, 4)):
+        assert type(layout.micro_batch(8, 2)) is int
 
 
 class _Plain:  # a backend with data parallelism only (toolkit.Adapter's methods)
@@ -254,9 +262,14 @@ def test_resolve_layout_reads_forms_and_refuses_what_a_backend_cannot_run():
     assert resolve_layout(None, _Plain()) == DataParallel()
     assert resolve_layout("sharded:2", _Able()) == Sharded(2)
     assert resolve_layout(Pipeline(2, 4), _Able()) == Pipeline(2, 4)
-    with pytest.raises(ToolkitError, match="backend 'plain' cannot run layout 'sharded:2'"):
+    with pytest.raises(ToolkitError, match="backend 'plain' cannot run layout 'sharded:2'") \
+            as err:
         resolve_layout("sharded:2", _Plain())
-    with pytest.raises(ToolkitError, match="backend 'plain' cannot run layout 'pipeline:2:4"):
+    assert "HINT: use the default data-parallel layout with this backend" in str(err.value)
+    with pytest.raises(ToolkitError, match="backend 'plain' cannot run layout 'pipeline:2:4") \
+            as err:
         resolve_layout("pipeline:2:4", _Plain())
-    with pytest.raises(ToolkitError, match="is not a parallel layout"):
+    assert "HINT: pipeline stages run in: horovod-torch, horovod-tf" in str(err.value)
+    with pytest.raises(ToolkitError, match="is not a parallel layout") as err:
         resolve_layout(object(), _Able())
+    assert "HINT: pass toolkit.DataParallel(), toolkit.Sharded(stage=...)" in str(err.value)
