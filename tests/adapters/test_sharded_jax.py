@@ -181,7 +181,8 @@ def test_tensor_parallel_with_one_device_per_process(launch, tmp_path, dtype, op
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("dtype", "optimizer"), [("float32", "adamw"), ("float64", "sgd")])
+@pytest.mark.parametrize(("dtype", "optimizer"), [("float32", "sgd"), ("float32", "adamw"),
+                                                  ("float64", "sgd"), ("float64", "adamw")])
 def test_tensor_parallel_on_two_processes_of_two_devices(launch, tmp_path, dtype, optimizer):
     """A (data=2, model=2) mesh across processes: equals the float64 reference."""
     tensor_parallel_equivalence(launch, tmp_path, "2", 2, dtype, optimizer)
