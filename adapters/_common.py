@@ -39,18 +39,19 @@ def missing_framework(backend: str, what: str, err: BaseException) -> ToolkitErr
 
 def check_world(backend: str, env, size: int, rank: int) -> None:
     """Fails when the framework's communicator disagrees with the launch environment."""
-    if (size, rank) != (env.world_size, env.rank) and env.launcher == "torchrun":
+    if (size, rank) == (env.world_size, env.rank):
+        return
+    if env.launcher == "torchrun":
         raise ToolkitError(
             f"{backend} cannot run under torchrun: Horovod's ranks find each other through "
             f"horovodrun or MPI, so each of the {env.world_size} processes started alone",
             "launch with horovodrun -np N, mpirun -np N or srun -n N --mpi=pmix "
             "(torchrun serves the JAX backends)")
-    if (size, rank) != (env.world_size, env.rank):
-        raise ToolkitError(
-            f"{backend}: the communicator has rank {rank} of {size}, but the launcher "
-            f"({env.launcher}) started rank {env.rank} of {env.world_size}",
-            "launch with horovodrun -np N, mpirun -np N or srun -n N --mpi=pmix",
-        )
+    raise ToolkitError(
+        f"{backend}: the communicator has rank {rank} of {size}, but the launcher "
+        f"({env.launcher}) started rank {env.rank} of {env.world_size}",
+        "launch with horovodrun -np N, mpirun -np N or srun -n N --mpi=pmix",
+    )
 
 
 def step_seed(seed: int, step: int, rank: int) -> int:

@@ -17,7 +17,6 @@ CHECKPOINT is a ``step_*`` directory or a store directory (its newest intact che
   the spec's layout (kernels (in, out), HWIO).
 - ``orbax``: an Orbax PyTree checkpoint of the Flax parameter tree the JAX backends use
   (``{"layers_0": {"kernel", "bias"}, ...}``).
-
 - ``hf``: for a ``toolkit.GPT``, ``model.safetensors`` and ``config.json`` that Hugging Face's
   ``GPT2LMHeadModel.from_pretrained(dir)`` loads offline: the toolkit's GPT is GPT-2's
   architecture, mapped by renaming alone (``toolkit._gpt2_files``). ``toolkit.GPT.

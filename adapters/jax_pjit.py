@@ -86,11 +86,10 @@ class JaxPjitAdapter(PipelineAbility, PjitSharding, JaxBackendBase):
         axis = mesh.axis_names.index("data")
         return len({i[axis] for i, d in np.ndenumerate(mesh.devices) if d.process_index == me})
 
-    def _global(self, local: np.ndarray):
+    def _global(self, local: np.ndarray, local_rows: int):
         # The global shape stated, not inferred: processes that share data rows pass the same
         # samples, and the array holds each row once.
-        rows = self.mesh.shape["data"]
-        shape = (len(local) * rows // self._local_rows(), *local.shape[1:])
+        shape = (len(local) * self.mesh.shape["data"] // local_rows, *local.shape[1:])
         return self.jax.make_array_from_process_local_data(self.batch, local, shape)
 
     def device_batch(self, x: np.ndarray, y: np.ndarray):
@@ -107,7 +106,7 @@ class JaxPjitAdapter(PipelineAbility, PjitSharding, JaxBackendBase):
                 f"x {self.accumulation_steps} accumulation steps",
                 f"use a global batch divisible by world size x "
                 f"{rows * self.accumulation_steps}, or change --local-devices")
-        return self._global(self._inputs(x)), self._global(self._labels(y))
+        return self._global(self._inputs(x), rows), self._global(self._labels(y), rows)
 
     def train_step(self, x: np.ndarray, y: np.ndarray, lr: float | None) -> float:
         if self.pipeline is not None:

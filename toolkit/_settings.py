@@ -67,18 +67,20 @@ def describe_changes(changes: list[tuple[str, Any, Any]]) -> str:
     return "; ".join(f"{name} {old!r} -> {new!r}" for name, old, new in changes)
 
 
-def check_resume(path: Any, saved: dict[str, Any], now: dict[str, Any],
-                 allow_changes: bool) -> tuple[list, list]:
-    """``(trajectory changes, placement changes)`` of resuming ``path``; raises a
-    :class:`ToolkitError` listing the trajectory changes unless ``allow_changes``."""
+def classify(saved: dict[str, Any], now: dict[str, Any]) -> tuple[list, list]:
+    """``(trajectory changes, placement changes)`` between a checkpoint's settings and a
+    run's."""
     changes = differences(saved, now)
     placement = [c for c in changes if c[0].split(".")[0] in PLACEMENT]
-    trajectory = [c for c in changes if c not in placement]
-    if trajectory and not allow_changes:
+    return [c for c in changes if c not in placement], placement
+
+
+def refuse_changes(path: Any, trajectory: list[tuple[str, Any, Any]]) -> None:
+    """The error for resuming ``path`` with ``trajectory`` changes the user did not allow."""
+    if trajectory:
         raise ToolkitError(
             f"resuming {path} would change the run it continues: "
             f"{describe_changes(trajectory)}",
             "rerun with the settings the checkpoint records, or pass --allow-changes "
             "(Trainer(allow_changes=True)) to go on with the new ones on purpose; a new run "
             "belongs in another checkpoint directory")
-    return trajectory, placement

@@ -13,7 +13,13 @@ from toolkit._layouts import Pipeline, Sharded
 from toolkit._rank0 import print0
 from toolkit._resume import describe as _describe
 from toolkit._resume import find_checkpoint, restore
-from toolkit._settings import check_resume, describe_changes, run_settings, saved_settings
+from toolkit._settings import (
+    classify,
+    describe_changes,
+    refuse_changes,
+    run_settings,
+    saved_settings,
+)
 
 
 class Checkpointing:
@@ -30,13 +36,13 @@ class Checkpointing:
                 print0(f"no checkpoint in {self.checkpoint_dir} yet: starting from step 0",
                        env=self.env)
             return
-        saved, now = saved_settings(ckpt.meta), self._settings()
-        trajectory, _ = check_resume(ckpt.path, saved, now, allow_changes=True)
+        trajectory, placement = classify(saved_settings(ckpt.meta), self._settings())
         # The checkpoint's structure first (another model's tensors: which ones do not fit),
         # then its settings; either error leaves every checkpoint as it was.
         restore(ckpt, self.adapter, self.sampler, self._data_fingerprint(),
                 allow_changes=bool(trajectory))
-        trajectory, placement = check_resume(ckpt.path, saved, now, self.allow_changes)
+        if not self.allow_changes:
+            refuse_changes(ckpt.path, trajectory)
         self.global_step = self._last_saved = ckpt.step  # that step is saved already
         self._resumed_from = ckpt.path
         print0(f"resumed from {ckpt.path} (step {ckpt.step}, written by "

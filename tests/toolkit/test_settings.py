@@ -10,7 +10,7 @@ import pytest
 
 import adapters
 import toolkit
-from toolkit._settings import check_resume, differences, saved_settings
+from toolkit._settings import classify, differences, saved_settings
 from toolkit.datasets import load_digits
 
 
@@ -45,7 +45,7 @@ def test_an_older_checkpoint_without_a_settings_record_is_read_from_its_other_fi
             "layout": "data_parallel", "world_size": 2}
     saved = saved_settings(meta)
     assert saved["seed"] == 3 and saved["global_batch_size"] == 64 and "lr_scaling" not in saved
-    trajectory, placement = check_resume("ckpt", saved, {**saved, "world_size": 4}, False)
+    trajectory, placement = classify(saved, {**saved, "world_size": 4})
     assert trajectory == [] and placement == [("world_size", 2, 4)]
 
 
