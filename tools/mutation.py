@@ -39,7 +39,7 @@ TABLE_START, TABLE_END = "<!-- mutation-table:start -->", "<!-- mutation-table:e
 # Each module of the framework-free core, and the fast unit tests that must catch its faults.
 TESTS = {
     "toolkit/_sampler.py": ["tests/toolkit/test_sampler.py"],
-    "toolkit/_shards.py": ["tests/toolkit/test_layouts.py"],
+    "toolkit/_shards.py": ["tests/toolkit/test_layouts.py", "tests/toolkit/test_shards.py"],
     "toolkit/_partition.py": ["tests/toolkit/test_partition.py"],
     "toolkit/_schedules.py": ["tests/toolkit/test_pipeline.py"],
     "toolkit/_pipeline.py": ["tests/toolkit/test_pipeline.py"],
