@@ -9,13 +9,22 @@ from toolkit._specs import DTYPES, check_choice
 
 
 class BackendBase:
-    """What every adapter's constructor does: check and keep the dtype."""
+    """What every adapter's constructor does: check and keep the dtype; ``setup`` hands the
+    layout to ``_take_layout`` (sharded and pipeline layouts), then starts the communicator
+    (``_connect``)."""
 
     name = "backend"
+    layouts = ("data_parallel", "sharded", "pipeline")
 
     def __init__(self, dtype: str = "float32"):
         check_choice("dtype", dtype, DTYPES)
         self.dtype_name = dtype
+
+    def setup(self, env, layout=None) -> None:
+        """See ``toolkit.Adapter.setup``."""
+        if layout is not None and layout.kind != "data_parallel":
+            self._take_layout(layout)
+        self._connect(env)
 
     def sync_state(self) -> None:
         """Nothing to do for models without non-trained state (see toolkit.Adapter)."""

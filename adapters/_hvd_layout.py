@@ -11,42 +11,8 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from toolkit import ToolkitError
+from adapters._horovod.runtime import init_horovod
 from toolkit._layouts import Pipeline
-from toolkit._partition import PipelineGrid
-
-
-def init_horovod(hvd, layout: Any, world_size: int) -> dict[tuple[int, ...], Any]:
-    """``hvd.init()``, registering as static process sets the rank groups ``layout`` reduces
-    gradients in (a ``toolkit.Pipeline``'s stage replicas and end stages,
-    ``PipelineGrid.reduction_groups``); returns them as ``{ranks: hvd.ProcessSet}``.
-
-    Horovod fixes its static sets at the first ``hvd.init`` (so the Trainer calls
-    ``set_layout`` before ``setup``). If Horovod was initialised before (by the user's script or
-    an earlier Trainer), a group not registered then is added dynamically, which Horovod allows
-    only when ``HOROVOD_DYNAMIC_PROCESS_SETS=1`` was set before that first init."""
-    groups = (PipelineGrid(world_size, layout.stages).reduction_groups()
-              if isinstance(layout, Pipeline) else ())
-    if not hvd.is_initialized():
-        sets = [hvd.ProcessSet(list(g)) for g in groups]
-        hvd.init(process_sets=sets)
-        return dict(zip(groups, sets, strict=True))
-    found = {}
-    for g in groups:
-        ps = hvd.ProcessSet(list(g))
-        try:
-            hvd.init(process_sets=[ps])  # finds a set registered before
-        except KeyError:
-            try:
-                ps = hvd.add_process_set(list(g))
-            except ValueError as err:
-                raise ToolkitError(
-                    f"{layout} averages gradients in the Horovod process set of ranks "
-                    f"{list(g)}, but Horovod was initialised before without it ({err})",
-                    "let the Trainer initialise Horovod (do not call hvd.init() before it), "
-                    "or export HOROVOD_DYNAMIC_PROCESS_SETS=1 before your hvd.init()") from err
-        found[g] = ps
-    return found
 
 
 class HvdPipelineAbility:

@@ -164,7 +164,7 @@ class JaxBackendBase(BackendBase):
                                "pass the number of CPU devices per process, e.g. 2")
         self.local_devices = local_devices
 
-    def setup(self, env: LaunchEnv) -> None:
+    def _connect(self, env: LaunchEnv) -> None:
         if getattr(self, "env", None) == env:  # set up already (e.g. before a Flax init)
             return
         os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")

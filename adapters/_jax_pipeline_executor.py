@@ -351,12 +351,12 @@ class PipelineAbility:
     pipeline = None  # the executor under toolkit.Pipeline
     executor = ""
 
-    def set_layout(self, layout: Any) -> None:
+    def _take_layout(self, layout: Any) -> None:
         if isinstance(layout, Pipeline):
             module, cls = self.executor.split(":")
             self.pipeline = getattr(importlib.import_module(module), cls)(self, layout)
             return
-        super().set_layout(layout)
+        super()._take_layout(layout)
 
     def pipeline_position(self) -> tuple[int, int]:
         """This process's ``(stage, replica)`` (``(0, rank)`` without a pipeline)."""

@@ -46,7 +46,7 @@ class PmapSharding:
 
     layout = None  # a toolkit.Sharded after set_layout; None: data parallel
 
-    def set_layout(self, layout: Any) -> None:
+    def _take_layout(self, layout: Any) -> None:
         """Shards the state ``build`` creates as ``layout`` (a ``toolkit.Sharded``) says."""
         self.layout = check_layout(self.name, layout)
 

@@ -1,7 +1,7 @@
 """Pipeline stages (``toolkit.Pipeline``) for the ``horovod-tf`` backend.
 
 The rounds, messages, gradient reduction, evaluation plumbing, timelines and the full-model
-state are the Horovod executors' shared part (``adapters/_hvd_pipeline.py``: one
+state are the Horovod executors' shared part (``adapters/_horovod/pipeline.py``: one
 ``hvd.alltoall(tensor, splits=...)`` of ``horovod.tensorflow`` per lockstep round,
 ``[ndim, *shape, values...]`` messages, replicas' and tied parameters' gradients summed in rank
 order). This module is the TensorFlow side: the rounds run eagerly, each piece's forward and
@@ -38,8 +38,8 @@ from typing import Any
 import numpy as np
 
 from adapters._common import check_build, loss_name
-from adapters._hvd_pipeline import HvdPipeline
-from adapters._hvd_rounds import ALIGNMENT, aligned_empty
+from adapters._horovod.pipeline import HvdPipeline
+from adapters._horovod.rounds import ALIGNMENT, aligned_empty
 from adapters._keras_native import assign
 from adapters._tf_stages import cut_model
 from adapters._tf_update import apply_update
@@ -110,7 +110,7 @@ class TFPipeline(HvdPipeline):
     ``names``, ``slots`` and ``buffers`` at this stage's."""
 
     def __init__(self, adapter, layout: Pipeline):
-        super().__init__(adapter.env, layout)
+        super().__init__(adapter, layout)  # the adapter has the runtime's attributes
         self.adapter, self.tf, self.hvd = adapter, adapter.tf, adapter.hvd
         self._rounds: InOrderRounds | None = None  # made at the first round
         # The rounds' alltoalls run on an asynchronous executor of their own: a call enqueues
@@ -130,6 +130,7 @@ class TFPipeline(HvdPipeline):
         a = self.adapter
         check_build(a.name, optimizer, accumulation_steps, sync_batchnorm)
         a.loss_name, a.loss_fn, a.metrics = loss_name(loss), loss, dict(metrics or {})
+        self.metric_names = tuple(a.metrics)
         a.accumulation_steps, a.seed, a.sync_batchnorm = 1, seed, False
         a.native, a.is_gpt = not isinstance(model, ModelSpec), isinstance(model, GPT)
         a.spec, a.sharded, a.keras_opt = model, None, None

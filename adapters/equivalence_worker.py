@@ -16,7 +16,6 @@ import numpy as np
 
 import adapters
 import toolkit
-from toolkit._contract import PipelineAdapter
 from toolkit.equivalence import load_data, make_model, make_optimizer
 
 
@@ -37,17 +36,13 @@ def main() -> None:
 
 def run_layout(args, layout, out: Path, env) -> None:
     adapter = adapters.get(args.backend, dtype=args.dtype, local_devices=args.local_devices)
-    able = {toolkit.Sharded: toolkit.ShardedAdapter, toolkit.Pipeline: PipelineAdapter}
-    if not isinstance(layout, toolkit.DataParallel) and not isinstance(adapter,
-                                                                      able[type(layout)]):
+    if layout.kind not in adapter.layouts:
         toolkit.save0(out / "result.json", json.dumps({
             "status": "skipped", "reason": f"{args.backend} cannot run {layout.name} yet"}),
             env=env)
         return
     try:
-        if not isinstance(layout, toolkit.DataParallel):  # before setup, as the Trainer does:
-            adapter.set_layout(layout)                    # Horovod's process sets need it
-        adapter.setup(env)
+        adapter.setup(env, layout)  # Horovod registers the layout's process sets as it starts
     except toolkit.ToolkitError as err:
         if "not importable" in str(err):
             toolkit.save0(out / "result.json", json.dumps({"status": "skipped",

@@ -64,7 +64,7 @@ def torch_module(spec):
     """
     import torch
 
-    from adapters._torch_models import build_spec_model
+    from adapters.horovod_torch.models.spec import build_spec_model
 
     net, _ = build_spec_model(torch, spec)
     return net
@@ -73,7 +73,7 @@ def torch_module(spec):
 def to_torch(ckpt: toolkit.Checkpoint, out: Path) -> None:
     import torch
 
-    from adapters._torch_models import build_spec_model
+    from adapters.horovod_torch.models.spec import build_spec_model
 
     spec = spec_from_dict(ckpt.meta.get("model"))
     params = weights(ckpt)

@@ -57,7 +57,7 @@ class HorovodTFAdapter(HvdPipelineAbility, BackendBase):
     sharded = None  # its state (adapters._tf_sharded.ShardedTF) once built
     executor = "adapters._tf_pipeline:TFPipeline"  # under a toolkit.Pipeline
 
-    def set_layout(self, layout: Any) -> None:
+    def _take_layout(self, layout: Any) -> None:
         """Shards (``toolkit.Sharded``) or cuts into stages (``toolkit.Pipeline``) what
         ``build`` creates, as ``layout`` says."""
         from adapters._tf_sharded import check_layout
@@ -65,7 +65,7 @@ class HorovodTFAdapter(HvdPipelineAbility, BackendBase):
         if not self._set_pipeline(layout):
             self._layout = check_layout(self.name, layout)
 
-    def setup(self, env: LaunchEnv) -> None:
+    def _connect(self, env: LaunchEnv) -> None:
         os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
         try:
             import tensorflow as tf

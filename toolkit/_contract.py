@@ -23,12 +23,17 @@ class Adapter(Protocol):
 
     Attributes:
         name: the backend's registry name, e.g. ``horovod-torch``.
+        layouts: the kinds of layout it runs (``toolkit.DataParallel.kind``, ``Sharded.kind``,
+            ``Pipeline.kind``); without the attribute, data parallelism only.
     """
 
     name: str
 
-    def setup(self, env: LaunchEnv) -> None:
-        """Initialises the framework's communicator for ``env``; checks it agrees with ``env``."""
+    def setup(self, env: LaunchEnv, layout: Any = None) -> None:
+        """Initialises the framework's communicator for ``env`` and ``layout`` (a
+        ``toolkit.DataParallel``, ``Sharded`` or ``Pipeline``; None is data parallel: what
+        ``build`` then creates is laid out as it says); checks the communicator agrees with
+        ``env``."""
 
     def build(self, model: Any, optimizer: OptimizerSpec | Any, loss: Any, *,
               seed: int = 0, accumulation_steps: int = 1, sync_batchnorm: bool = False,
@@ -101,11 +106,6 @@ class ShardedAdapter(Protocol):
     :meth:`sharded_state`, never gathered onto rank 0.
     """
 
-    def set_layout(self, layout: Any) -> None:
-        """Called once before ``setup`` and ``build`` (the Trainer's order; after ``setup``
-        works too): the state ``build`` creates is sharded as ``layout`` (a
-        ``toolkit.Sharded``) says."""
-
     def sharded_state(self) -> tuple[dict[str, np.ndarray],
                                      dict[str, tuple[np.ndarray, int, tuple[int, ...]]]]:
         """``(replicated, pieces)``: tensors every rank holds whole (written by rank 0) and this
@@ -122,16 +122,13 @@ class PipelineAdapter(Protocol):
     """The optional ability to run ``toolkit.Pipeline``: the model cut into stages, ``S x D``
     ranks as ``D`` data-parallel replicas of an ``S``-stage pipeline.
 
-    ``set_layout`` is called once before ``setup`` and ``build`` (a backend may need the layout
-    when its communicator starts: Horovod's process sets); the step then runs the layout's
-    schedule on this rank's stage. ``state_dict`` and ``load_state_dict`` keep speaking the full
-    model (gathered on every rank), so any layout loads any checkpoint; checkpoints of a pipeline
-    run are written by every rank from :meth:`sharded_state` (each tensor whole from the stage that
-    owns it, empty pieces from the other ranks), never gathered onto rank 0.
+    ``setup`` receives the layout (a backend may need it when its communicator starts: Horovod's
+    process sets); the step then runs the layout's schedule on this rank's stage.
+    ``state_dict`` and ``load_state_dict`` keep speaking the full model (gathered on every
+    rank), so any layout loads any checkpoint; checkpoints of a pipeline run are written by
+    every rank from :meth:`sharded_state` (each tensor whole from the stage that owns it, empty
+    pieces from the other ranks), never gathered onto rank 0.
     """
-
-    def set_layout(self, layout: Any) -> None:
-        """Called once before ``setup`` and ``build`` with the ``toolkit.Pipeline`` layout."""
 
     def pipeline_position(self) -> tuple[int, int]:
         """This rank's ``(stage, replica)`` (``(0, rank)`` without a pipeline layout)."""

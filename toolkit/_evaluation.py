@@ -11,7 +11,6 @@ from toolkit._contract import Adapter
 from toolkit._data import Dataset
 from toolkit._env import LaunchEnv
 from toolkit._errors import ToolkitError
-from toolkit._layouts import DataParallel
 from toolkit._prefetch import load_batch
 from toolkit._sampler import shard_indices
 
@@ -28,7 +27,7 @@ def evaluate(adapter: Adapter, env: LaunchEnv, layout: Any, dataset: Dataset,
     adapter.sync_state()  # every rank evaluates with rank 0's BatchNorm statistics
     world, rank = env.world_size, env.rank
     idx = shard_indices(len(dataset), world, rank)
-    if len(dataset) < world and not isinstance(layout, DataParallel):
+    if len(dataset) < world and layout.collective_forward:
         # A rank without samples would skip evaluate(), whose collectives the others wait in.
         raise ToolkitError(f"the evaluation data has {len(dataset)} samples, fewer than the "
                            f"{world} ranks of layout {layout.name!r}",

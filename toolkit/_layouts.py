@@ -15,13 +15,12 @@ from __future__ import annotations
 
 import dataclasses
 import numbers
+from typing import ClassVar
 
 from toolkit._errors import ToolkitError
-from toolkit._partition import PipelineGrid
+from toolkit._partition import PipelineGrid, micro_batch_size
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
-# The backends whose adapters run toolkit.Pipeline (named in the error for the others).
-PIPELINE_BACKENDS = ("horovod-torch", "horovod-tf", "jax-pmap", "jax-pjit")
 LAYOUT_FORMS = "data, sharded:1|2|3, pipeline:STAGES:MICRO_BATCHES[:gpipe|1f1b|interleaved-1f1b]"
 
 
@@ -53,6 +52,11 @@ def _positive_int(owner: str, field: str, value: object, example: str) -> int:
 class DataParallel:
     """Every rank holds the whole model; gradients are averaged with an all-reduce."""
 
+    kind: ClassVar[str] = "data_parallel"  # what a backend declares it runs (adapter.layouts)
+    # Whether ranks take part in each other's forward pass (parameters gathered, activations
+    # passed): then every rank runs every evaluation call and writes its own checkpoint pieces.
+    collective_forward: ClassVar[bool] = False
+
     @property
     def name(self) -> str:
         return "data_parallel"
@@ -81,6 +85,8 @@ class Sharded:
 
     stage: int
     tensor_parallel: int = 1
+    kind: ClassVar[str] = "sharded"
+    collective_forward: ClassVar[bool] = True
 
     def __post_init__(self) -> None:
         if isinstance(self.stage, bool) or self.stage not in (1, 2, 3):
@@ -154,6 +160,8 @@ class Pipeline:
     schedule: str = "1f1b"
     chunks: int = 1
     splits: tuple[int, ...] = ()
+    kind: ClassVar[str] = "pipeline"
+    collective_forward: ClassVar[bool] = True
 
     def __post_init__(self) -> None:
         example = "Pipeline(stages=4, micro_batches=8)"
@@ -197,8 +205,9 @@ class Pipeline:
                 f"{self.micro_batches} micro-batches, {self.schedule}{chunks}")
 
     def micro_batch(self, local_batch: int, accumulation_steps: int = 1) -> int:
-        """Samples per forward pass: the replica's batch over the schedule's micro-batches."""
-        return local_batch // self.micro_batches
+        """Samples per forward pass: the replica's batch over the schedule's micro-batches
+        (a ToolkitError when they do not divide it)."""
+        return micro_batch_size(local_batch, self.micro_batches)
 
 
 Layout = DataParallel | Sharded | Pipeline
@@ -246,22 +255,17 @@ def parse_layout(text: str) -> Layout:
 
 def resolve_layout(layout, adapter):
     """The layout as a spec (``None`` is data parallel; text is parsed); a clear error for
-    one the backend ``adapter`` cannot run."""
-    from toolkit._contract import PipelineAdapter, ShardedAdapter
-
+    one the backend ``adapter`` does not run (its ``layouts``: the layout kinds it declares;
+    an adapter that declares none runs data parallelism)."""
     layout = DataParallel() if layout is None else (
         parse_layout(layout) if isinstance(layout, str) else layout)
-    if isinstance(layout, Pipeline):
-        if isinstance(adapter, PipelineAdapter):
-            return layout
-        raise ToolkitError(f"backend {adapter.name!r} cannot run layout {layout.name!r} yet",
-                           "pipeline stages run in: " + ", ".join(PIPELINE_BACKENDS))
-    if isinstance(layout, Sharded) and not isinstance(adapter, ShardedAdapter):
-        raise ToolkitError(f"backend {adapter.name!r} cannot run layout {layout.name!r} yet",
-                           "use the default data-parallel layout with this backend, or a "
-                           "backend with sharded parameters (see the README's layouts)")
-    if not isinstance(layout, DataParallel | Sharded):
+    if not isinstance(layout, Layout):
         raise ToolkitError(f"{layout!r} is not a parallel layout",
                            "pass toolkit.DataParallel(), toolkit.Sharded(stage=...) or a text "
                            "form such as 'sharded:3'")
+    runs = tuple(getattr(adapter, "layouts", (DataParallel.kind,)))
+    if layout.kind not in runs:
+        raise ToolkitError(f"backend {adapter.name!r} cannot run layout {layout.name!r}",
+                           f"{adapter.name} runs: {', '.join(runs)}; choose one of these, or "
+                           "a backend that runs this layout (see the README's layouts)")
     return layout

@@ -19,8 +19,7 @@ from toolkit._env import LaunchEnv
 from toolkit._errors import ToolkitError
 from toolkit._evaluation import check_metrics, evaluate
 from toolkit._history import History, ProgressLine
-from toolkit._layouts import DataShare, Pipeline, Sharded, resolve_layout
-from toolkit._partition import micro_batch_size
+from toolkit._layouts import DataShare, resolve_layout
 from toolkit._preemption import PREEMPTED_EXIT_CODE, TrainingPreempted, noting_signals
 from toolkit._prefetch import BatchPrefetcher
 from toolkit._rank0 import current_env, print0
@@ -193,9 +192,7 @@ class Trainer(Checkpointing):
     # ------------------------------------------------------------------------ set-up
     def _setup(self, num_samples: int) -> None:
         env = self.env
-        if isinstance(self.layout, Sharded | Pipeline):  # before setup: Horovod's process sets
-            self.adapter.set_layout(self.layout)     # are fixed when it starts
-        self.adapter.setup(env)
+        self.adapter.setup(env, self.layout)
         # The layout says which share of each global batch this process loads: its own under
         # data parallelism, its replica's under a pipeline or a tensor-parallel group that
         # spans processes (those processes compute one replica and must see the same samples).
@@ -203,8 +200,7 @@ class Trainer(Checkpointing):
         self.sampler = GlobalBatchSampler(
             num_samples, self.global_batch_size, world_size=share.count, rank=share.index,
             shuffle=self.shuffle, seed=self.seed, drop_last=self.drop_last)
-        if isinstance(self.layout, Pipeline):
-            micro_batch_size(self.sampler.local_batch_size, self.layout.micro_batches)
+        self.layout.micro_batch(self.sampler.local_batch_size)  # its error when they do not fit
         if self.sampler.local_batch_size % self.accumulation_steps:
             raise ToolkitError(
                 f"the local batch of {self.sampler.local_batch_size} samples (global "

@@ -9,7 +9,6 @@ from pathlib import Path
 import numpy as np
 
 from toolkit._errors import ToolkitError
-from toolkit._layouts import Pipeline, Sharded
 from toolkit._rank0 import print0
 from toolkit._resume import describe as _describe
 from toolkit._resume import find_checkpoint, restore
@@ -112,7 +111,7 @@ class Checkpointing:
         }
         self._last_saved = self.global_step
         self.adapter.sync_state()
-        if isinstance(self.layout, Sharded | Pipeline):  # every rank writes its own pieces
+        if self.layout.collective_forward:  # every rank writes its own pieces
             replicated, pieces = self.adapter.sharded_state()
             return self.store.save(self.global_step, replicated, meta, shards=pieces,
                                    barrier=self.adapter.barrier)

@@ -28,9 +28,9 @@ class Fault:
 
 FAULTS: list[Fault] = [
     # -------------------------------------------------------------- 1. not averaged (summed)
-    Fault("not-averaged", "horovod-torch", "adapters/horovod_torch.py",
-          "op=hvd.Average, backward_passes_per_step=accumulation_steps)",
-          "op=hvd.Sum, backward_passes_per_step=accumulation_steps)",
+    Fault("not-averaged", "horovod-torch", "adapters/horovod_torch/data_parallel.py",
+          "op=hvd.Average, backward_passes_per_step=self.accumulation_steps)",
+          "op=hvd.Sum, backward_passes_per_step=self.accumulation_steps)",
           (f"{CONFORMANCE_2}[horovod-torch]",),
           "DistributedOptimizer with op=hvd.Sum"),
     Fault("not-averaged", "horovod-tf", "adapters/horovod_tf.py",
@@ -52,7 +52,7 @@ FAULTS: list[Fault] = [
           (f"{STEPS_MATCH}[mlp-sgd-jax-pjit]",),
           "the gradient times the data-axis size (the devices' mean losses summed)"),
     # the sharded layouts' own reductions (jax-pjit's are the compiler's: none to break)
-    Fault("not-averaged-sharded", "horovod-torch", "adapters/_torch_sharded.py",
+    Fault("not-averaged-sharded", "horovod-torch", "adapters/horovod_torch/flat_shards.py",
           'hvd.reducescatter(flat, op=hvd.Average, name=f"zero.grad.{use.unit}")',
           'hvd.reducescatter(flat, op=hvd.Sum, name=f"zero.grad.{use.unit}")',
           ("tests/test_sharded.py::test_every_stage_equals_the_reference[horovod-torch]",),
@@ -71,9 +71,9 @@ FAULTS: list[Fault] = [
           "stage 3: the all-gathers' transposes (a sum over devices) not divided by their "
           "number"),
     # -------------------------------------------------------------- 2. averaged twice
-    Fault("averaged-twice", "horovod-torch", "adapters/horovod_torch.py",
+    Fault("averaged-twice", "horovod-torch", "adapters/horovod_torch/data_parallel.py",
           "            loss.backward()\n",
-          "            (loss / self.hvd.size()).backward()\n",
+          "            (loss / self.env.world_size).backward()\n",
           (f"{CONFORMANCE_2}[horovod-torch]",),
           "the local loss divided by the world size before Horovod's average"),
     Fault("averaged-twice", "horovod-tf", "adapters/horovod_tf.py",
@@ -96,7 +96,7 @@ FAULTS: list[Fault] = [
           (f"{STEPS_MATCH}[mlp-sgd-jax-pjit]",),
           "the compiler's global-batch mean divided by the data-axis size again"),
     # -------------------------------------------------------------- 3. fixed dropout seed
-    Fault("fixed-dropout-seed", "horovod-torch", "adapters/horovod_torch.py",
+    Fault("fixed-dropout-seed", "horovod-torch", "adapters/horovod_torch/data_parallel.py",
           "step_seed(self.seed, self.steps, self.env.rank)",
           "step_seed(self.seed, 0, self.env.rank)",
           ("tests/adapters/test_model_state.py::"
@@ -128,7 +128,7 @@ FAULTS: list[Fault] = [
            "test_every_rank_shuffles_identically_and_epochs_differ",),
           "every epoch's permutation drawn from epoch 0's seed"),
     # -------------------------------------------------------------- 5. no initial broadcast
-    Fault("no-initial-broadcast", "horovod-torch", "adapters/horovod_torch.py",
+    Fault("no-initial-broadcast", "horovod-torch", "adapters/horovod_torch/data_parallel.py",
           "        hvd.broadcast_parameters(self.net.state_dict(), root_rank=0)  # parameters "
           "and buffers\n",
           "        pass  # (fault: hvd.broadcast_parameters skipped)\n",
@@ -182,7 +182,7 @@ FAULTS: list[Fault] = [
           "FlatUnits.pieces: the last tensor's piece runs on into the padding (shared "
           "_jax_sharded.py)"),
     # -------------------------------------------------------------- 7. a stage's gradient dropped
-    Fault("stage-gradient-dropped", "horovod-torch", "adapters/_torch_pipeline.py",
+    Fault("stage-gradient-dropped", "horovod-torch", "adapters/horovod_torch/pipeline.py",
           'self.outbox[("SEND_B", m, c)] = inp.grad',
           'self.outbox[("SEND_B", m, c)] = self.torch.zeros_like(inp.grad)',
           ("tests/adapters/test_pipeline_torch.py::"

@@ -34,7 +34,7 @@ def rel(got, want) -> float:
 def run_torch(spec, params, x, y, dtype, sdpa=True):
     import torch
 
-    from adapters._gpt_torch import build_gpt
+    from adapters.horovod_torch.models.gpt import build_gpt
 
     net, layout = build_gpt(torch, spec, sdpa=sdpa)
     net.to(getattr(torch, dtype))
@@ -146,7 +146,7 @@ def test_torch_attention_without_sdpa_is_the_same_function():
 def test_torch_tied_head_shares_the_embedding_parameter():
     import torch
 
-    from adapters._gpt_torch import build_gpt
+    from adapters.horovod_torch.models.gpt import build_gpt
 
     net, layout = build_gpt(torch, tiny(True))
     assert "head.kernel" not in dict((n, p) for n, p, *_ in layout)

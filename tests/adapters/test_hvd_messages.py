@@ -10,7 +10,7 @@ import time
 import numpy as np
 import pytest
 
-from adapters._hvd_rounds import ALIGNMENT, pack, unpack
+from adapters._horovod.rounds import ALIGNMENT, pack, unpack
 from adapters._tf_pipeline import InOrderRounds, Spinner
 
 

@@ -106,6 +106,7 @@ def test_a_rank_killed_mid_schedule_ends_the_job(launch):
 # ------------------------------------------------------------------------ bad input (1 rank)
 def test_the_adapter_has_the_ability():
     assert isinstance(adapters.get("horovod-tf"), PipelineAdapter)
+    assert "pipeline" in adapters.get("horovod-tf").layouts
 
 
 @pytest.mark.parametrize(("layout", "error"), [
@@ -131,7 +132,7 @@ def _set_up(adapter):
 
 
 def pipelined(adapter, layout, model, optimizer=None):
-    adapter.set_layout(layout)
+    adapter.setup(toolkit.LaunchEnv(), layout)
     adapter.build(model, optimizer or SGD(lr=0.1, momentum=0.9), "cross_entropy")
     return adapter
 

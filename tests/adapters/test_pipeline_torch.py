@@ -13,7 +13,7 @@ import pytest
 
 import adapters
 import toolkit
-from adapters._torch_pipeline import TorchPipeline
+from adapters.horovod_torch.pipeline import TorchPipeline
 from toolkit import MLP, SGD, Pipeline, ToolkitError
 from toolkit._layouts import resolve_layout
 from toolkit.datasets import load_digits
@@ -155,7 +155,7 @@ def test_a_native_model_must_be_sequential(torch_adapter):
         def forward(self, x):
             return self.b(self.a(x))
 
-    pipe = TorchPipeline(torch_adapter, Pipeline(1, 2))
+    pipe = TorchPipeline(torch_adapter.runtime, Pipeline(1, 2))
     with pytest.raises(ToolkitError, match="Net into pipeline stages: it is not a torch.nn.Seq"):
         pipe.build(Net(), SGD(lr=0.1), "cross_entropy")
 
@@ -166,7 +166,7 @@ def test_a_native_sequential_runs_on_one_stage(torch_adapter):
 
     torch.manual_seed(0)
     net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3))
-    pipe = TorchPipeline(torch_adapter, Pipeline(1, 2, "gpipe"))
+    pipe = TorchPipeline(torch_adapter.runtime, Pipeline(1, 2, "gpipe"))
     pipe.build(net, SGD(lr=0.1, momentum=0.9), "cross_entropy")
     x = np.random.default_rng(0).normal(size=(6, 4)).astype(np.float32)
     y = np.array([0, 1, 2, 0, 1, 2])
@@ -178,10 +178,12 @@ def test_a_native_sequential_runs_on_one_stage(torch_adapter):
     assert sums["count"] == 6.0 and sums["loss_sum"] / 6 < loss
 
 
-def test_an_adapter_without_the_ability_is_told_which_have_it():
+def test_an_adapter_without_the_ability_is_told_what_it_runs():
     class Plain:
         name = "some-backend"
 
     with pytest.raises(ToolkitError, match="cannot run layout 'pipeline:2:4:1f1b'") as err:
         resolve_layout("pipeline:2:4", Plain())
-    assert "horovod-torch" in str(err.value)
+    assert "HINT: some-backend runs: data_parallel; choose one of these, or a backend that " \
+           "runs this layout" in str(err.value)
+    assert "pipeline" in adapters.get("horovod-torch").layouts

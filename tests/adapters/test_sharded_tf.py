@@ -18,7 +18,7 @@ WORKER = "tests/scripts/sharded_tf_worker.py"
 def test_tensor_parallel_is_refused_clearly():
     adapter = adapters.get("horovod-tf")
     with pytest.raises(toolkit.ToolkitError, match="tensor_parallel=2") as err:
-        adapter.set_layout(toolkit.Sharded(stage=3, tensor_parallel=2))
+        adapter.setup(toolkit.LaunchEnv(), toolkit.Sharded(stage=3, tensor_parallel=2))
     assert "only jax-pjit splits layers" in str(err.value)
 
 
@@ -48,8 +48,7 @@ def test_one_rank_state_round_trips_and_data_parallel_reports_its_bytes():
     states = []
     for stage in (1, 2, 3):
         adapter = adapters.get("horovod-tf", dtype="float64")
-        adapter.setup(toolkit.LaunchEnv())
-        adapter.set_layout(toolkit.Sharded(stage))
+        adapter.setup(toolkit.LaunchEnv(), toolkit.Sharded(stage))
         adapter.build(spec, toolkit.Adam(lr=0.1), "cross_entropy", seed=1)
         adapter.train_step(x, y, 0.1)
         state = adapter.state_dict()

@@ -33,7 +33,7 @@ def train(model, optimizer, layout, steps=10):
 
 def test_tensor_parallel_is_refused():
     with pytest.raises(ToolkitError, match="only jax-pjit splits layers"):
-        adapters.get("horovod-torch").set_layout(Sharded(stage=3, tensor_parallel=2))
+        adapters.get("horovod-torch").setup(LaunchEnv(), Sharded(stage=3, tensor_parallel=2))
     with pytest.raises(ToolkitError, match="tensor_parallel=2"):
         train(MLP((64, 10)), SGD(lr=0.1), "sharded:3:tp2", steps=1)
 

@@ -26,16 +26,16 @@ from toolkit.equivalence import _comparable, load_data, make_model, make_optimiz
 
 
 def attach(adapter, layout, samples="replica"):
-    """The adapter's own pipeline executor for ``layout`` (what ``set_layout`` makes), kept
-    when the Trainer calls ``set_layout`` again.
+    """The adapter's own pipeline executor for ``layout`` (what ``setup`` makes), kept when
+    the Trainer calls ``setup`` again.
 
     ``samples="replica"``: the Trainer runs ``layout`` (its sampler gives a pipeline replica's
     processes the same samples); ``"process"``: the Trainer runs data parallel (every process
     its own samples, e.g. one process holding both stages on two devices)."""
-    adapter.set_layout(layout)
+    adapter.setup(adapter.env, layout)
     if samples != "replica":
         adapter.pipeline = type(adapter.pipeline)(adapter, layout, samples=samples)
-    adapter.set_layout = lambda given: None  # the executor exists already
+    adapter._take_layout = lambda given: None  # the executor exists already
     return adapter.pipeline
 
 

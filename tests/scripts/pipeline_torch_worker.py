@@ -30,6 +30,15 @@ import toolkit
 from toolkit._checkpoint import read_checkpoint
 
 
+def executor_of(adapter):
+    """The adapter's pipeline executor (None without a pipeline layout): the strategy of a
+    runtime x strategy backend, the ``pipeline`` attribute of the others."""
+    from adapters._horovod.pipeline import HvdPipeline
+
+    found = getattr(adapter, "strategy", getattr(adapter, "pipeline", None))
+    return found if isinstance(found, HvdPipeline) else None
+
+
 def _crash_mid_schedule(pipeline) -> None:
     """SIGKILLs this rank at its second step's backward of micro-batch 1 (others are then
     waiting in the round's alltoall)."""
@@ -59,7 +68,7 @@ def crash(backend: str = "horovod-torch") -> None:
     def build_then_arm(*args, **kwargs):  # the executor exists once the adapter is built
         build(*args, **kwargs)
         if os.environ.get("CRASH_RANK") == str(adapter.env.rank):
-            _crash_mid_schedule(adapter.pipeline)
+            _crash_mid_schedule(executor_of(adapter))
 
     adapter.build = build_then_arm
     (x, y), _ = load_digits()
@@ -167,9 +176,9 @@ def bubble(folder: str, batch: str = "512", steps: str = "4") -> None:
             start = time.perf_counter()
             loss = real_step(xb, yb, lr)
             seconds.append(time.perf_counter() - start)
-            if adapter.pipeline is not None:  # the least-waiting rank's time per round
-                mine = torch.tensor(adapter.pipeline.exchange_seconds, dtype=torch.float64)
-                every = adapter.hvd.allgather(mine[None])
+            if executor_of(adapter) is not None:  # the least-waiting rank's time per round
+                mine = torch.tensor(executor_of(adapter).exchange_seconds, dtype=torch.float64)
+                every = adapter.runtime.hvd.allgather(mine[None])
                 comm.append(float(every.min(dim=0).values.sum()))
             return loss
 
@@ -184,7 +193,7 @@ def bubble(folder: str, batch: str = "512", steps: str = "4") -> None:
             spans = [max(r["end"] for r in p) - min(r["start"] for r in p) for p in picked]
             row.update(bubbles=[idle_fraction(p) for p in picked],
                        comm_share=[c / s for c, s in zip(comm[1:], spans, strict=True)],
-                       peak=peak_in_flight(picked[-1]), held=adapter.pipeline.peak_activations)
+                       peak=peak_in_flight(picked[-1]), held=executor_of(adapter).peak_activations)
             row["bubble"] = float(min(row["bubbles"]))  # the least disturbed step
         result[layout] = row
     emit(result)
@@ -237,7 +246,7 @@ def process_sets(backend: str, stages: str) -> None:
     adapter = adapters.get(backend, dtype="float64")
     history = toolkit.Trainer(adapter, model, opt, layout=f"pipeline:{stages}:4",
                               global_batch_size=16, max_steps=steps, progress=False).fit(x, y)
-    state, pipe = adapter.state_dict(), adapter.pipeline
+    state, pipe = adapter.state_dict(), executor_of(adapter)
     losses = np.asarray(history.losses)
     result = {
         "rank": toolkit.current_env().rank, "position": list(adapter.pipeline_position()),

@@ -49,8 +49,7 @@ def gradient_shards(env, size):
     out = {"unit_shard_bytes": lay.shard_size * 4}
     for stage in (1, 2, 3):
         adapter = adapters.get("horovod-tf")
-        adapter.setup(env)
-        adapter.set_layout(toolkit.Sharded(stage))
+        adapter.setup(env, toolkit.Sharded(stage))
         adapter.build(spec, toolkit.SGD(lr=0.0), "mse", seed=0)
         adapter.train_step(x[env.rank::size].astype(np.float32),
                            y[env.rank::size].astype(np.float32), 0.0)
@@ -78,8 +77,7 @@ def memory_and_pieces(env, size):
     x, y = rng.normal(size=(2 * size, 8)), rng.integers(0, 4, size=2 * size)
     for stage in (1, 2, 3):
         adapter = adapters.get("horovod-tf")
-        adapter.setup(env)
-        adapter.set_layout(toolkit.Sharded(stage))
+        adapter.setup(env, toolkit.Sharded(stage))
         adapter.build(spec, toolkit.Adam(lr=1e-2), "cross_entropy", seed=env.rank)
         initial = adapter.state_dict()
         adapter.train_step(x[env.rank::size], y[env.rank::size], 1e-2)

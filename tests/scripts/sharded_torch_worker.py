@@ -43,7 +43,8 @@ def collectives() -> dict:
 
     adapter = adapters.get("horovod-torch")
     adapter.setup(toolkit.current_env())
-    hvd, rank, size = adapter.hvd, adapter.hvd.rank(), adapter.hvd.size()
+    hvd = adapter.runtime.hvd
+    rank, size = hvd.rank(), hvd.size()
     results: dict = {}
 
     def rank_data(r, n, dtype, salt=0):  # integers: sums are exact in float32
@@ -79,17 +80,17 @@ def collectives() -> dict:
 
     # The backend's own mechanism: FSDP (stage 3) on one 1024 -> 1024 dense layer.
     spec = toolkit.MLP((1024, 1024))
-    adapter.set_layout(toolkit.Sharded(3))
+    adapter.setup(toolkit.current_env(), toolkit.Sharded(3))  # a new layout, the same runtime
     adapter.build(spec, toolkit.SGD(lr=0.0), "mse", seed=0)
     init = spec.init(0)
     (fl,) = unit_layouts({k: v.shape for k, v in init.items()}, size).values()
     assert fl.shard_size * 4 > 2**20, fl.shard_size  # more than 1 MiB per rank
     x = [np.random.default_rng([9, r]).normal(size=(4, 1024)).astype(np.float32)
          for r in range(size)]
-    shards = adapter.shards
+    shards = adapter.strategy.shards
     shards.zero_grad()
     with shards.forwarding():
-        out = adapter.net(torch.from_numpy(x[rank]))
+        out = adapter.strategy.net(torch.from_numpy(x[rank]))
         loss = out.sum()
     check("fsdp.forward", out.detach().numpy(),
           x[rank] @ init["layers.0.kernel"] + init["layers.0.bias"], results, rtol=1e-5)
@@ -147,7 +148,7 @@ def layouts() -> dict:
 
 def check_memory(adapter, spec, stage: int, results: dict) -> None:
     """memory_bytes() (summed from the real buffers) against FlatLayout arithmetic."""
-    size = adapter.hvd.size()
+    size = adapter.runtime.hvd.size()
     fls = unit_layouts(spec.param_shapes(), size).values()
     padded = sum(fl.padded for fl in fls) * 4
     shard = sum(fl.shard_size for fl in fls) * 4
@@ -164,7 +165,7 @@ def check_pieces(adapter, results: dict) -> None:
     and a checkpoint written from them reads back as the full state."""
     import torch
 
-    hvd = adapter.hvd
+    hvd = adapter.runtime.hvd
     full = adapter.state_dict()
     replicated, pieces = adapter.sharded_state()
     assert not set(replicated) & set(pieces)
@@ -188,7 +189,7 @@ def check_pieces(adapter, results: dict) -> None:
     adapter.barrier()
     if hvd.rank() == 0:
         shutil.rmtree(directory)
-    results[f"pieces.{adapter.sharding.stage}"] = len(pieces)
+    results[f"pieces.{adapter.layout.stage}"] = len(pieces)
 
 
 if __name__ == "__main__":

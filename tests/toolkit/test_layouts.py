@@ -234,7 +234,7 @@ def test_layouts_in_words_and_their_micro_batch():
 class _Plain:  # a backend with data parallelism only (toolkit.Adapter's methods)
     name = "plain"
 
-    def setup(self, env): ...
+    def setup(self, env, layout=None): ...
     def build(self, model, optimizer, loss, **kw): ...
     def train_step(self, x, y, lr): ...
     def evaluate(self, x, y): ...
@@ -249,8 +249,8 @@ class _Plain:  # a backend with data parallelism only (toolkit.Adapter's methods
 
 class _Able(_Plain):  # ... with sharded and pipeline layouts too
     name = "able"
+    layouts = ("data_parallel", "sharded", "pipeline")
 
-    def set_layout(self, layout): ...
     def sharded_state(self): ...
     def memory_bytes(self): ...
     def pipeline_position(self): ...
@@ -265,11 +265,16 @@ def test_resolve_layout_reads_forms_and_refuses_what_a_backend_cannot_run():
     with pytest.raises(ToolkitError, match="backend 'plain' cannot run layout 'sharded:2'") \
             as err:
         resolve_layout("sharded:2", _Plain())
-    assert "HINT: use the default data-parallel layout with this backend" in str(err.value)
+    assert "HINT: plain runs: data_parallel; choose one of these, or a backend that runs this " \
+           "layout (see the README's layouts)" in str(err.value)
     with pytest.raises(ToolkitError, match="backend 'plain' cannot run layout 'pipeline:2:4") \
             as err:
         resolve_layout("pipeline:2:4", _Plain())
-    assert "HINT: pipeline stages run in: horovod-torch, horovod-tf" in str(err.value)
+    assert "HINT: plain runs: data_parallel;" in str(err.value)
+    sharded_only = type("ShardedOnly", (_Plain,), {"name": "so", "layouts": ("sharded",)})()
+    assert resolve_layout("sharded:1", sharded_only) == Sharded(1)
+    with pytest.raises(ToolkitError, match="backend 'so' cannot run layout 'data_parallel'"):
+        resolve_layout(None, sharded_only)
     with pytest.raises(ToolkitError, match="is not a parallel layout") as err:
         resolve_layout(object(), _Able())
     assert "HINT: pass toolkit.DataParallel(), toolkit.Sharded(stage=...)" in str(err.value)

@@ -68,7 +68,7 @@ class LrRecorder:
     def __init__(self):
         self.lrs: list[float] = []
 
-    def setup(self, env):
+    def setup(self, env, layout=None):
         self.env = env
 
     def build(self, model, optimizer, loss, *, seed=0, accumulation_steps=1,

@@ -39,7 +39,7 @@ class NumpyAdapter:
         self.steps = self.conversions = self.syncs = self.eval_calls = 0
         self.reduced: list[np.ndarray] = []
 
-    def setup(self, env):
+    def setup(self, env, layout=None):
         self.env = env
 
     def build(self, model, optimizer, loss, *, seed=0, accumulation_steps=1,

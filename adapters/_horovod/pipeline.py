@@ -1,13 +1,13 @@
 """What the Horovod backends' pipeline executors share, framework-free (numpy only).
 
-``horovod-torch`` (``_torch_pipeline.py``) and ``horovod-tf`` (``_tf_pipeline.py``) run a
+``horovod-torch`` (``horovod_torch/pipeline.py``) and ``horovod-tf`` (``_tf_pipeline.py``) run a
 ``toolkit.Pipeline`` the same way; this base class holds everything but the tensors' arithmetic:
 
 - the rank grid (``toolkit.PipelineGrid``: rank ``r`` is stage ``r // D`` of replica ``r % D``),
   the schedule (``toolkit.pipeline_schedule``) regrouped into lockstep rounds
   (``toolkit.lockstep_rounds``), and the loop over them: each round every rank runs at most one
   forward or backward (the subclass's ``_compute``); the round's messages move in one named
-  ``hvd.alltoall`` over the world (``adapters/_hvd_rounds.py``: asynchronous, with receives
+  ``hvd.alltoall`` over the world (``adapters/_horovod/rounds.py``: asynchronous, with receives
   joined ahead, and why that cannot deadlock);
 - the gradient reduction in Horovod process sets (registered at ``hvd.init`` by
   ``init_horovod``): after the rounds, an allreduce in the stage's replica set averages its
@@ -22,7 +22,7 @@
   its owner, replica 0 of the first stage holding it; ``sharded_state`` gives the checkpoint
   store each tensor whole from its owner and an empty piece from every other rank).
 
-A subclass provides ``hvd``, ``adapter`` (its ``dtype_name``), ``cut`` (``names_by_stage``,
+A subclass provides ``hvd``, ``metric_names``, ``cut`` (``names_by_stage``,
 ``shapes``, ``buffers``, ``buffer_specs``), ``slots`` and the hooks ``_alltoall`` (or
 ``_alltoall_start``/``_alltoall_wait``), ``_allgather``, ``_allreduce_sum``, ``_host``,
 ``_activation``, ``_compute``, ``_local``, ``_replicated`` and ``_set_buffer``; and ``_sum``
@@ -37,7 +37,7 @@ from typing import Any
 
 import numpy as np
 
-from adapters._hvd_rounds import RoundMessages, unpack
+from adapters._horovod.rounds import RoundMessages, unpack
 from toolkit import ToolkitError
 from toolkit._layouts import Pipeline
 from toolkit._partition import PipelineGrid
@@ -59,8 +59,13 @@ def check_pipeline(layout: Any, world_size: int) -> PipelineGrid:
 class HvdPipeline(RoundMessages):
     """The framework-free part of a Horovod pipeline executor (see the module's docstring)."""
 
-    def __init__(self, env, layout: Pipeline):
-        self.env, self.layout = env, layout
+    metric_names: tuple[str, ...] = ()  # the build's metrics (their sums on idle ranks: 0)
+
+    def __init__(self, runtime, layout: Pipeline):
+        """``runtime``: the started Horovod runtime (``env``, ``dtype_name``, ``barrier``,
+        ``process_sets`` registered at ``hvd.init``)."""
+        self.runtime, self.env, self.layout = runtime, runtime.env, layout
+        env = runtime.env
         self.grid = check_pipeline(layout, env.world_size)
         self.stage = self.grid.stage_of(env.rank)
         self.replica = self.grid.replica_of(env.rank)
@@ -79,7 +84,7 @@ class HvdPipeline(RoundMessages):
 
     @property
     def np_dtype(self) -> np.dtype:
-        return np.dtype(self.adapter.dtype_name)
+        return np.dtype(self.runtime.dtype_name)
 
     def _start(self, mine: list[str]) -> None:
         """After build: the reduction plan for this stage's parameters ``mine`` (in order), and
@@ -104,20 +109,20 @@ class HvdPipeline(RoundMessages):
         self.reduce = self.stage_set is not None or self.ends_set is not None
         self.steps = 0
         self.recorder = StageRecorder(self.stage, self.replica)
-        self.adapter.barrier()
+        self.runtime.barrier()
         self.recorder.origin = time.time()
 
     def _process_set(self, ranks: tuple[int, ...]) -> Any:
         """The Horovod process set of ``ranks`` (registered by ``init_horovod``)."""
         if len(ranks) == self.env.world_size:
             return self.hvd.global_process_set
-        found = getattr(self.adapter, "process_sets", {}).get(tuple(ranks))
+        found = self.runtime.process_sets.get(tuple(ranks))
         if found is None:
             raise ToolkitError(
                 f"{self.layout} averages gradients in the Horovod process set of ranks "
                 f"{list(ranks)}, which was not registered at hvd.init",
-                "call set_layout before setup (toolkit.Trainer does), so that setup registers "
-                "the layout's process sets")
+                "pass the layout to setup(env, layout) (toolkit.Trainer does), so that setup "
+                "registers the layout's process sets")
         return found
 
     # ------------------------------------------------------------------------------ steps
@@ -243,7 +248,7 @@ class HvdPipeline(RoundMessages):
 
     def _empty_sums(self) -> dict[str, float]:
         return {"loss_sum": 0.0, "count": 0.0, "correct": 0.0,
-                **dict.fromkeys(self.adapter.metrics, 0.0)}
+                **dict.fromkeys(self.metric_names, 0.0)}
 
     # ------------------------------------------------------------------------------ state
     def _catalogue(self) -> list[tuple[str, tuple[int, ...], np.dtype, int]]:

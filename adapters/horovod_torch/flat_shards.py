@@ -44,32 +44,15 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-from typing import Any
 
 import numpy as np
 
-from adapters._torch_units import SHARDABLE, native_units, spec_units, update_shard
+from adapters.horovod_torch.models.units import SHARDABLE, native_units, spec_units, update_shard
 from toolkit import SGD, Adam, ToolkitError
-from toolkit._layouts import DataParallel, Sharded
 from toolkit._reference import adam_scalars, optimizer_slots
 from toolkit._shards import FlatLayout
 
-__all__ = ["SHARDABLE", "ShardedParameters", "check_layout", "native_units", "spec_units"]
-
-
-def check_layout(layout: Any) -> Sharded | None:
-    """The ``toolkit.Sharded`` layout this backend runs (None for data parallel)."""
-    if isinstance(layout, DataParallel):
-        return None
-    if not isinstance(layout, Sharded):
-        raise ToolkitError(f"horovod-torch cannot run layout {layout!r}",
-                           "pass toolkit.DataParallel() or toolkit.Sharded(stage=1|2|3)")
-    if layout.tensor_parallel > 1:
-        raise ToolkitError(
-            f"horovod-torch cannot split layers over ranks (layout {layout.name}, "
-            f"tensor_parallel={layout.tensor_parallel})",
-            "only jax-pjit splits layers: use tensor_parallel=1 or --backend jax-pjit")
-    return layout
+__all__ = ["SHARDABLE", "ShardedParameters", "native_units", "spec_units"]
 
 
 def _permutation(to_torch, shape: tuple[int, ...]) -> tuple[int, ...] | None:

@@ -93,7 +93,7 @@ def cut_model(torch, model: Any, layout, stage: int, dtype) -> CutModel:
 
 
 def _cut_spec(torch, spec, layout, stage: int, dtype) -> CutModel:
-    from adapters._torch_models import build_spec_model
+    from adapters.horovod_torch.models.spec import build_spec_model
     from toolkit import CNN, GPT, MLP
 
     S, v = layout.stages, layout.chunks
@@ -189,7 +189,7 @@ def _cnn_piece(torch, net, layers: range, first: bool, last: bool):
 
 
 def _cut_sequential(torch, net, layout, stage: int) -> CutModel:
-    from adapters._torch_models import same
+    from adapters.horovod_torch.models.spec import same
 
     children = list(net.children())
     if len(children) != len(net._modules):

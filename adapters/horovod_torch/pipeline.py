@@ -1,14 +1,14 @@
 """Pipeline stages (``toolkit.Pipeline``) for the ``horovod-torch`` backend.
 
 The rounds, messages, gradient reduction, evaluation plumbing, timelines and the full-model
-state are the Horovod executors' shared part (``adapters/_hvd_pipeline.py``: one
+state are the Horovod executors' shared part (``adapters/_horovod/pipeline.py``: one
 ``hvd.alltoall`` per lockstep round, ``[ndim, *shape, values...]`` messages, replicas' and tied
 parameters' gradients summed in process sets). Here the rounds' alltoalls are asynchronous
 (``hvd.alltoall_async``): a stage joins the rounds it only receives in at the step's start and
-waits for a round only when an action needs its message (``adapters/_hvd_rounds.py``).
+waits for a round only when an action needs its message (``adapters/_horovod/rounds.py``).
 
 This module is the torch side: each rank holds its stage's pieces of the model
-(``_torch_stages.py``), runs a piece's forward keeping its autograd graph per (micro-batch,
+(``stages.py``), runs a piece's forward keeping its autograd graph per (micro-batch,
 chunk) until that micro-batch's backward (``out.backward(grad)``; the input's ``.grad`` is the
 message back), and steps a ``torch.optim`` optimizer over its stage's parameters.
 
@@ -23,11 +23,11 @@ from typing import Any
 
 import numpy as np
 
-from adapters._common import check_build, loss_name, step_seed
-from adapters._hvd_pipeline import HvdPipeline, check_pipeline
-from adapters._torch_pipeline_state import PipelineState
-from adapters._torch_stages import cut_model
-from toolkit import SGD, Adam
+from adapters._common import check_build, step_seed
+from adapters._horovod.pipeline import HvdPipeline, check_pipeline
+from adapters.horovod_torch.models.spec import same, to_host
+from adapters.horovod_torch.ops import TORCH_SLOTS, TorchOps, make_optimizer, set_lr, zero_slots
+from adapters.horovod_torch.stages import cut_model
 from toolkit._layouts import Pipeline
 from toolkit._partition import micro_batch_size
 from toolkit._reference import optimizer_slots
@@ -36,57 +36,44 @@ from toolkit._schedules import Action
 __all__ = ["TorchPipeline", "check_pipeline"]
 
 
-class TorchPipeline(PipelineState, HvdPipeline):
-    """Runs a ``toolkit.Pipeline`` for a ``HorovodTorchAdapter`` (its ``setup`` done), with the
-    adapter contract's methods (``build``, ``train_step``, ``evaluate``, ``state_dict``, ...)."""
+class TorchPipeline(HvdPipeline):
+    """``toolkit.Pipeline`` for ``horovod-torch`` (see :class:`toolkit.Adapter`): this rank's
+    stage of one replica, run by the lockstep rounds of ``adapters/_horovod/pipeline.py``."""
 
-    asynchronous = True  # hvd.alltoall_async: receives joined ahead (adapters/_hvd_rounds.py)
+    asynchronous = True  # hvd.alltoall_async: receives joined ahead (adapters/_horovod/rounds.py)
 
-    def __init__(self, adapter, layout: Pipeline):
-        super().__init__(adapter.env, layout)
-        self.adapter = adapter
-        self.torch, self.hvd = adapter.torch, adapter.hvd
+    @staticmethod
+    def check_layout(layout: Pipeline) -> None:
+        """Refused before Horovod starts (the grid needs the world size: at ``__init__``)."""
+
+    def __init__(self, runtime, layout: Pipeline):
+        super().__init__(runtime, layout)
+        self.torch, self.hvd, self.dtype = runtime.torch, runtime.hvd, runtime.dtype
 
     # ------------------------------------------------------------------------------ build
     def build(self, model: Any, optimizer: Any, loss: Any, *, seed: int = 0,
               accumulation_steps: int = 1, sync_batchnorm: bool = False,
               metrics: Any = None) -> None:
-        torch, hvd, a = self.torch, self.hvd, self.adapter
-        check_build(a.name, optimizer, accumulation_steps, sync_batchnorm)
-        # The adapter's per-sample loss and tensor conversion read these.
-        a.loss_name, a.loss_fn, a.metrics = loss_name(loss), loss, dict(metrics or {})
-        a.accumulation_steps, a.seed, a.sync_batchnorm = 1, seed, False
+        torch, hvd = self.torch, self.hvd
+        check_build("horovod-torch", optimizer, accumulation_steps, sync_batchnorm)
+        self.ops = TorchOps(self.runtime, loss, metrics)
+        self.metric_names = tuple(self.ops.metrics)
         self.seed, self.spec = seed, optimizer
         if isinstance(model, torch.nn.Sequential):  # rank 0's initial values, then cut
             hvd.broadcast_parameters(model.state_dict(), root_rank=0)
-        self.cut = cut_model(torch, model, self.layout, self.stage, a.dtype)
-        self.native = a.native = self.cut.native
+        self.cut = cut_model(torch, model, self.layout, self.stage, self.dtype)
+        self.native = self.cut.native
         self.params = self.cut.params()
         if not self.native:
-            arrays = model.init(seed, a.dtype_name)
+            arrays = model.init(seed, self.runtime.dtype_name)
             with torch.no_grad():
                 for name, p, to_torch, _ in self.params:
-                    p.copy_(torch.tensor(np.asarray(to_torch(arrays[name])), dtype=a.dtype))
-        self._build_optimizer(optimizer)
-        self._start([n for n, *_ in self.params])
-
-    def _build_optimizer(self, spec: Any) -> None:
-        torch = self.torch
+                    p.copy_(torch.tensor(np.asarray(to_torch(arrays[name])), dtype=self.dtype))
         params = [p for _, p, _, _ in self.params]
-        if isinstance(spec, SGD):
-            self.opt = torch.optim.SGD(params, lr=0.0, momentum=spec.momentum,
-                                       nesterov=spec.nesterov, weight_decay=spec.weight_decay)
-        else:
-            cls = torch.optim.AdamW if spec.decoupled else torch.optim.Adam
-            self.opt = cls(params, lr=0.0, betas=(spec.b1, spec.b2), eps=spec.eps,
-                           weight_decay=spec.weight_decay)
-        for p in params:  # explicit zero slots, as the data-parallel path (state from step 0)
-            if isinstance(spec, SGD) and spec.momentum:
-                self.opt.state[p]["momentum_buffer"] = torch.zeros_like(p)
-            elif isinstance(spec, Adam):
-                self.opt.state[p].update(step=torch.tensor(0.0), exp_avg=torch.zeros_like(p),
-                                         exp_avg_sq=torch.zeros_like(p))
-        self.slots = optimizer_slots(spec)
+        self.opt = make_optimizer(torch, optimizer, params)
+        zero_slots(torch, self.opt, params, optimizer)  # as data parallel: state from step 0
+        self.slots = optimizer_slots(optimizer)
+        self._start([n for n, *_ in self.params])
 
     # ------------------------------------------------------------------------------ hooks
     def _alltoall_start(self, buf: np.ndarray, splits: list[int], name: str) -> Any:
@@ -137,7 +124,7 @@ class TorchPipeline(PipelineState, HvdPipeline):
             inp = self.xs[m] if k == 0 else self.inbox_f.pop(key)
             out = self.cut.pieces[c].forward(inp)
             if last:
-                out = self.adapter._per_sample(out, self.ys[m]).mean() / self.layout.micro_batches
+                out = self.ops.per_sample(out, self.ys[m]).mean() / self.layout.micro_batches
                 self.loss += out.item()
             else:
                 self.outbox[("SEND_F", m, c)] = out
@@ -154,15 +141,13 @@ class TorchPipeline(PipelineState, HvdPipeline):
         (on every rank of the replica)."""
         M = self.layout.micro_batches
         micro_batch_size(len(x), M)  # a clear error when M does not divide the local batch
-        if lr is not None:
-            for group in self.opt.param_groups:
-                group["lr"] = lr
+        set_lr(self.opt, lr)
         if self.native:
             self.torch.manual_seed(step_seed(self.seed, self.steps, self.env.rank))
         for piece in self.cut.pieces:
             for module in piece.modules:
                 module.train()
-        xt, yt = self.adapter._tensors(x, y)
+        xt, yt = self.ops.tensors(x, y)
         self.xs, self.ys = xt.chunk(M), yt.chunk(M)
         self.opt.zero_grad(set_to_none=False)
         loss = self._run_rounds()
@@ -175,26 +160,66 @@ class TorchPipeline(PipelineState, HvdPipeline):
         """Every rank's ``(x, y)`` runs through its replica's pipeline (inputs gathered on the
         first stage, labels on the last); the last stage returns the sums of all of them and
         the other ranks zeros, so the Trainer's sum across ranks is unchanged."""
-        torch, a = self.torch, self.adapter
+        torch, ops = self.torch, self.ops
         xs, ys = self._eval_data(x, y)
         for piece in self.cut.pieces:
             for module in piece.modules:
                 module.eval()
-        h = a._tensors(xs, np.zeros(0))[0] if xs is not None else None
+        h = ops.tensors(xs, np.zeros(0))[0] if xs is not None else None
         with torch.no_grad():
             h = self._through(h, lambda c, h: self.cut.pieces[c].forward(h))
             if not self._is_eval_output():
                 return self._empty_sums()
-            return self._sums(h, a._tensors(np.zeros(0), ys)[1])
+            return ops.sums(h, ops.tensors(np.zeros(0), ys)[1])
 
-    def _sums(self, out, yt) -> dict[str, float]:
-        torch, a = self.torch, self.adapter
-        n = len(out)
-        result = {"loss_sum": float(a._per_sample(out, yt).sum()) if n else 0.0,
-                  "count": float(n)}
-        if a.loss_name == "cross_entropy":
-            hits = (out.argmax(dim=-1) == yt).to(torch.float64).reshape(n, -1)
-            result["correct"] = float(hits.mean(dim=1).sum()) if n else 0.0
-        for name, fn in a.metrics.items():
-            result[name] = float(fn(out, yt).sum()) if n else 0.0
-        return result
+    # ------------------------------------------------------------------------------ state
+    # Gathering (state_dict), checkpoint pieces (sharded_state) and replica-0 buffers
+    # (sync_state) are HvdPipeline's; a tensor's owner is replica 0 of the first stage that
+    # holds it (a tied tok_emb: stage 0).
+    def _local(self) -> dict[str, np.ndarray]:
+        """This rank's tensors under their neutral keys (each stage's, on every replica)."""
+        out = {}
+        for n, p, _, from_torch in self.params:
+            out[f"params/{n}"] = to_host(p, from_torch)
+            for slot in self.slots:
+                out[f"opt/{slot}/{n}"] = to_host(self.opt.state[p][TORCH_SLOTS[slot]], from_torch)
+        for n, b in self.cut.buffers:
+            out[f"buffers/{n}"] = to_host(b, same)
+        return out
+
+    def _replicated(self) -> dict[str, np.ndarray]:
+        out = {}
+        if "mu" in self.slots:
+            step = self.opt.state[self.params[0][1]]["step"]
+            out["opt/count"] = np.asarray(int(step), np.int64)
+        if self.native:
+            out["rng/step"] = np.asarray(self.steps, np.int64)
+        return out
+
+    def load_state_dict(self, state: dict[str, np.ndarray]) -> None:
+        """Keeps this stage's part of the full ``state``."""
+        torch, dtype = self.torch, self.dtype
+
+        def tensor(a, to_torch, dt=dtype):  # a copy: never alias the caller's array
+            return torch.tensor(np.asarray(to_torch(np.asarray(a))), dtype=dt)
+
+        with torch.no_grad():
+            for n, p, to_torch, _ in self.params:
+                p.copy_(tensor(state[f"params/{n}"], to_torch))
+                slots = self.opt.state[p]
+                for slot in self.slots:
+                    slots[TORCH_SLOTS[slot]] = tensor(state[f"opt/{slot}/{n}"], to_torch)
+                if "step" in slots:
+                    slots["step"] = torch.tensor(float(state["opt/count"]))
+            for n, b in self.cut.buffers:
+                b.copy_(tensor(state[f"buffers/{n}"], same, b.dtype))
+        if self.native:
+            self.steps = int(state["rng/step"])
+
+    def memory_bytes(self) -> dict[str, int]:
+        """Bytes this rank holds between steps: its stage's parameters, a gradient of each,
+        and their optimizer slots (a tied parameter counts on both stages that hold it)."""
+        params = sum(p.nbytes for _, p, _, _ in self.params)
+        slots = sum(v.nbytes for p in (e[1] for e in self.params)
+                    for v in self.opt.state[p].values() if self.torch.is_tensor(v) and v.dim())
+        return {"params": params, "grads": params, "optimizer": slots}

@@ -35,7 +35,7 @@ def build_spec_model(torch, spec):
     from toolkit._gpt import GPT
 
     if isinstance(spec, GPT):
-        from adapters._gpt_torch import build_gpt
+        from adapters.horovod_torch.models.gpt import build_gpt
 
         return build_gpt(torch, spec)
     nn = torch.nn

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 
-from adapters._torch_models import same
+from adapters.horovod_torch.models.spec import same
 
 
 def build_gpt(torch, spec, *, sdpa: bool = True):

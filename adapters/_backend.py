@@ -1,0 +1,199 @@
+"""A backend = a runtime x a strategy per layout; the one place a layout picks its code.
+
+The adapter the Trainer sees (``toolkit.Adapter``) is a :class:`Backend`. It owns two objects:
+
+- a :class:`Runtime`: the framework's communicator (start it for an environment and a
+  layout, host-side allreduce / broadcast / barrier, shut it down), one per framework family;
+- a :class:`Strategy`: how the model, its gradients and its optimizer state are laid out and
+  stepped under one layout (data parallel, sharded, pipeline), one per framework x layout.
+
+A backend declares the layouts it runs as data, ``strategies = {layout kind: "module:Class"}``;
+:meth:`Backend.setup` looks the layout's kind up there (the only layout dispatch) and makes
+the strategy over the started runtime. Modules are named as text and imported when chosen, so
+``adapters.get(name)`` imports no framework.
+
+    backend (facade) --setup(env, layout)--> runtime.setup(env, layout)
+                                          -> strategies[layout.kind](runtime, layout)
+    build, train_step, evaluate, sync_state, state_dict, load_state_dict,
+    sharded_state, memory_bytes, position                        -> the strategy
+    allreduce, broadcast, barrier, shutdown, devices             -> the runtime
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any, Protocol
+
+import numpy as np
+
+from toolkit import ToolkitError
+from toolkit._env import LaunchEnv
+from toolkit._layouts import DataParallel
+from toolkit._specs import DTYPES, check_choice
+
+
+class Runtime(Protocol):
+    """A framework's communicator. ``setup`` once, then collectives, then ``shutdown``."""
+
+    env: LaunchEnv
+    dtype_name: str
+
+    def setup(self, env: LaunchEnv, layout: Any) -> None:
+        """Starts the framework for ``env``; ``layout`` may add to the start (Horovod
+        registers a pipeline's process sets then). Checks rank and size against ``env``."""
+
+    def allreduce(self, values: np.ndarray, op: str = "mean") -> np.ndarray: ...
+    def broadcast(self, values: np.ndarray, root: int = 0) -> np.ndarray: ...
+    def barrier(self) -> None: ...
+    def shutdown(self) -> None: ...
+    def local_device_count(self) -> int: ...
+    def device_names(self) -> list[str]: ...
+
+
+class Strategy(Protocol):
+    """One layout of one framework, made as ``Strategy(runtime, layout)`` after the runtime
+    started. The same signature in every backend; see ``toolkit.Adapter`` for each method."""
+
+    def build(self, model: Any, optimizer: Any, loss: Any, *, seed: int = 0,
+              accumulation_steps: int = 1, sync_batchnorm: bool = False,
+              metrics: dict[str, Any] | None = None) -> None: ...
+    def train_step(self, x: Any, y: Any, lr: float | None) -> float: ...
+    def evaluate(self, x: np.ndarray, y: np.ndarray) -> dict[str, float]: ...
+    def sync_state(self) -> None: ...
+    def state_dict(self) -> dict[str, np.ndarray]: ...
+    def load_state_dict(self, state: dict[str, np.ndarray]) -> None: ...
+    def sharded_state(self) -> tuple[dict[str, np.ndarray], dict[str, tuple]]: ...
+    def memory_bytes(self) -> dict[str, int]: ...
+
+    @property
+    def position(self) -> tuple[int, int]:
+        """This rank's ``(stage, replica)`` (``(0, rank)`` without stages)."""
+
+
+def load(path: str, package: str | None = None) -> Any:
+    """The object ``"module:Name"`` names (a module relative to ``package`` when it starts
+    with a dot), imported now."""
+    module, name = path.split(":")
+    return getattr(importlib.import_module(module, package), name)
+
+
+class Backend:
+    """The adapter of one backend (``toolkit.Adapter``): a runtime and the strategy of the
+    layout given to :meth:`setup`. A subclass names them::
+
+        class HorovodTorchAdapter(Backend):
+            name = "horovod-torch"
+            runtime_class = "adapters.horovod_torch.runtime:TorchRuntime"
+            strategies = {"data_parallel": "adapters.horovod_torch.data_parallel:...", ...}
+    """
+
+    name = "backend"
+    runtime_class = ""  # "module:Class" of its Runtime, made with (dtype, **options)
+    strategies: dict[str, str] = {}  # layout kind -> "module:Class" of its Strategy
+
+    def __init__(self, dtype: str = "float32", **options: Any):
+        check_choice("dtype", dtype, DTYPES)
+        self.dtype_name, self.options = dtype, options
+        self.runtime: Any = None
+        self.strategy: Any = None
+        self.layout: Any = None
+
+    @property
+    def layouts(self) -> tuple[str, ...]:
+        """The layout kinds this backend runs (``toolkit.Adapter.layouts``)."""
+        return tuple(self.strategies)
+
+    @property
+    def env(self) -> LaunchEnv:
+        return self.runtime.env
+
+    def setup(self, env: LaunchEnv, layout: Any = None) -> None:
+        """Starts the runtime for ``env`` and ``layout`` (None: data parallel) and makes the
+        layout's strategy. Called again with another layout, the runtime stays and the
+        strategy is made anew."""
+        layout = DataParallel() if layout is None else layout
+        kind = getattr(layout, "kind", None)
+        if kind not in self.strategies:
+            raise ToolkitError(f"backend {self.name!r} cannot run layout {layout!r}",
+                               f"{self.name} runs: {', '.join(self.strategies)}")
+        strategy_class = load(self.strategies[kind])
+        strategy_class.check_layout(layout)  # refused before any communicator starts
+        if self.runtime is None:
+            self.runtime = load(self.runtime_class)(self.dtype_name, **self.options)
+        self.runtime.setup(env, layout)
+        self.strategy, self.layout = strategy_class(self.runtime, layout), layout
+
+    def _started(self) -> Any:
+        if self.strategy is None:
+            raise ToolkitError(f"{self.name}: setup(env, layout) has not been called",
+                               "call adapter.setup(toolkit.current_env()) first (the Trainer "
+                               "does)")
+        return self.strategy
+
+    # ------------------------------------------------------------------ the strategy's
+    def build(self, model: Any, optimizer: Any, loss: Any, **options: Any) -> None:
+        self._started().build(model, optimizer, loss, **options)
+
+    def train_step(self, x: Any, y: Any, lr: float | None) -> float:
+        return self.strategy.train_step(x, y, lr)
+
+    def evaluate(self, x: np.ndarray, y: np.ndarray) -> dict[str, float]:
+        return self.strategy.evaluate(x, y)
+
+    def sync_state(self) -> None:
+        self.strategy.sync_state()
+
+    def state_dict(self) -> dict[str, np.ndarray]:
+        return self.strategy.state_dict()
+
+    def load_state_dict(self, state: dict[str, np.ndarray]) -> None:
+        self.strategy.load_state_dict(state)
+
+    def sharded_state(self) -> tuple[dict[str, np.ndarray], dict[str, tuple]]:
+        return self.strategy.sharded_state()
+
+    def memory_bytes(self) -> dict[str, int]:
+        return self.strategy.memory_bytes()
+
+    def pipeline_position(self) -> tuple[int, int]:
+        """This rank's ``(stage, replica)`` (``(0, rank)`` without a pipeline layout)."""
+        return self.strategy.position
+
+    # ------------------------------------------------------------------ the runtime's
+    def allreduce(self, values: np.ndarray, op: str = "mean") -> np.ndarray:
+        return self.runtime.allreduce(values, op)
+
+    def broadcast(self, values: np.ndarray, root: int = 0) -> np.ndarray:
+        return self.runtime.broadcast(values, root)
+
+    def barrier(self) -> None:
+        self.runtime.barrier()
+
+    def shutdown(self) -> None:
+        self.runtime.shutdown()
+
+    def local_device_count(self) -> int:
+        return self.runtime.local_device_count()
+
+    def device_names(self) -> list[str]:
+        return self.runtime.device_names()
+
+
+class StrategyBase:
+    """What every strategy starts from: its runtime and layout, no layout check, and the
+    position of a rank without stages."""
+
+    def __init__(self, runtime: Any, layout: Any):
+        self.runtime, self.layout, self.env = runtime, layout, runtime.env
+
+    @staticmethod
+    def check_layout(layout: Any) -> None:
+        """A ToolkitError for a layout of this kind that this strategy refuses."""
+
+    @property
+    def position(self) -> tuple[int, int]:
+        return 0, self.env.rank
+
+    def sharded_state(self) -> tuple[dict[str, np.ndarray], dict[str, tuple]]:
+        raise ToolkitError("sharded_state() needs a Sharded or Pipeline layout",
+                           "set up under toolkit.Sharded(stage=...), or use state_dict()")

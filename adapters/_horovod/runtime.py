@@ -1,0 +1,124 @@
+"""The Horovod runtime both Horovod backends share: ``hvd.init`` with the layout's process sets,
+host-side collectives, and the check that Horovod agrees with the launcher.
+
+A ``toolkit.Pipeline`` averages gradients in Horovod process sets (each stage's replicas, the
+end stages holding a tied embedding: ``toolkit.PipelineGrid.reduction_groups``). Horovod's
+static sets must be given to the first ``hvd.init``, which is why the layout comes with
+``setup``. A framework's runtime (``adapters/horovod_torch/runtime.py``,
+``adapters/horovod_tf`` ...) imports its framework and its Horovod module in ``connect`` and
+says how a host array becomes the framework's tensor (``tensor``).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import numpy as np
+
+from adapters._common import check_world, missing_framework
+from toolkit import ToolkitError
+from toolkit._layouts import Pipeline
+from toolkit._partition import PipelineGrid
+from toolkit._specs import DTYPES, check_choice
+
+
+def init_horovod(hvd, layout: Any, world_size: int) -> dict[tuple[int, ...], Any]:
+    """``hvd.init()``, registering as static process sets the rank groups ``layout`` reduces
+    gradients in (a ``toolkit.Pipeline``'s stage replicas and end stages,
+    ``PipelineGrid.reduction_groups``); returns them as ``{ranks: hvd.ProcessSet}``.
+
+    Horovod fixes its static sets at the first ``hvd.init`` (so the Trainer calls
+    ``set_layout`` before ``setup``). If Horovod was initialised before (by the user's script or
+    an earlier Trainer), a group not registered then is added dynamically, which Horovod allows
+    only when ``HOROVOD_DYNAMIC_PROCESS_SETS=1`` was set before that first init."""
+    groups = (PipelineGrid(world_size, layout.stages).reduction_groups()
+              if isinstance(layout, Pipeline) else ())
+    if not hvd.is_initialized():
+        sets = [hvd.ProcessSet(list(g)) for g in groups]
+        hvd.init(process_sets=sets)
+        return dict(zip(groups, sets, strict=True))
+    found = {}
+    for g in groups:
+        ps = hvd.ProcessSet(list(g))
+        try:
+            hvd.init(process_sets=[ps])  # finds a set registered before
+        except KeyError:
+            try:
+                ps = hvd.add_process_set(list(g))
+            except ValueError as err:
+                raise ToolkitError(
+                    f"{layout} averages gradients in the Horovod process set of ranks "
+                    f"{list(g)}, but Horovod was initialised before without it ({err})",
+                    "let the Trainer initialise Horovod (do not call hvd.init() before it), "
+                    "or export HOROVOD_DYNAMIC_PROCESS_SETS=1 before your hvd.init()") from err
+        found[g] = ps
+    return found
+
+
+class HorovodRuntime:
+    """Horovod's communicator for one framework (a subclass imports it: ``connect``)."""
+
+    backend = "horovod"  # the backend's name, for errors
+    hvd: Any = None
+    env: Any = None
+
+    def __init__(self, dtype: str = "float32"):
+        check_choice("dtype", dtype, DTYPES)
+        self.dtype_name = dtype
+        self.process_sets: dict[tuple[int, ...], Any] = {}
+
+    def setup(self, env, layout: Any) -> None:
+        """Imports the framework (``connect``), starts Horovod with ``layout``'s process sets
+        and checks it agrees with ``env``."""
+        if self.hvd is None:
+            self.hvd = self.connect(env)
+        self.env = env
+        self.process_sets = init_horovod(self.hvd, layout, env.world_size)
+        check_world(self.backend, env, self.hvd.size(), self.hvd.rank())
+
+    def connect(self, env) -> Any:
+        """Imports the framework and its Horovod module (returned); sets thread counts."""
+        raise NotImplementedError
+
+    def missing(self, what: str, err: ImportError) -> ToolkitError:
+        return missing_framework(self.backend, what, err)
+
+    @staticmethod
+    def threads(env) -> int:
+        """Intra-op threads per rank: ranks on one node share its cores, and oversubscribed
+        threads slow every rank."""
+        return max(1, (os.cpu_count() or 1) // env.local_size)
+
+    def tensor(self, values: np.ndarray) -> Any:
+        """A host array as the framework's tensor."""
+        raise NotImplementedError
+
+    def allreduce(self, values: np.ndarray, op: str = "mean") -> np.ndarray:
+        check_choice("reduction", op, ("mean", "sum"))
+        hvd = self.hvd
+        # Named: unnamed ops are numbered per process, and under a pipeline the ranks of
+        # different stages have made different numbers of (process-set) ops.
+        out = hvd.allreduce(self.tensor(np.asarray(values, np.float64)),
+                            op=hvd.Average if op == "mean" else hvd.Sum, name="toolkit.allreduce")
+        return np.asarray(out.numpy())
+
+    def broadcast(self, values: np.ndarray, root: int = 0) -> np.ndarray:
+        return np.asarray(self.hvd.broadcast(self.tensor(np.asarray(values)), root_rank=root,
+                                             name="toolkit.broadcast").numpy())
+
+    def barrier(self) -> None:
+        self.hvd.barrier()
+
+    def shutdown(self) -> None:
+        self.hvd.shutdown()
+
+    def process_set(self, ranks: tuple[int, ...]) -> Any:
+        """The Horovod process set of ``ranks`` registered at ``setup`` (None if none)."""
+        return self.process_sets.get(tuple(ranks))
+
+    def local_device_count(self) -> int:
+        return 1
+
+    def device_names(self) -> list[str]:
+        return ["cpu"]

@@ -1,0 +1,207 @@
+"""Data parallelism for ``horovod-torch``: every rank holds the whole model and optimizer.
+
+One step is forward, backward, Horovod's gradient allreduce (averaged; hooks fire as each
+gradient is ready and ``DistributedOptimizer.step`` waits for them), then the optimizer update.
+
+A native ``nn.Module`` brings all of its state: parameters under ``params/<torch name>``,
+registered buffers (BatchNorm running statistics and counters) under ``buffers/<torch name>``.
+Buffers are broadcast from rank 0 at the start, and again before every evaluation and
+checkpoint (``sync_state``), unless ``sync_batchnorm`` keeps them equal on every rank by
+computing BatchNorm statistics over the global batch (Horovod's ``SyncBatchNorm``). Dropout and
+other torch randomness is seeded per step from (seed, step, rank), so a resumed run draws
+what an uninterrupted one would have.
+
+``sharded.py`` runs the same step with flat shards in the optimizer's place: it subclasses this
+strategy and replaces the hooks marked below (how the optimizer is made, zeroed, applied; what
+the forward runs inside; how the state is read and written).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import numpy as np
+
+from adapters._backend import StrategyBase
+from adapters._common import step_seed
+from adapters.horovod_torch.models.spec import build_spec_model, same, to_host
+from adapters.horovod_torch.models.sync_bn import convert_sync_batchnorm
+from adapters.horovod_torch.ops import NEUTRAL_SLOTS, TorchOps, make_optimizer, set_lr, zero_slots
+from adapters.horovod_torch.scheduler import load_scheduler_state, scheduler_state, split_scheduler
+from toolkit import ToolkitError
+from toolkit._specs import ModelSpec
+
+
+class TorchDataParallel(StrategyBase):
+    """``toolkit.DataParallel`` for ``horovod-torch`` (see :class:`toolkit.Adapter`)."""
+
+    scheduler = None  # a torch LR scheduler given with a native optimizer, after build
+
+    def __init__(self, runtime, layout):
+        super().__init__(runtime, layout)
+        self.torch, self.hvd, self.dtype = runtime.torch, runtime.hvd, runtime.dtype
+
+    # -------------------------------------------------------------------------- build
+    def build(self, model: Any, optimizer: Any, loss: Any, *, seed: int = 0,
+              accumulation_steps: int = 1, sync_batchnorm: bool = False,
+              metrics: Any = None) -> None:
+        torch = self.torch
+        self.ops = TorchOps(self.runtime, loss, metrics)
+        self.accumulation_steps, self.seed = accumulation_steps, seed
+        self.native = not isinstance(model, ModelSpec)
+        if not self.native:
+            self.net, self.params = build_spec_model(torch, model)
+            self.net.to(self.dtype)
+        elif isinstance(model, torch.nn.Module):
+            self.net = model.to(self.dtype)
+            if sync_batchnorm:
+                convert_sync_batchnorm(torch, self.hvd, self.net)
+            self.params = [(n, p, same, same) for n, p in self.net.named_parameters()]
+        else:
+            raise ToolkitError(f"horovod-torch cannot build a model from {type(model).__name__}",
+                               "pass a toolkit.MLP/CNN/GPT spec or a torch.nn.Module")
+        self.sync_batchnorm = sync_batchnorm
+        self.buffers = [(n, b) for n, b in self.net.named_buffers() if b is not None]
+        self.steps = 0  # optimizer steps taken: the randomness of the next one derives from it
+        optimizer, self.scheduler = split_scheduler(torch, optimizer)
+        self._build_optimizer(model, optimizer, seed)
+
+    def _build_optimizer(self, model: Any, optimizer: Any, seed: int) -> None:
+        """(hook) Rank 0's initial model, and a Horovod ``DistributedOptimizer`` over it."""
+        torch, hvd = self.torch, self.hvd
+        if not self.native:
+            self._load_params(model.init(seed, self.runtime.dtype_name))
+        # DistributedOptimizer builds a new optimizer over the same param groups (with empty
+        # state), so slots are filled in after wrapping, before the state is broadcast.
+        params = list(self.net.parameters())
+        self.opt = hvd.DistributedOptimizer(
+            make_optimizer(torch, optimizer, params), named_parameters=self.net.named_parameters(),
+            op=hvd.Average, backward_passes_per_step=self.accumulation_steps)
+        zero_slots(torch, self.opt, params, optimizer)
+        hvd.broadcast_parameters(self.net.state_dict(), root_rank=0)  # parameters and buffers
+        fresh = [p.detach().clone() for p in params] if not self.opt.state else []
+        hvd.broadcast_optimizer_state(self.opt, root_rank=0)
+        if fresh:  # Horovod made the state with a zero-gradient step (weight decay, count): undo
+            with torch.no_grad():
+                for p, before in zip(params, fresh, strict=True):
+                    p.copy_(before)
+                for slots in self.opt.state.values():
+                    for value in slots.values():
+                        if torch.is_tensor(value):
+                            value.zero_()
+
+    # -------------------------------------------------------------------------- hooks
+    def _forwarding(self):
+        """(hook) What each forward pass runs inside."""
+        return contextlib.nullcontext()
+
+    def _zero_grad(self) -> None:
+        """(hook)"""
+        self.opt.zero_grad()
+
+    def _apply(self, lr: float | None) -> None:
+        """(hook) The update with this step's learning rate."""
+        set_lr(self.opt, lr)
+        self.opt.step()
+
+    # -------------------------------------------------------------------------- steps
+    def train_step(self, x: np.ndarray, y: np.ndarray, lr: float | None) -> float:
+        if self.native:
+            self.torch.manual_seed(step_seed(self.seed, self.steps, self.env.rank))
+        self.net.train()
+        xt, yt = self.ops.tensors(x, y)
+        k = self.accumulation_steps
+        self._zero_grad()
+        total = 0.0
+        for xc, yc in zip(xt.chunk(k), yt.chunk(k), strict=True):
+            with self._forwarding():
+                loss = self.ops.mean_loss(self.net(xc), yc)
+            if k > 1:
+                loss = loss / k
+            loss.backward()
+            total += loss.item()
+        self._apply(lr)
+        if self.scheduler is not None:
+            self.scheduler.step()
+        self.steps += 1
+        return total
+
+    def evaluate(self, x: np.ndarray, y: np.ndarray) -> dict[str, float]:
+        self.net.eval()
+        xt, yt = self.ops.tensors(x, y)
+        with self.torch.no_grad(), self._forwarding():
+            return self.ops.sums(self.net(xt), yt)
+
+    def sync_state(self) -> None:
+        """Rank 0's buffers (BatchNorm statistics) become every rank's."""
+        if self.env.world_size > 1 and self.buffers and not self.sync_batchnorm:
+            self.hvd.broadcast_parameters(self.buffers, root_rank=0)
+
+    # -------------------------------------------------------------------------- state
+    def _load_params(self, params: dict[str, np.ndarray]) -> None:
+        self._load({f"params/{k}": v for k, v in params.items()}, params_only=True)
+
+    def memory_bytes(self) -> dict[str, int]:
+        """Bytes this rank holds for parameters, gradients and optimizer state: every
+        parameter, a gradient of each parameter's size, every optimizer slot."""
+        params = sum(p.nbytes for _, p, _, _ in self.params)
+        slots = sum(v.nbytes for state in self.opt.state.values() for v in state.values()
+                    if self.torch.is_tensor(v))
+        return {"params": params, "grads": params, "optimizer": slots}
+
+    def _model_state(self) -> dict[str, np.ndarray]:
+        """Buffers, and the step the randomness of native models derives from."""
+        out = {f"buffers/{name}": to_host(b, same) for name, b in self.buffers}
+        if self.native:
+            out["rng/step"] = np.asarray(self.steps, np.int64)
+        return out
+
+    def state_dict(self) -> dict[str, np.ndarray]:
+        out, step = {}, None
+        for name, p, _, from_torch in self.params:
+            out[f"params/{name}"] = to_host(p, from_torch)
+            for key, value in self.opt.state.get(p, {}).items():
+                if key == "step":
+                    step = int(value)
+                else:
+                    out[f"opt/{NEUTRAL_SLOTS.get(key, key)}/{name}"] = to_host(value, from_torch)
+        if step is not None:
+            out["opt/count"] = np.asarray(step, np.int64)
+        if self.scheduler is not None:
+            out.update(scheduler_state(self.scheduler, self.opt))
+        return {**out, **self._model_state()}
+
+    def _tensor(self, a, to_torch, dtype=None):
+        """A copy of a host array in torch's layout: never alias the caller's array."""
+        return self.torch.tensor(np.asarray(to_torch(np.asarray(a))), dtype=dtype or self.dtype)
+
+    def load_state_dict(self, state: dict[str, np.ndarray]) -> None:
+        self._load(state)
+
+    def _load(self, state: dict[str, np.ndarray], params_only: bool = False) -> None:
+        torch = self.torch
+        with torch.no_grad():
+            for name, p, to_torch, _ in self.params:
+                p.copy_(self._tensor(state[f"params/{name}"], to_torch))
+                if params_only:
+                    continue
+                slots = self.opt.state.get(p, {})
+                for key in list(slots):
+                    if key == "step":
+                        slots["step"] = torch.tensor(float(state["opt/count"]))
+                    else:
+                        slots[key] = self._tensor(
+                            state[f"opt/{NEUTRAL_SLOTS.get(key, key)}/{name}"], to_torch)
+            if params_only:
+                return
+            if self.scheduler is not None:
+                load_scheduler_state(self.scheduler, self.opt, state)
+            self._load_model_state(state)
+
+    def _load_model_state(self, state: dict[str, np.ndarray]) -> None:
+        with self.torch.no_grad():
+            for name, b in self.buffers:
+                b.copy_(self._tensor(state[f"buffers/{name}"], same, b.dtype))
+        if self.native:
+            self.steps = int(state["rng/step"])

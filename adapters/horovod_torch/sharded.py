@@ -1,0 +1,68 @@
+"""ZeRO stages 1-3 / FSDP for ``horovod-torch``: the data-parallel step with the model's
+parameters, gradients and optimizer state in flat per-unit shards (``flat_shards.py``:
+``ShardedParameters``, which re-routes the module's parameters to its buffers) in the place of
+Horovod's ``DistributedOptimizer``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from adapters.horovod_torch.data_parallel import TorchDataParallel
+from adapters.horovod_torch.flat_shards import ShardedParameters, native_units, spec_units
+from adapters.horovod_torch.models.spec import same, to_host
+from toolkit import SGD, Adam, ToolkitError
+
+
+class TorchSharded(TorchDataParallel):
+    """``toolkit.Sharded(stage)`` for ``horovod-torch`` (see :class:`toolkit.Adapter`)."""
+
+    shards: ShardedParameters
+
+    @staticmethod
+    def check_layout(layout: Any) -> None:
+        if layout.tensor_parallel > 1:
+            raise ToolkitError(
+                f"horovod-torch cannot split layers over ranks (layout {layout.name}, "
+                f"tensor_parallel={layout.tensor_parallel})",
+                "only jax-pjit splits layers: use tensor_parallel=1 or --backend jax-pjit")
+
+    def _build_optimizer(self, model: Any, optimizer: Any, seed: int) -> None:
+        if self.native:
+            units = native_units(self.torch, self.net, optimizer)
+            self.hvd.broadcast_parameters(self.net.state_dict(), root_rank=0)
+            arrays = {n: to_host(p, same) for n, p in self.net.named_parameters()}
+        else:
+            arrays = model.init(seed, self.runtime.dtype_name)
+            units = spec_units(arrays)
+            if not isinstance(optimizer, SGD | Adam):
+                native_units(self.torch, self.net, optimizer)  # its error for the optimizer
+        self.shards = ShardedParameters(self.torch, self.hvd, self.net, self.params, arrays,
+                                        units, self.layout.stage, optimizer, self.dtype)
+        self.params = []  # the module's parameters are gone: the flat buffers hold them
+
+    def _forwarding(self):
+        return self.shards.forwarding()
+
+    def _zero_grad(self) -> None:
+        self.shards.zero_grad()
+
+    def _apply(self, lr: float | None) -> None:
+        self.shards.step(lr)
+
+    def memory_bytes(self) -> dict[str, int]:
+        return self.shards.memory_bytes()
+
+    def state_dict(self) -> dict[str, np.ndarray]:
+        return {**self.shards.state_dict(), **self._model_state()}
+
+    def sharded_state(self) -> tuple[dict[str, np.ndarray], dict[str, tuple]]:
+        """This rank's pieces of the sharded state (see ``toolkit.ShardedAdapter``)."""
+        replicated, pieces = self.shards.sharded_state()
+        return {**replicated, **self._model_state()}, pieces
+
+    def _load(self, state: dict[str, np.ndarray], params_only: bool = False) -> None:
+        with self.torch.no_grad():
+            self.shards.load_state_dict(state)
+        self._load_model_state(state)  # (a sharded build takes optimizer specs: no scheduler)
