@@ -33,7 +33,7 @@ def torch_loop(spec, params, lr, env):
     import horovod.torch as hvd
     import torch
 
-    from adapters._gpt_torch import build_gpt
+    from adapters.horovod_torch.models.gpt import build_gpt
 
     hvd.init()
     net, layout = build_gpt(torch, spec)
