@@ -14,7 +14,13 @@ from toolkit._pipeline import (
     simulate_schedule,
     validate_schedule,
 )
-from toolkit._schedules import Action, Schedule, bubble_formula, pipeline_schedule
+from toolkit._schedules import (
+    Action,
+    Schedule,
+    _with_messages,
+    bubble_formula,
+    pipeline_schedule,
+)
 
 GRID = [(s, m) for s in (1, 2, 3, 4, 8) for m in (1, 2, 3, 4, 8, 16)]
 INTERLEAVED = [(s, v, k * s) for s in (2, 3, 4, 8) for v in (2, 3, 4) for k in (1, 2, 4)]
@@ -229,6 +235,77 @@ def test_bad_schedule_input_is_a_clear_error(call, words):
         call()
     for word in words:
         assert word in str(err.value)
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda: Action.parse("X3"),
+     "'X3' is not a pipeline action\nHINT: write e.g. F3, B3, F3.c1, SEND_F3, RECV_B2.c1"),
+    (lambda: pipeline_schedule("zb-h1", 2, 4),
+     "unknown pipeline schedule 'zb-h1'\nHINT: use one of: gpipe, 1f1b, interleaved-1f1b"),
+    # the hint's example is the multiple of S nearest to M, and never 0
+    (lambda: pipeline_schedule("interleaved-1f1b", 4, 6, 2),
+     "interleaved-1f1b needs micro-batches divisible by the stages: 6 micro-batches, 4 stages"
+     "\nHINT: use a multiple of 4 micro-batches (Megatron-LM's constraint), e.g. 8"),
+    (lambda: pipeline_schedule("interleaved-1f1b", 4, 3, 2),
+     "interleaved-1f1b needs micro-batches divisible by the stages: 3 micro-batches, 4 stages"
+     "\nHINT: use a multiple of 4 micro-batches (Megatron-LM's constraint), e.g. 4"),
+    (lambda: pipeline_schedule("interleaved-1f1b", 4, 1, 2),
+     "interleaved-1f1b needs micro-batches divisible by the stages: 1 micro-batches, 4 stages"
+     "\nHINT: use a multiple of 4 micro-batches (Megatron-LM's constraint), e.g. 4"),
+    # a generator whose order cannot run (here: each stage's first backward before any
+    # forward) is refused where each stage stops
+    (lambda: _with_messages("1f1b", 2, 2, 1, [[("B", 0, 0), ("F", 0, 0)], [("B", 0, 0)]]),
+     "the 1f1b order cannot finish: stage 0 at ('B', 0, 0), stage 1 at ('B', 0, 0)\n"
+     "HINT: a forward needs the previous stage's, a backward the next's"),
+])
+def test_schedule_errors_say_what_was_wrong_and_what_to_do(call, message):
+    with pytest.raises(ToolkitError) as err:
+        call()
+    assert str(err.value) == message
+
+
+@pytest.mark.parametrize("name, stages, micro, chunks", [
+    ("gpipe", 3, 4, 1), ("1f1b", 2, 5, 1), ("interleaved-1f1b", 4, 8, 2)])
+def test_a_schedule_carries_its_name_and_sizes(name, stages, micro, chunks):
+    schedule = pipeline_schedule(name, stages, micro, chunks)
+    assert (schedule.name, schedule.stages, schedule.micro_batches, schedule.chunks) == (
+        name, stages, micro, chunks)
+
+
+def test_bubble_formula_text_and_its_chunks():
+    assert bubble_formula("1f1b", 4, 8) == ("(S-1)/(M+S-1)", pytest.approx(3 / 11))
+    assert bubble_formula("gpipe", 4, 8) == ("(S-1)/(M+S-1)", pytest.approx(3 / 11))
+    assert bubble_formula("interleaved-1f1b", 4, 8, 2) == ("(S-1)/(v*M+S-1)",
+                                                           pytest.approx(3 / 19))
+    # chunks count for the interleaved schedule only; one chunk unless told
+    assert bubble_formula("1f1b", 4, 8, 2) == bubble_formula("1f1b", 4, 8)
+    assert bubble_formula("interleaved-1f1b", 4, 8) == bubble_formula("1f1b", 4, 8)
+
+
+def test_the_docstring_example_is_what_pipeline_schedule_gives():
+    assert str(pipeline_schedule("1f1b", 2, 3)) == (
+        "stage 0: F0 SEND_F0 F1 SEND_F1 RECV_B0 B0 F2 SEND_F2 RECV_B1 B1 RECV_B2 B2\n"
+        "stage 1: RECV_F0 F0 RECV_F1 B0 SEND_B0 F1 B1 RECV_F2 SEND_B1 F2 B2 SEND_B2")
+
+
+@pytest.mark.parametrize("stages, chunks, micro", [c for c in INTERLEAVED if c[0] in (3, 4)])
+def test_messages_pass_between_computes_so_a_rendezvous_costs_nothing(stages, chunks, micro):
+    """Each message is placed at the first time both its stages are between computes: with 3
+    or 4 stages the interleaved schedule always finds one, and blocking sends then take no
+    longer than buffered ones (at 2 and 8 stages some messages find no such time)."""
+    schedule = pipeline_schedule("interleaved-1f1b", stages, micro, chunks)
+    assert simulate_schedule(schedule, blocking=True).makespan == pytest.approx(
+        simulate_schedule(schedule).makespan)
+
+
+def test_a_rendezvous_at_two_interleaved_stages_costs_one_time_unit():
+    """At 2 stages both directions meet on the same two ranks and some messages find no time
+    where both are between computes. As generated, 2 stages x 2 chunks x 4 micro-batches lose
+    one time unit to a rendezvous (13.5 buffered, 14.5 blocking); a message that skipped a
+    free time at the end of its window would cost another unit."""
+    schedule = pipeline_schedule("interleaved-1f1b", 2, 4, 2)
+    assert simulate_schedule(schedule).makespan == pytest.approx(13.5)
+    assert simulate_schedule(schedule, blocking=True).makespan == pytest.approx(14.5)
 
 
 @pytest.mark.parametrize("name, stages, micro, chunks", [
