@@ -1,11 +1,13 @@
 """The launch environment, from tables of real-looking launcher variables."""
 
 import dataclasses
+import os
 import random
 
 import pytest
 
 from toolkit import LaunchEnv, ToolkitError, detect_launch_env, expand_nodelist
+from toolkit._env import _port_for
 
 
 @pytest.mark.parametrize("nodelist, hosts", [
@@ -70,6 +72,54 @@ CASES = {
         LaunchEnv(8, 5, 1, 4, 1, "host-a", 29501, "torchrun")),
     "sbatch with one task runs python directly": (
         {"SLURM_JOB_ID": "7", "SLURM_NTASKS": "1", "SLURM_PROCID": "0"}, LaunchEnv()),
+    "horovodrun, second node": (
+        {"HOROVOD_RANK": "3", "HOROVOD_SIZE": "4", "HOROVOD_LOCAL_RANK": "1",
+         "HOROVOD_LOCAL_SIZE": "2", "HOROVOD_CROSS_RANK": "1",
+         "HOROVOD_GLOO_RENDEZVOUS_ADDR": "10.1.2.3", "HOROVOD_GLOO_RENDEZVOUS_PORT": "40000"},
+        LaunchEnv(4, 3, 1, 2, 1, "10.1.2.3", 40001, "horovodrun")),
+    "srun step on part of the allocation": (
+        {**SRUN_2_NODES, "SLURM_NTASKS": "16", "SLURM_JOB_NODELIST": "node[01-08]"},
+        LaunchEnv(4, 3, 1, 2, 1, "node07", DERIVED, "srun")),
+    "srun of an older Slurm (SLURM_STEPID, no step variables)": (
+        {"SLURM_JOB_ID": "7", "SLURM_STEPID": "0", "SLURM_PROCID": "1", "SLURM_NTASKS": "4",
+         "SLURM_LOCALID": "1", "SLURM_NODEID": "0", "SLURM_TASKS_PER_NODE": "2(x2)",
+         "SLURM_JOB_NODELIST": "vm[1-2]"},
+        LaunchEnv(4, 1, 1, 2, 0, "vm1", DERIVED, "srun")),
+    "srun without tasks per node": (
+        {"SLURM_JOB_ID": "7", "SLURM_STEP_ID": "0", "SLURM_PROCID": "1", "SLURM_NTASKS": "2",
+         "SLURM_LOCALID": "1"},
+        LaunchEnv(2, 1, 1, 2, 0, "127.0.0.1", DERIVED, "srun")),
+    "srun uneven tasks per node, first node": (
+        {**SRUN_2_NODES, "SLURM_STEP_NUM_TASKS": "3", "SLURM_NTASKS": "3", "SLURM_PROCID": "1",
+         "SLURM_NODEID": "0", "SLURM_STEP_TASKS_PER_NODE": "2,1"},
+        LaunchEnv(3, 1, 1, 2, 0, "node07", DERIVED, "srun")),
+    "srun tasks per node without SLURM_NODEID: the first node's": (
+        {"SLURM_JOB_ID": "7", "SLURM_STEP_ID": "0", "SLURM_PROCID": "1", "SLURM_NTASKS": "3",
+         "SLURM_LOCALID": "1", "SLURM_STEP_TASKS_PER_NODE": "2,1"},
+        LaunchEnv(3, 1, 1, 2, 0, "127.0.0.1", DERIVED, "srun")),
+    "srun tasks per node shorter than the nodes: the last count": (
+        {"SLURM_JOB_ID": "7", "SLURM_STEP_ID": "0", "SLURM_PROCID": "0", "SLURM_NTASKS": "12",
+         "SLURM_LOCALID": "2", "SLURM_NODEID": "3", "SLURM_STEP_TASKS_PER_NODE": "1,2,3"},
+        LaunchEnv(12, 0, 2, 3, 3, "127.0.0.1", DERIVED, "srun")),
+    # Only the variables a launcher must set: the others take their one-node defaults.
+    "horovodrun, required variables only": (
+        {"HOROVOD_RANK": "1", "HOROVOD_SIZE": "2"},
+        LaunchEnv(2, 1, 0, 1, 0, "127.0.0.1", DERIVED, "horovodrun")),
+    "srun, required variables only": (
+        {"SLURM_JOB_ID": "7", "SLURM_STEP_ID": "0", "SLURM_PROCID": "0"},
+        LaunchEnv(1, 0, 0, 1, 0, "127.0.0.1", DERIVED, "srun")),
+    "mpirun, required variables only": (
+        {"OMPI_COMM_WORLD_SIZE": "2", "OMPI_COMM_WORLD_RANK": "1"},
+        LaunchEnv(2, 1, 0, 1, 0, "127.0.0.1", DERIVED, "mpirun")),
+    "torchrun, required variables only": (
+        {"RANK": "1", "WORLD_SIZE": "2"},
+        LaunchEnv(2, 1, 0, 1, 0, "127.0.0.1", DERIVED, "torchrun")),
+    # Part of a launcher's variables is not that launcher; one MPI process alone is no job.
+    "HOROVOD_RANK alone": ({"HOROVOD_RANK": "1"}, LaunchEnv()),
+    "HOROVOD_SIZE alone": ({"HOROVOD_SIZE": "2"}, LaunchEnv()),
+    "RANK alone": ({"RANK": "3"}, LaunchEnv()),
+    "WORLD_SIZE alone": ({"WORLD_SIZE": "2"}, LaunchEnv()),
+    "PMI_SIZE=1": ({"PMI_SIZE": "1", "PMI_RANK": "0"}, LaunchEnv()),
 }
 
 
@@ -121,6 +171,62 @@ def test_the_steps_of_one_job_get_different_ports():
     assert len({srun_port(4242, step) for step in range(10)}) == 10
 
 
+def test_ports_are_unprivileged_and_a_jobs_steps_stay_in_its_own_ports():
+    for job in range(0, 3000, 7):
+        ports = {srun_port(job, step) for step in range(45)}
+        assert all(1024 <= port < 65536 for port in ports)
+        # more than 20 steps wrap around inside the job's ports, never into the next job's
+        assert not ports & {srun_port(job + 1, step) for step in range(45)}
+
+
+def test_an_older_slurms_step_variable_gives_the_same_port():
+    environ = {**SRUN_2_NODES, "SLURM_STEP_ID": "3"}
+    older = {k: v for k, v in environ.items() if k != "SLURM_STEP_ID"} | {"SLURM_STEPID": "3"}
+    assert detect_launch_env(older).coordinator_port == detect_launch_env(environ).coordinator_port
+    assert detect_launch_env(older).coordinator_port != srun_port(4242, 0)
+
+
+def test_ids_are_read_by_their_digits():
+    assert _port_for("job-4242", "step.3") == _port_for("4242", "3")
+    assert _port_for("", "extern") == _port_for("0", "0")
+
+
+def mpirun_port(job, node, monkeypatch):
+    """The port a rank on node ``node`` of mpirun job ``job`` resolves: each node's ranks are
+    children of that node's daemon, so their parent process differs between nodes."""
+    monkeypatch.setattr(os, "getppid", lambda: 1000 + node)
+    return detect_launch_env({
+        "OMPI_COMM_WORLD_SIZE": "4", "OMPI_COMM_WORLD_RANK": str(2 * node),
+        "OMPI_COMM_WORLD_NODE_RANK": str(node), "OMPI_COMM_WORLD_LOCAL_SIZE": "2",
+        "OMPI_MCA_orte_hnp_uri": f"{job}.0;tcp://10.0.0.5,172.17.0.2:45123"}).coordinator_port
+
+
+def test_mpirun_ranks_agree_on_the_port_and_concurrent_jobs_differ(monkeypatch):
+    assert mpirun_port(1234567, 0, monkeypatch) == mpirun_port(1234567, 1, monkeypatch)
+    ports = [mpirun_port(job, 0, monkeypatch) for job in range(100_000, 100_500)]
+    assert len(set(ports)) == len(ports)
+    assert all(1024 <= port < 65536 for port in ports)
+
+
+@pytest.mark.parametrize("environ", [
+    {"HOROVOD_RANK": "0", "HOROVOD_SIZE": "2"},  # no Gloo rendezvous port
+    {"OMPI_COMM_WORLD_SIZE": "2", "OMPI_COMM_WORLD_RANK": "0"},  # no mpirun URI
+])
+def test_without_a_job_id_the_port_follows_the_launching_process(environ, monkeypatch):
+    ports = {}
+    for parent in (4242, 4243, 4242):
+        monkeypatch.setattr(os, "getppid", lambda parent=parent: parent)
+        ports.setdefault(parent, set()).add(detect_launch_env(environ).coordinator_port)
+    assert all(len(p) == 1 for p in ports.values())  # the same launcher, the same port
+    assert ports[4242] != ports[4243]
+    assert all(1024 <= p < 65536 for p in ports[4242] | ports[4243])
+
+
+def test_os_environ_is_read_when_no_variables_are_given(monkeypatch):
+    monkeypatch.setattr(os, "environ", {"RANK": "1", "WORLD_SIZE": "2", "MASTER_PORT": "29500"})
+    assert detect_launch_env() == LaunchEnv(2, 1, 0, 1, 0, "127.0.0.1", 29501, "torchrun")
+
+
 def test_sbatch_python_without_srun_is_an_error_not_a_world_of_one():
     environ = {"SLURM_JOB_ID": "7", "SLURM_NTASKS": "2", "SLURM_PROCID": "0",
                "SLURM_JOB_NODELIST": "vm"}
@@ -140,6 +246,46 @@ def test_inconsistent_environments_are_errors_with_a_hint(environ, match):
     with pytest.raises(ToolkitError, match=match) as err:
         detect_launch_env(environ)
     assert "HINT:" in str(err.value)
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda: expand_nodelist(""), "cannot read the Slurm nodelist ''\n"
+     "HINT: expected a hostlist such as 'node[01-04]' or 'a1,b[2-3]'"),
+    (lambda: expand_nodelist("node01]"), "cannot read the Slurm nodelist item 'node01]'\n"
+     "HINT: expected a hostlist such as 'node[01-04]'"),
+    (lambda: expand_nodelist("node["), "cannot read the Slurm nodelist item 'node['\n"
+     "HINT: expected a hostlist such as 'node[01-04]'"),
+    (lambda: expand_nodelist("node[01-x]"),
+     "cannot read the range '01-x' in Slurm nodelist item 'node[01-x]'\n"
+     "HINT: expected numeric ranges such as 'node[01-04,07]'"),
+    (lambda: detect_launch_env({"OMPI_COMM_WORLD_SIZE": "2"}),
+     "the launcher set no OMPI_COMM_WORLD_RANK\n"
+     "HINT: relaunch the job with an unmodified launcher environment"),
+    (lambda: detect_launch_env({"OMPI_COMM_WORLD_SIZE": "two", "OMPI_COMM_WORLD_RANK": "0"}),
+     "OMPI_COMM_WORLD_SIZE='two' is not an integer\n"
+     "HINT: relaunch the job instead of setting rank variables by hand"),
+    (lambda: detect_launch_env({"SLURM_JOB_ID": "7", "SLURM_NTASKS": "2", "SLURM_PROCID": "0"}),
+     "SLURM_NTASKS=2, but this process was not started by srun (no SLURM_STEP_ID): it would "
+     "train alone as a world of 1\nHINT: start it with 'srun -n 2 --mpi=pmix python ...' "
+     "inside the job, or ask for --ntasks=1"),
+    (lambda: detect_launch_env({"PMI_SIZE": "2", "PMI_RANK": "0"}),
+     "PMI_SIZE=2 but no launcher this toolkit knows started the process\n"
+     "HINT: launch with horovodrun, mpirun (Open MPI) or srun --mpi=pmix"),
+    (lambda: detect_launch_env({"HOROVOD_RANK": "2", "HOROVOD_SIZE": "2"}),
+     "inconsistent launch environment: rank=2, world_size=2 (launcher horovodrun)\n"
+     "HINT: the launcher's rank/size variables disagree; relaunch the job instead of setting "
+     "them by hand"),
+    (lambda: LaunchEnv(2, 0, local_rank=2, local_size=2),
+     "inconsistent launch environment: local_rank=2, local_size=2 (launcher python)\n"
+     "HINT: relaunch the job instead of setting rank variables by hand"),
+    (lambda: detect_launch_env({"SLURM_JOB_ID": "7", "SLURM_STEP_ID": "0", "SLURM_PROCID": "0",
+                                "SLURM_STEP_TASKS_PER_NODE": "2x3"}),
+     "cannot read SLURM_STEP_TASKS_PER_NODE='2x3'\nHINT: expected a value such as '2(x3),1'"),
+])
+def test_launch_errors_say_what_was_wrong_and_what_to_do(call, message):
+    with pytest.raises(ToolkitError) as err:
+        call()
+    assert str(err.value) == message
 
 
 def test_launch_env_is_frozen():
