@@ -195,5 +195,6 @@ class StrategyBase:
         return 0, self.env.rank
 
     def sharded_state(self) -> tuple[dict[str, np.ndarray], dict[str, tuple]]:
-        raise ToolkitError("sharded_state() needs a Sharded or Pipeline layout",
-                           "set up under toolkit.Sharded(stage=...), or use state_dict()")
+        raise ToolkitError(f"sharded_state() needs a sharded layout; this run is "
+                           f"{self.layout.name}", "use state_dict(), or train with "
+                           "layout=toolkit.Sharded(stage=...)")

@@ -61,7 +61,7 @@ def tf_loop(spec, params, lr, env):
     import keras
     import tensorflow as tf
 
-    from adapters._gpt_tf import gpt_forward
+    from adapters.horovod_tf.models.gpt import gpt_forward
 
     hvd.init()
     variables = {n: tf.Variable(v) for n, v in params.items()}

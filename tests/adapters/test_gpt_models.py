@@ -55,7 +55,7 @@ def run_torch(spec, params, x, y, dtype, sdpa=True):
 def run_tf(spec, params, x, y, dtype):
     import tensorflow as tf
 
-    from adapters._gpt_tf import gpt_forward
+    from adapters.horovod_tf.models.gpt import gpt_forward
 
     variables = {n: tf.Variable(v, name=n.replace(".", "_")) for n, v in params.items()}
 

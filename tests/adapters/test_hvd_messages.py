@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from adapters._horovod.rounds import ALIGNMENT, pack, unpack
-from adapters._tf_pipeline import InOrderRounds, Spinner
+from adapters.horovod_tf.pipeline import InOrderRounds, Spinner
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])

@@ -129,7 +129,7 @@ def test_dropout_draws_differ_between_steps_but_not_between_runs():
     adapter = make()
     adapter.build(keras_cnn(dropout=0.0), keras.optimizers.SGD(0.0), "cross_entropy")
     assert float(adapter.train_step(*batch, None)) != runs[0][0]
-    seeds = adapter.keras_model.seeds
+    seeds = adapter.strategy.keras_model.seeds
     assert not np.array_equal(seeds(0, 5, 0), seeds(0, 5, 1))  # ranks draw differently
 
 

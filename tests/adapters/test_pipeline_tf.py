@@ -1,4 +1,4 @@
-"""horovod-tf's pipeline stages (adapters/_tf_pipeline.py): equal to the float64 reference under
+"""horovod-tf's pipeline stages (adapters/horovod_tf/pipeline.py): equal to the float64 reference under
 GPipe, 1F1B and interleaved 1F1B (one and two replicas) on the MLP and a tied GPT, float32
 within the equivalence command's bounds, checkpoints of every rank's pieces read back as the
 full model and resumed identically, and bad input.
@@ -155,7 +155,7 @@ def test_a_backward_sums_its_gradients_in_the_next_wait(tf_adapter):
     for layout in (Pipeline(1, 4, "1f1b"), Pipeline(1, 1)):
         adapter = pipelined(tf_adapter, layout, MLP((64, 16, 10)))
         adapter.train_step(x[:16], y[:16], 0.1)
-        runs.append((adapter.state_dict(), list(adapter.pipeline.recorder.records)))
+        runs.append((adapter.state_dict(), list(adapter.strategy.recorder.records)))
     (four, records), (one, _) = runs
     for k, v in four.items():
         if k.startswith("params/"):

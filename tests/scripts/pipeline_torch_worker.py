@@ -31,12 +31,10 @@ from toolkit._checkpoint import read_checkpoint
 
 
 def executor_of(adapter):
-    """The adapter's pipeline executor (None without a pipeline layout): the strategy of a
-    runtime x strategy backend, the ``pipeline`` attribute of the others."""
+    """The adapter's pipeline strategy (None without a pipeline layout)."""
     from adapters._horovod.pipeline import HvdPipeline
 
-    found = getattr(adapter, "strategy", getattr(adapter, "pipeline", None))
-    return found if isinstance(found, HvdPipeline) else None
+    return adapter.strategy if isinstance(adapter.strategy, HvdPipeline) else None
 
 
 def _crash_mid_schedule(pipeline) -> None:

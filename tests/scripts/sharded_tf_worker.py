@@ -53,7 +53,7 @@ def gradient_shards(env, size):
         adapter.build(spec, toolkit.SGD(lr=0.0), "mse", seed=0)
         adapter.train_step(x[env.rank::size].astype(np.float32),
                            y[env.rank::size].astype(np.float32), 0.0)
-        (held,) = adapter.sharded.grads.values()
+        (held,) = adapter.strategy.shards.grads.values()
         flat = lay.flatten(want)
         expect = flat if stage == 1 else lay.shard(want, env.rank)
         got = held.numpy()
@@ -83,8 +83,8 @@ def memory_and_pieces(env, size):
         adapter.train_step(x[env.rank::size], y[env.rank::size], 1e-2)
         want = {"params": 4 * (shard if stage == 3 else total),
                 "grads": 4 * (padded if stage == 1 else shard), "optimizer": 4 * 2 * shard}
-        variables = ([*adapter.sharded.params.values()] if stage == 3 else
-                     [*adapter.vars.values()])
+        variables = ([*adapter.strategy.shards.params.values()] if stage == 3 else
+                     [*adapter.strategy.shards.vars.values()])
         replicated, pieces = adapter.sharded_state()
         full = adapter.state_dict()
         out[f"stage{stage}"] = {

@@ -9,7 +9,7 @@ the update are compiled ``tf.function``s. The rounds' alltoalls go, in round ord
 asynchronous executor of their own (``InOrderRounds``); a stage waiting for a message keeps
 its core busy (``Spinner``).
 
-- each rank holds its stage's pieces (``_tf_stages.py``: spec models with the data-parallel
+- each rank holds its stage's pieces (``stages.py``: spec models with the data-parallel
   model's names, initialisation and ops; a Keras ``Sequential`` cut by layer index);
 - a forward runs the piece under a ``tf.GradientTape`` that is **kept** per (micro-batch,
   chunk) until that micro-batch's backward (no recomputation: the schedule's in-flight
@@ -21,8 +21,8 @@ its core busy (``Spinner``).
   batch's mean, as data parallel's accumulation steps), gathered so every rank of a replica
   returns it;
 - the update is ``toolkit.SGD``/``Adam``'s arithmetic on the stage's own variables, the same
-  function the data-parallel step applies (``_tf_update.apply_update``), with the adapter's
-  host-side step count and Adam scalars; Keras optimizers are refused under a pipeline.
+  function the data-parallel step applies (``update.apply_update``), with the same host-side
+  step count and Adam scalars (``ops.TFState``); Keras optimizers are refused under a pipeline.
 
 Every schedule of ``toolkit.pipeline_schedule`` runs (gpipe, 1f1b, interleaved-1f1b): the
 lockstep rounds carry the chunks. A Keras model's Dropout is re-seeded per step from (seed,
@@ -37,18 +37,17 @@ from typing import Any
 
 import numpy as np
 
-from adapters._common import check_build, loss_name
+from adapters._common import check_build
 from adapters._horovod.pipeline import HvdPipeline
 from adapters._horovod.rounds import ALIGNMENT, aligned_empty
-from adapters._keras_native import assign
-from adapters._tf_stages import cut_model
-from adapters._tf_update import apply_update
-from toolkit import GPT
+from adapters.horovod_tf.models.keras_native import assign
+from adapters.horovod_tf.ops import TFOps, TFState
+from adapters.horovod_tf.stages import cut_model
+from adapters.horovod_tf.update import apply_update
 from toolkit._layouts import Pipeline
 from toolkit._partition import micro_batch_size
 from toolkit._reference import optimizer_slots
 from toolkit._schedules import Action
-from toolkit._specs import ModelSpec
 
 
 class InOrderRounds:
@@ -102,16 +101,17 @@ class Submitted:
 
 
 class TFPipeline(HvdPipeline):
-    """Runs a ``toolkit.Pipeline`` for a ``HorovodTFAdapter`` (its ``setup`` done), with the
-    adapter contract's methods (``build``, ``train_step``, ``evaluate``, ``state_dict``, ...).
+    """``toolkit.Pipeline`` for ``horovod-tf`` (see :class:`toolkit.Adapter`): this rank's stage
+    of one replica, run by the lockstep rounds of ``adapters/_horovod/pipeline.py``; its
+    variables, slots and counters are a ``TFState`` over the stage's variables."""
 
-    The adapter keeps the host side it has in data parallel (``count``, the Adam scalars, input
-    conversion, the per-sample loss, the evaluation sums); ``build`` points its ``vars``,
-    ``names``, ``slots`` and ``buffers`` at this stage's."""
+    @staticmethod
+    def check_layout(layout: Pipeline) -> None:
+        """Refused before Horovod starts (the grid needs the world size: at ``__init__``)."""
 
-    def __init__(self, adapter, layout: Pipeline):
-        super().__init__(adapter, layout)  # the adapter has the runtime's attributes
-        self.adapter, self.tf, self.hvd = adapter, adapter.tf, adapter.hvd
+    def __init__(self, runtime, layout: Pipeline):
+        super().__init__(runtime, layout)
+        self.tf, self.hvd, self.dtype = runtime.tf, runtime.hvd, runtime.dtype
         self._rounds: InOrderRounds | None = None  # made at the first round
         # The rounds' alltoalls run on an asynchronous executor of their own: a call enqueues
         # the op and returns; the op runs on the executor's thread while the stage computes
@@ -127,18 +127,14 @@ class TFPipeline(HvdPipeline):
     def build(self, model: Any, optimizer: Any, loss: Any, *, seed: int = 0,
               accumulation_steps: int = 1, sync_batchnorm: bool = False,
               metrics: Any = None) -> None:
-        a = self.adapter
-        check_build(a.name, optimizer, accumulation_steps, sync_batchnorm)
-        a.loss_name, a.loss_fn, a.metrics = loss_name(loss), loss, dict(metrics or {})
-        self.metric_names = tuple(a.metrics)
-        a.accumulation_steps, a.seed, a.sync_batchnorm = 1, seed, False
-        a.native, a.is_gpt = not isinstance(model, ModelSpec), isinstance(model, GPT)
-        a.spec, a.sharded, a.keras_opt = model, None, None
-        self.cut = cut_model(self.tf, model, self.layout, self.stage, a)
-        a.keras_model, self.native = self.cut.keras, self.cut.native
-        a.vars, a.buffers = self.cut.variables, dict(self.cut.buffers)
-        a.names = list(a.vars)
-        a._build_optimizer(model, optimizer)  # zero slots over this stage's variables
+        check_build("horovod-tf", optimizer, accumulation_steps, sync_batchnorm)
+        self.ops = TFOps(self.runtime, model, loss, metrics)
+        self.metric_names, self.seed = tuple(self.ops.metrics), seed
+        self.cut = cut_model(self.tf, model, self.layout, self.stage, self.runtime, seed)
+        self.keras_model, self.native = self.cut.keras, self.cut.native
+        state = self.state = TFState(self.tf, self.native)
+        state.vars, state.buffers = self.cut.variables, dict(self.cut.buffers)
+        state.build_optimizer(model, optimizer)  # zero slots over this stage's variables
         self.slots = optimizer_slots(optimizer)
         # Each parameter's gradient is summed over a step's micro-batches by numpy, into a
         # buffer of its own (the first micro-batch's gradient is kept as it is): 7 ms per
@@ -146,9 +142,8 @@ class TFPipeline(HvdPipeline):
         # made every backward but a step's first 15 ms slower. The update takes the sums
         # without a copy (_tensor) when they are these buffers.
         self.acc = {n: aligned_empty(v.shape.num_elements(), self.np_dtype).reshape(
-            tuple(v.shape)) for n, v in a.vars.items()}
-        a.count = a.steps = 0
-        tf = self.tf
+            tuple(v.shape)) for n, v in state.vars.items()}
+        tf, ops = self.tf, self.ops
         # Each piece's forward and the update compiled (a tape records a tf.function call as
         # one op and differentiates it with the function's compiled gradient). A spec model's
         # pieces go through XLA, forward and gradient: TF's own kernels took 91 ms for the
@@ -161,7 +156,7 @@ class TFPipeline(HvdPipeline):
 
         def with_loss(forward):
             return lambda h, y, training: tf.cast(tf.reduce_mean(
-                a._per_sample_loss(forward(h, training), y)), a.dtype) / M
+                ops.per_sample_loss(forward(h, training), y)), self.dtype) / M
 
         def compiled(fn):
             return tf.function(fn, reduce_retracing=True, jit_compile=not self.native)
@@ -169,17 +164,17 @@ class TFPipeline(HvdPipeline):
         self.loss_of = {c: compiled(with_loss(p.forward))
                         for c, p in enumerate(self.cut.pieces) if self._is_last(c)}
         self.update = tf.function(
-            lambda grads, s: apply_update(tf, a.opt_spec, a.vars, a.slots, grads, s[0], s[1],
-                                          s[2]), reduce_retracing=True)
-        self._start(a.names)
+            lambda grads, s: apply_update(tf, state.opt_spec, state.vars, state.slots, grads,
+                                          s[0], s[1], s[2]), reduce_retracing=True)
+        self._start(state.names)
 
     @property
     def steps(self) -> int:
-        return self.adapter.steps
+        return self.state.steps
 
     @steps.setter
     def steps(self, value: int) -> None:
-        self.adapter.steps = value
+        self.state.steps = value
 
     # ------------------------------------------------------------------------------ hooks
     # Asynchronous rounds, submitted in round order. Eager Horovod ops ignore their name and are
@@ -264,7 +259,7 @@ class TFPipeline(HvdPipeline):
 
     def _gradients(self) -> dict[str, np.ndarray]:
         return {n: (self.sums[n] if n in self.sums else
-                    np.zeros(self.cut.shapes[n], self.np_dtype)) for n in self.adapter.names}
+                    np.zeros(self.cut.shapes[n], self.np_dtype)) for n in self.state.names}
 
     def _set_gradients(self, grads: dict[str, np.ndarray]) -> None:
         self.reduced = {n: self.tf.constant(g) for n, g in grads.items()}
@@ -274,7 +269,7 @@ class TFPipeline(HvdPipeline):
 
     # ------------------------------------------------------------------------------ steps
     def _compute(self, action: Action) -> None:
-        tf, a = self.tf, self.adapter
+        tf = self.tf
         m, c = action.micro_batch, action.chunk
         key, piece = (m, c), self.cut.pieces[action.chunk]
         first, last = piece.index == 0, self._is_last(c)
@@ -293,7 +288,7 @@ class TFPipeline(HvdPipeline):
             self.peak_activations = max(self.peak_activations, len(self.outputs))
             return
         (tape, inp), out = self.inputs.pop(key), self.outputs.pop(key)
-        variables = [a.vars[n] for n in piece.names]
+        variables = [self.state.vars[n] for n in piece.names]
         sources = variables if first else [inp, *variables]
         grads = tape.gradient(out, sources,
                               output_gradients=None if last else self.inbox_b.pop(key))
@@ -314,21 +309,22 @@ class TFPipeline(HvdPipeline):
                     np.add(self.sums[n], g, out=self.acc[n])
                     self.sums[n] = self.acc[n]
 
-    def train_step(self, x: np.ndarray, y: np.ndarray, scalars) -> float:
-        """One pipelined step on this replica's local batch with the adapter's
-        ``[lr, step_size, c2_sqrt]``; returns the replica's mean loss (on every rank of it)."""
-        tf, a, M = self.tf, self.adapter, self.layout.micro_batches
+    def train_step(self, x: np.ndarray, y: np.ndarray, lr: float | None) -> float:
+        """One pipelined step on this replica's local batch; returns the replica's mean loss
+        (on every rank of it)."""
+        tf, state, M = self.tf, self.state, self.layout.micro_batches
+        scalars = state.scalars(lr, self.dtype)
         micro_batch_size(len(x), M)  # a clear error when M does not divide the local batch
         if self.native:
-            a.keras_model.reseed(tf.constant(a.keras_model.seeds(a.seed, self.steps,
-                                                                 self.env.rank)))
-        xt, yt = a._inputs(x, y)
+            self.keras_model.reseed(tf.constant(self.keras_model.seeds(self.seed, self.steps,
+                                                                       self.env.rank)))
+        xt, yt = self.ops.inputs(x, y)
         self.xs, self.ys = tf.split(xt, M), tf.split(yt, M)
         self.sums: dict[str, np.ndarray] = {}  # each gradient summed over the micro-batches
         self.reduced: dict[str, Any] | None = None  # the gradients averaged across replicas
         loss = self._run_rounds()
         grads = self.reduced or {n: self._tensor(self.sums[n]) if n in self.sums else
-                                 tf.zeros_like(a.vars[n]) for n in a.names}
+                                 tf.zeros_like(state.vars[n]) for n in state.names}
         self.update(grads, scalars)
         self.steps += 1
         self.xs = self.ys = self.reduced = self.sums = grads = None
@@ -338,29 +334,32 @@ class TFPipeline(HvdPipeline):
         """Every rank's ``(x, y)`` runs through its replica's pipeline (inputs gathered on the
         first stage, labels on the last); the last stage returns the sums of all of them and
         the other ranks zeros, so the Trainer's sum across ranks is unchanged."""
-        a = self.adapter
+        ops = self.ops
         xs, ys = self._eval_data(x, y)
-        h = a._inputs(xs, np.zeros(0))[0] if xs is not None else None
+        h = ops.inputs(xs, np.zeros(0))[0] if xs is not None else None
         h = self._through(h, lambda c, h: self.forwards[c](h, False))
         if not self._is_eval_output():
             return self._empty_sums()
         if len(ys) == 0:
             return {**self._empty_sums(), "count": 0.0}
-        loss_sum, correct, extra = a._eval_sums(h, a._inputs(np.zeros(0), ys)[1])
-        result = {"loss_sum": float(loss_sum), "count": float(len(ys)),
-                  **{name: float(v) for name, v in extra.items()}}
-        if a.loss_name == "cross_entropy":
-            result["correct"] = float(correct)
-        return result
+        return ops.result(ops.eval_sums(h, ops.inputs(np.zeros(0), ys)[1]), len(ys))
 
     # ------------------------------------------------------------------------------ state
-    # (load_state_dict and memory_bytes are the adapter's own: its variables are this stage's)
     def _local(self) -> dict[str, np.ndarray]:
         """This rank's tensors under their neutral keys (each stage's, on every replica)."""
-        return {k: v for k, v in self.adapter._state().items() if k not in _REPLICATED}
+        return {k: v for k, v in self.state.state().items() if k not in _REPLICATED}
 
     def _replicated(self) -> dict[str, np.ndarray]:
-        return {k: v for k, v in self.adapter._state().items() if k in _REPLICATED}
+        return {k: v for k, v in self.state.state().items() if k in _REPLICATED}
+
+    def load_state_dict(self, state: dict[str, np.ndarray]) -> None:
+        """Keeps this stage's part of the full ``state``."""
+        self.state.load(state)
+
+    def memory_bytes(self) -> dict[str, int]:
+        """Bytes this rank (its stage) holds: its parameters, a gradient of each, their
+        optimizer slots."""
+        return self.state.memory_bytes()
 
 
 _REPLICATED = ("opt/count", "rng/step")  # the same on every rank: not gathered

@@ -52,7 +52,7 @@ def _cnn_unit(tf, spec: CNN, i: int, last: bool) -> Callable:
 def _gpt_unit(tf, spec: GPT, i: int) -> Callable:
     """Block ``i`` of ``_gpt_tf.gpt_forward`` (the same ops in the same order), with the
     embeddings before block 0 and ``ln_f``/``head`` after the last block."""
-    from adapters._gpt_tf import _dense, _gelu, _layer_norm, _lookup
+    from adapters.horovod_tf.models.gpt import _dense, _gelu, _layer_norm, _lookup
 
     heads, dh = spec.heads, spec.width // spec.heads
     first, last = i == 0, i == spec.layers - 1

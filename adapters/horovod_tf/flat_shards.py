@@ -34,7 +34,7 @@ result is the same sum of averages.
 
 Only the spec models (``toolkit.MLP``/``CNN``/``GPT``) and spec optimizers
 (``toolkit.SGD``/``Adam``) can be sharded here: the unit functions below are their forward
-passes (the same TF ops as ``horovod_tf._forward`` and ``_gpt_tf.gpt_forward``, so every stage
+passes (the same TF ops as ``models/spec.py``'s ``spec_forward``, so every stage
 computes what data parallel computes), and the optimizer's arithmetic is elementwise on flat
 shards. A Keras model or optimizer under a sharded layout is refused with a ToolkitError.
 """
@@ -47,77 +47,54 @@ from typing import Any
 
 import numpy as np
 
-from adapters._tf_units import unit_functions
-from toolkit import CNN, GPT, MLP, SGD, Adam, Sharded, ToolkitError
+from adapters.horovod_tf.models.units import unit_functions
+from toolkit import GPT, SGD, Sharded
 from toolkit._reference import optimizer_slots
 from toolkit._shards import FlatLayout, unit_layouts
-
-
-def check_layout(backend: str, layout: Any) -> Sharded:
-    """``layout`` if this backend can run it, else a ToolkitError naming what is wrong."""
-    if not isinstance(layout, Sharded):
-        raise ToolkitError(f"{backend}.set_layout got {layout!r}",
-                           "pass toolkit.Sharded(stage=1|2|3)")
-    if layout.tensor_parallel > 1:
-        raise ToolkitError(f"{backend} cannot run tensor_parallel={layout.tensor_parallel} "
-                           f"(layout {layout.name!r})",
-                           "only jax-pjit splits layers: use tensor_parallel=1 or --backend "
-                           "jax-pjit")
-    return layout
-
-
-def check_shardable(backend: str, layout: Sharded, model: Any, optimizer: Any) -> None:
-    """A ToolkitError unless ``model`` and ``optimizer`` are specs this backend can shard."""
-    if not isinstance(model, MLP | CNN | GPT):
-        raise ToolkitError(
-            f"{backend} cannot shard a {type(model).__name__} under layout {layout.name!r}",
-            "sharded layouts in horovod-tf take the spec models toolkit.MLP, toolkit.CNN and "
-            "toolkit.GPT (split into flat per-unit shards); train a Keras model with the "
-            "data-parallel layout")
-    if not isinstance(optimizer, SGD | Adam):
-        raise ToolkitError(
-            f"{backend} cannot shard the optimizer {type(optimizer).__name__} under layout "
-            f"{layout.name!r}", "pass toolkit.SGD(...) or toolkit.Adam(...) (their arithmetic "
-            "runs on flat shards)")
 
 
 class ShardedTF:
     """The sharded state of a spec model and optimizer on one rank, and its compiled step.
 
-    Built by ``HorovodTFAdapter.build`` under a ``toolkit.Sharded`` layout; the adapter keeps
-    the host side (Adam's step count and scalars, inputs, losses) and delegates the rest.
+    Made by ``sharded.TFSharded`` (the strategy), which keeps the host side (Adam's step count
+    and scalars, inputs, losses).
 
     Args:
-        adapter: the set-up ``HorovodTFAdapter`` (its ``tf``, ``hvd``, ``dtype``, loss and
-            ``_local_grads``); for stages 1/2 this sets its ``vars`` (full parameters).
+        runtime: the started runtime (its ``tf``, ``hvd``, ``dtype``).
         layout: the ``toolkit.Sharded`` layout.
         spec: the model spec.
         optimizer: the optimizer spec.
         init: the spec's initial parameters (neutral name -> array, in ``init`` order).
+        local_grads: ``(x, y, variables) -> (gradients, mean loss)`` of this rank's batch.
+
+    Attributes:
+        vars: stages 1/2: the full parameters (neutral name -> variable); stage 3: empty.
+        names: the parameters' neutral names, in ``init`` order.
     """
 
-    def __init__(self, adapter: Any, layout: Sharded, spec: Any, optimizer: Any,
-                 init: dict[str, np.ndarray]):
-        tf, hvd = adapter.tf, adapter.hvd
-        self.adapter, self.tf, self.hvd = adapter, tf, hvd
+    def __init__(self, runtime: Any, layout: Sharded, spec: Any, optimizer: Any,
+                 init: dict[str, np.ndarray], local_grads: Callable):
+        tf, hvd = runtime.tf, runtime.hvd
+        self.tf, self.hvd, self.local_grads = tf, hvd, local_grads
+        self.dtype, self.np_dtype = runtime.dtype, runtime.dtype_name
         self.stage, self.spec, self.opt = layout.stage, spec, optimizer
         self.size, self.rank = hvd.size(), hvd.rank()
         self.layouts = unit_layouts({n: a.shape for n, a in init.items()}, self.size)
         self.units = list(self.layouts)
-        dtype = adapter.dtype
+        dtype = self.dtype
         flats = {}  # rank 0's initial parameters, one flat buffer per unit
         for u, lay in self.layouts.items():
-            flat = tf.constant(lay.flatten(init).astype(adapter.dtype_name))
+            flat = tf.constant(lay.flatten(init).astype(self.np_dtype))
             flats[u] = hvd.broadcast(flat, root_rank=0, name=f"init_{u}").numpy()
         if self.stage == 3:
-            adapter.vars = {}
+            self.vars: dict[str, Any] = {}
             self.params = {u: tf.Variable(self._mine(u, flats[u]), name=f"shard_{u}")
                            for u in self.units}
         else:
-            adapter.vars = {n: tf.Variable(a, name=n.replace(".", "_"))
+            self.vars = {n: tf.Variable(a, name=n.replace(".", "_"))
                             for u, lay in self.layouts.items()
                             for n, a in lay.unflatten(flats[u]).items()}
-        adapter.names = list(init)
+        self.names = list(init)
         self.slots = {(slot, u): tf.Variable(tf.zeros([lay.shard_size], dtype), trainable=False)
                       for slot in optimizer_slots(optimizer)
                       for u, lay in self.layouts.items()}
@@ -137,7 +114,7 @@ class ShardedTF:
         tf, lay = self.tf, self.layouts[unit]
         parts = [tf.reshape(tensors[n], [-1]) for n in lay.names]
         if lay.padded > lay.total:
-            parts.append(tf.zeros([lay.padded - lay.total], self.adapter.dtype))
+            parts.append(tf.zeros([lay.padded - lay.total], self.dtype))
         return tf.concat(parts, 0)
 
     def _owned(self, unit: str, tensors: dict) -> Any:
@@ -146,7 +123,7 @@ class ShardedTF:
         parts = [tf.reshape(tensors[n], [-1])[a:b] for n, a, b, _ in lay.owned(self.rank)]
         held = sum(b - a for _, a, b, _ in lay.owned(self.rank))
         if held < lay.shard_size:
-            parts.append(tf.zeros([lay.shard_size - held], self.adapter.dtype))
+            parts.append(tf.zeros([lay.shard_size - held], self.dtype))
         return tf.concat(parts, 0)
 
     def _unflatten(self, unit: str, flat: Any) -> dict:
@@ -218,17 +195,17 @@ class ShardedTF:
         """One compiled step: local gradients, the stage's reduction, the sharded update."""
         del seeds  # spec models draw no randomness
         lr, step_size, c2_sqrt = scalars[0], scalars[1], scalars[2]
-        tf, hvd, a = self.tf, self.hvd, self.adapter
+        tf, hvd = self.tf, self.hvd
         if self.stage == 3:
-            grads, total = a._local_grads(x, y, [self.params[u] for u in self.units])
+            grads, total = self.local_grads(x, y, [self.params[u] for u in self.units])
             for u, g in zip(self.units, grads, strict=True):
                 self.grads[u].assign(g)
                 new = self._update(u, tf.convert_to_tensor(self.params[u]),
                                    tf.convert_to_tensor(self.grads[u]), lr, step_size, c2_sqrt)
                 self.params[u].assign(new)
             return total
-        grads, total = a._local_grads(x, y, [a.vars[n] for n in a.names])
-        grads = dict(zip(a.names, grads, strict=True))
+        grads, total = self.local_grads(x, y, [self.vars[n] for n in self.names])
+        grads = dict(zip(self.names, grads, strict=True))
         for u, lay in self.layouts.items():
             flat = self._flatten(u, grads)
             if self.stage == 1:
@@ -238,9 +215,9 @@ class ShardedTF:
             else:
                 self.grads[u].assign(self._reduce_scatter(u, flat))
                 g = tf.convert_to_tensor(self.grads[u])
-            new = self._update(u, self._owned(u, a.vars), g, lr, step_size, c2_sqrt)
+            new = self._update(u, self._owned(u, self.vars), g, lr, step_size, c2_sqrt)
             for n, t in self._unflatten(u, hvd.allgather(new)).items():
-                a.vars[n].assign(t)
+                self.vars[n].assign(t)
         return total
 
     def _update(self, unit, p, g, lr, step_size, c2_sqrt):
@@ -279,7 +256,7 @@ class ShardedTF:
                 out.update({f"params/{n}": a for n, a
                             in lay.unflatten(self._gather_host(self.params[u])).items()})
             else:
-                out.update({f"params/{n}": np.array(self.adapter.vars[n].numpy())
+                out.update({f"params/{n}": np.array(self.vars[n].numpy())
                             for n in lay.names})
         for (slot, u), var in self.slots.items():
             out.update({f"opt/{slot}/{n}": a for n, a
@@ -288,14 +265,14 @@ class ShardedTF:
 
     def load_state_dict(self, state: dict[str, np.ndarray]) -> None:
         """Takes this rank's shards of full tensors (as ``state_dict`` returns them)."""
-        np_dtype = self.adapter.dtype_name
+        np_dtype = self.np_dtype
         for u, lay in self.layouts.items():
             params = {n: state[f"params/{n}"] for n in lay.names}
             if self.stage == 3:
                 self.params[u].assign(lay.shard(params, self.rank).astype(np_dtype))
             else:
                 for n, a in params.items():
-                    self.adapter.vars[n].assign(np.asarray(a, np_dtype))
+                    self.vars[n].assign(np.asarray(a, np_dtype))
         for (slot, u), var in self.slots.items():
             lay = self.layouts[u]
             slots = {n: state[f"opt/{slot}/{n}"] for n in lay.names}
@@ -304,13 +281,13 @@ class ShardedTF:
     def sharded_state(self) -> tuple[dict[str, np.ndarray],
                                      dict[str, tuple[np.ndarray, int, tuple[int, ...]]]]:
         """``(replicated, pieces)`` as ``toolkit.ShardedAdapter`` says (no ``opt/count``: the
-        adapter adds it)."""
+        strategy adds it)."""
         replicated, pieces = {}, {}
         for u, lay in self.layouts.items():
             if self.stage == 3:
                 pieces.update(_pieces(lay, self.rank, self.params[u].numpy(), "params/"))
             else:
-                replicated.update({f"params/{n}": np.array(self.adapter.vars[n].numpy())
+                replicated.update({f"params/{n}": np.array(self.vars[n].numpy())
                                    for n in lay.names})
         for (slot, u), var in self.slots.items():
             pieces.update(_pieces(self.layouts[u], self.rank, var.numpy(), f"opt/{slot}/"))
@@ -318,7 +295,7 @@ class ShardedTF:
 
     def memory_bytes(self) -> dict[str, int]:
         """Bytes of the variables this rank holds for parameters, gradients and slots."""
-        params = self.params.values() if self.stage == 3 else self.adapter.vars.values()
+        params = self.params.values() if self.stage == 3 else self.vars.values()
         return {"params": _nbytes(params), "grads": _nbytes(self.grads.values()),
                 "optimizer": _nbytes(self.slots.values())}
 

@@ -10,7 +10,7 @@ stage holds its own ``tok_emb`` variable (the head reads it); the executor sums 
 gradients, so both copies take the same update (Megatron-LM's embedding group).
 
 A Keras ``Sequential`` is cut by layer index (balanced by trainable parameter count, or at the
-layout's split points), its variables under ``adapters._keras_native``'s stable names; every
+layout's split points), its variables under ``models/keras_native.py``'s stable names; every
 other model (a functional or subclassed Keras model, anything else) is refused: a pipeline
 needs a sequential model.
 """
@@ -52,7 +52,7 @@ class CutModel:
         shapes: every parameter's shape, in the model's order.
         buffers: this stage's non-trainable variables, ``(name, variable)``; ``buffer_specs``:
             every stage's as ``name -> (stage, shape, dtype)``.
-        keras: the ``adapters._keras_native.KerasNative`` of a Keras model, else ``None``.
+        keras: the ``models.keras_native.KerasNative`` of a Keras model, else ``None``.
     """
 
     pieces: list[Piece]
@@ -68,17 +68,18 @@ class CutModel:
         return self.keras is not None
 
 
-def cut_model(tf, model: Any, layout, stage: int, adapter) -> CutModel:
+def cut_model(tf, model: Any, layout, stage: int, runtime, seed: int) -> CutModel:
     """The pieces of ``model`` that ``stage`` holds under the ``toolkit.Pipeline`` ``layout``
-    (``adapter``: the ``HorovodTFAdapter``, for its dtype, seed and rank-0 broadcast)."""
+    (``runtime``: the started ``TFRuntime``, for its dtype and rank 0's broadcast; ``seed``
+    initialises a spec)."""
     if isinstance(model, ModelSpec):
-        return _cut_spec(tf, model, layout, stage, model.init(adapter.seed, adapter.dtype_name))
+        return _cut_spec(tf, model, layout, stage, model.init(seed, runtime.dtype_name))
     try:
         import keras
     except ImportError:  # pragma: no cover - horovod-tf installs Keras with TensorFlow
         keras = None
     if keras is not None and isinstance(model, keras.Sequential):
-        return _cut_sequential(tf, model, layout, stage, adapter)
+        return _cut_sequential(tf, model, layout, stage, runtime)
     if keras is not None and isinstance(model, keras.Layer):
         raise ToolkitError(f"horovod-tf cannot cut the Keras model {model.name!r} "
                            f"({type(model).__name__}) into pipeline stages: it is not a "
@@ -88,7 +89,7 @@ def cut_model(tf, model: Any, layout, stage: int, adapter) -> CutModel:
 
 
 def _cut_spec(tf, spec, layout, stage: int, init: dict[str, np.ndarray]) -> CutModel:
-    from adapters._tf_units import unit_functions
+    from adapters.horovod_tf.models.units import unit_functions
 
     S, v = layout.stages, layout.chunks
     part = partition_model(spec, S, v, layout.splits or None)
@@ -120,14 +121,14 @@ def _spec_forward(fns: list[Callable], variables: dict, first: bool) -> Callable
     return forward
 
 
-def _cut_sequential(tf, model, layout, stage: int, adapter) -> CutModel:
-    from adapters._keras_native import KerasNative, _np_dtype
+def _cut_sequential(tf, model, layout, stage: int, runtime) -> CutModel:
+    from adapters.horovod_tf.models.keras_native import KerasNative, _np_dtype
+    from adapters.horovod_tf.ops import TFState
 
-    native = KerasNative(model, adapter.dtype_name, adapter.name)
-    # rank 0's initial values on every rank, then cut
-    adapter.vars, adapter.buffers, adapter.slots, adapter.count = (native.params,
-                                                                   native.buffers, {}, 0)
-    adapter._broadcast_state()
+    native = KerasNative(model, runtime.dtype_name, "horovod-tf")
+    whole = TFState(tf, native=True)  # rank 0's initial values on every rank, then cut
+    whole.vars, whole.buffers = native.params, native.buffers
+    whole.broadcast(runtime.hvd)
     layers = list(model.layers)
     if not layers:
         raise ToolkitError(f"the keras.Sequential {model.name!r} has no layers", SEQUENTIAL_ONLY)

@@ -1,0 +1,44 @@
+"""The ``horovod-tf`` runtime: TensorFlow 2 and ``horovod.tensorflow``, started for a layout."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import numpy as np
+
+from adapters._horovod.runtime import HorovodRuntime
+
+
+class TFRuntime(HorovodRuntime):
+    """Horovod's communicator with TensorFlow tensors; ``tf``, ``hvd`` and the compute
+    ``dtype`` are the strategies' after ``setup``."""
+
+    backend = "horovod-tf"
+    tf: Any = None
+    dtype: Any = None
+
+    def connect(self, env) -> Any:
+        os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+        try:
+            import tensorflow as tf
+        except ImportError as err:
+            raise self.missing("TensorFlow", err) from err
+        try:
+            import horovod.tensorflow as hvd
+        except ImportError as err:
+            raise self.missing("Horovod built with TensorFlow support", err) from err
+        self.tf = tf
+        try:  # only possible before TF's runtime starts (once per process)
+            tf.config.threading.set_intra_op_parallelism_threads(self.threads(env))
+            tf.config.threading.set_inter_op_parallelism_threads(1)
+        except RuntimeError:
+            pass
+        self.dtype = {"float32": tf.float32, "float64": tf.float64}[self.dtype_name]
+        return hvd
+
+    def tensor(self, values: np.ndarray) -> Any:
+        return self.tf.constant(values)
+
+    def barrier(self) -> None:
+        self.hvd.allreduce(self.tf.constant(0.0), name="barrier")
