@@ -150,3 +150,104 @@ def test_reduction_groups(world, stages, groups):
     assert grid.reduction_groups() == groups
     assert grid.end_ranks() == grid.stage_ranks(0) + (
         grid.stage_ranks(stages - 1) if stages > 1 else ())
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda: balanced_splits([1, 2], 0),
+     "parts=0 must be a positive integer\nHINT: e.g. balanced_splits([3, 1, 1, 3], 2)"),
+    (lambda: balanced_splits([1, -1], 1),
+     "layer costs [1.0, -1.0] must be non-negative\nHINT: pass parameter counts"),
+    (lambda: balanced_splits([1, math.nan], 1),
+     "layer costs [1.0, nan] must be non-negative\nHINT: pass parameter counts"),
+    (lambda: balanced_splits([1, 2], 3), "3 stages (or chunks) for a model of 2 layers\n"
+     "HINT: use at most 2 stages, or a model with more layers"),
+    (lambda: partition_layers([1] * 4, 0),
+     "stages=0 must be a positive integer\nHINT: e.g. stages=2"),
+    (lambda: partition_layers([1] * 4, 2.5),
+     "stages=2.5 must be a positive integer\nHINT: e.g. stages=2"),
+    (lambda: partition_layers([1] * 4, True),
+     "stages=True must be a positive integer\nHINT: e.g. stages=2"),
+    (lambda: partition_layers([1] * 4, 2, chunks=0),
+     "chunks=0 must be a positive integer\nHINT: e.g. chunks=2"),
+    (lambda: partition_layers([1] * 6, 2, chunks=2),
+     "6 layers do not split into 2 stages x 2 chunks of equal size\nHINT: use a layer count "
+     "that is a multiple of 4, other chunks, or explicit split points"),
+    (lambda: partition_layers([1] * 6, 3, splits=(2,)),
+     "1 split points [2] for 3 stages (or chunks)\n"
+     "HINT: give 2 increasing layer indices between 1 and 5"),
+    (lambda: partition_layers([1] * 6, 2, splits=(1.5,)),
+     "split point 1.5 in [1.5] is not an integer\nHINT: give layer indices, e.g. splits=(2,)"),
+    (lambda: partition_layers([1] * 6, 2, splits=(True,)),
+     "split point True in [True] is not an integer\nHINT: give layer indices, e.g. splits=(2,)"),
+    (lambda: partition_layers([1] * 6, 3, splits=(4, 2)),
+     "split points [4, 2] are out of range or not increasing at 2 (a model of 6 layers)\n"
+     "HINT: give 2 strictly increasing indices between 1 and 5"),
+    (lambda: micro_batch_size(0, 2),
+     "local batch=0 must be a positive integer\nHINT: e.g. a batch of 32"),
+    (lambda: micro_batch_size(4, 0),
+     "micro_batches=0 must be a positive integer\nHINT: e.g. micro_batches=4"),
+    (lambda: micro_batch_size(30, 4),
+     "4 micro-batches do not divide the local batch of 30 samples\nHINT: use a number of "
+     "micro-batches that divides it (1, 2, 3, 5, 6, 10, 15, 30), or a local batch that is a "
+     "multiple of 4"),
+    (lambda: PipelineGrid(0, 1),
+     "world size=0 must be a positive integer\nHINT: e.g. world size 4"),
+    (lambda: PipelineGrid(4, 0), "stages=0 must be a positive integer\nHINT: e.g. stages=2"),
+    (lambda: PipelineGrid(6, 4),
+     "world size 6 is not a multiple of the 4 pipeline stages\nHINT: launch S x D ranks, e.g. "
+     "4 or 8, or use a number of stages that divides the world size"),
+])
+def test_partition_errors_say_what_was_wrong_and_what_to_do(call, message):
+    with pytest.raises(ToolkitError) as err:
+        call()
+    assert str(err.value) == message
+
+
+def test_the_largest_run_is_minimal_even_where_a_more_even_cut_has_a_larger_one():
+    # 1 | 5 | 2 3 has runs 1, 5, 5; the cut 1 5 | 2 | 3 has smaller squares (6, 2, 3) but a
+    # larger largest run: the pipeline's slowest stage decides its speed.
+    assert balanced_splits([1, 5, 2, 3], 3) == (1, 2)
+    # among the cuts with the smallest largest run, the most even one: 2 | 1 1 | 9, not 2 1 | 1 | 9
+    assert balanced_splits([2, 1, 1, 9], 3) == (1, 3)
+    # costs are any non-negative numbers: the cut does not depend on their unit
+    for costs, parts in [([1, 5, 2, 3], 3), ([2, 1, 1, 9], 3), ([3, 1, 4, 1, 5, 9, 2, 6], 4)]:
+        expected = balanced_splits(costs, parts)
+        assert balanced_splits([c / 10 for c in costs], parts) == expected
+        assert balanced_splits([c * 1000 for c in costs], parts) == expected
+
+
+def test_parameter_free_layers_still_get_non_empty_runs():
+    assert balanced_splits([0, 0], 2) == (1,)
+    assert balanced_splits([0, 0, 0], 2) == (2,)  # among equal cuts the latest
+    assert partition_layers([0, 0, 0, 0], 4) == (range(0, 1), range(1, 2), range(2, 3),
+                                                 range(3, 4))
+
+
+def test_micro_batch_size_is_an_int_and_piece_defaults_to_chunk_0():
+    assert type(micro_batch_size(32, 8)) is int
+    part = partition_model(MLP((4, 8, 8, 2)), 3)
+    assert part.piece(1) == part.piece(1, chunk=0) == 1
+
+
+def test_a_tied_gpt_on_one_stage_holds_its_embedding_once():
+    part = partition_model(GPT(vocab=64, context=8, width=16, layers=2, heads=2), 1)
+    assert part.names[0].count("tok_emb") == 1 and part.shared == {}
+
+
+class _MLPWithoutArrays(MLP):
+    def init(self, seed, dtype="float32"):
+        raise AssertionError("partition_model drew the model's arrays")
+
+
+class _GPTWithoutArrays(GPT):
+    def init(self, seed, dtype="float32"):
+        raise AssertionError("partition_model drew the model's arrays")
+
+
+def test_partition_model_reads_shapes_without_drawing_arrays():
+    """Cutting a large model must not allocate it: shapes come from the spec."""
+    mlp = partition_model(_MLPWithoutArrays((64, 128, 128, 10)), 2)
+    assert mlp.layers == partition_model(MLP((64, 128, 128, 10)), 2).layers
+    gpt = partition_model(_GPTWithoutArrays(vocab=64, context=8, width=16, layers=4, heads=2), 2)
+    assert gpt.names == partition_model(GPT(vocab=64, context=8, width=16, layers=4, heads=2),
+                                        2).names
