@@ -228,3 +228,355 @@ def test_a_damaged_shard_file_is_named_and_latest_falls_back(tmp_path, damage, c
     ckpt = CheckpointStore(tmp_path).load("latest")
     assert ckpt.step == 5 and "skipped damaged checkpoint" in capsys.readouterr().err
     assert piece.parent.exists()  # loading never deletes what is on disk
+
+
+def _edit_manifest(path, edit):
+    manifest = json.loads((path / "manifest.json").read_text())
+    edit(manifest)
+    (path / "manifest.json").write_text(json.dumps(manifest))
+
+
+def test_errors_name_the_file_and_say_what_to_do(tmp_path):
+    store = CheckpointStore(tmp_path / "s")
+    path = store.save(1, tensors(), {})
+    manifest = path / "manifest.json"
+    w = path / "00000.npy"
+
+    def message(call):
+        with pytest.raises(CheckpointError) as err:
+            call()
+        return str(err.value)
+
+    assert message(lambda: CheckpointStore(tmp_path, keep=0)) == (
+        "keep=0 would delete every checkpoint\nHINT: keep at least 1 (the default is 3)")
+    assert message(lambda: store.save(2, {"o": np.array([{}], dtype=object)}, {})) == (
+        "tensor 'o' has dtype object, which .npy can only store with pickle\n"
+        "HINT: store numeric arrays only")
+    assert message(lambda: store.save(2, {}, {}, shards={"x": (np.ones(2), 0)})) == (
+        "sharded saves need a barrier and blocking=True\nHINT: pass barrier=adapter.barrier")
+    assert message(lambda: CheckpointStore(tmp_path / "none").load()) == (
+        f"no checkpoint in {tmp_path / 'none'}\n"
+        "HINT: train with a checkpoint directory first, or drop --resume")
+    assert message(lambda: read_checkpoint(tmp_path)) == (
+        f"{tmp_path / 'manifest.json'} does not exist\n"
+        "HINT: pass a step_* directory written by this toolkit")
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    assert message(lambda: CheckpointStore(blocker / "c").save(1, tensors(), {})) == (
+        f"could not write checkpoint {blocker / 'c' / 'step_000000001'}: Not a directory\n"
+        "HINT: check that the directory is writable and has free space (the previous "
+        "checkpoint is untouched)")
+    # damage, one kind at a time (each restored after)
+    good_w, good_manifest = w.read_bytes(), manifest.read_text()
+    _edit_manifest(path, lambda m: m["tensors"][0].update(shape=[3, 4]))
+    assert message(lambda: read_checkpoint(path)) == (
+        f"{w} (tensor 'params/w') holds <f4[4, 3], the manifest says <f4[3, 4]\n"
+        "HINT: resume from another checkpoint")
+    manifest.write_text(good_manifest)
+    _edit_manifest(path, lambda m: m["tensors"][0].update(dtype="<f8"))
+    assert message(lambda: read_checkpoint(path)) == (
+        f"{w} (tensor 'params/w') holds <f4[4, 3], the manifest says <f8[4, 3]\n"
+        "HINT: resume from another checkpoint")
+    manifest.write_text(good_manifest)
+    raw = bytearray(good_w)
+    raw[-1] ^= 0xFF
+    w.write_bytes(bytes(raw))
+    assert message(lambda: read_checkpoint(path)) == (
+        f"{w} (tensor 'params/w') fails its checksum\n"
+        "HINT: the file is corrupted; resume from another checkpoint")
+    w.write_bytes(good_w[:-7])
+    text = message(lambda: read_checkpoint(path))
+    assert text.startswith(f"{w} (tensor 'params/w') is unreadable or truncated (")
+    assert text.endswith(")\nHINT: resume from another checkpoint")
+    w.write_bytes(good_w)
+    manifest.write_text('{"format": "hpc-tool')
+    text = message(lambda: read_checkpoint(path))
+    assert text.startswith(f"{manifest} is unreadable or truncated (")
+    assert text.endswith(")\nHINT: resume from another checkpoint")
+    manifest.write_text(good_manifest)
+    _edit_manifest(path, lambda m: m.update(format="other"))
+    assert message(lambda: read_checkpoint(path)) == (
+        f"{manifest} is not a hpc-toolkit-checkpoint manifest\n"
+        "HINT: pass a step_* directory written by this toolkit")
+    assert message(lambda: store.load()) == (
+        f"no intact checkpoint in {tmp_path / 's'}: {manifest} is not a hpc-toolkit-checkpoint "
+        "manifest\nHINT: resume from an earlier copy, or start without --resume")
+    manifest.write_text(good_manifest)
+    _edit_manifest(path, lambda m: m.update(format_version=2))
+    assert message(lambda: read_checkpoint(path)) == (
+        f"{manifest} has format version 2; this toolkit reads version 1\n"
+        "HINT: load it with the toolkit version that wrote it")
+
+
+def test_a_pickled_array_is_never_loaded(tmp_path):
+    """Loading a checkpoint never runs code: an object array (pickled) in place of a tensor
+    is an unreadable file, not an unpickled one."""
+    path = CheckpointStore(tmp_path).save(1, tensors(), {})
+    np.save(path / "00000.npy", np.array([{"x": 1}], dtype=object), allow_pickle=True)
+    _edit_manifest(path, lambda m: m["tensors"][0].update(shape=[1], dtype="|O"))
+    with pytest.raises(CheckpointError, match="is unreadable or truncated"):
+        read_checkpoint(path)
+
+
+def test_loaded_checkpoint_has_its_path_and_metadata_without_the_tensor_list(tmp_path):
+    store = CheckpointStore(tmp_path)
+    path = store.save(10, tensors(), {"epoch": 1, "sampler": {"step": 3}})
+    for ckpt in (store.load(), store.load(path), store.load(str(path))):
+        assert ckpt.path == path
+        assert ckpt.meta == {"format": "hpc-toolkit-checkpoint", "format_version": 1,
+                             "step": 10, "epoch": 1, "sampler": {"step": 3}}
+        assert_same(ckpt.tensors, tensors())
+
+
+def test_a_clean_load_says_nothing(tmp_path, capsys):
+    store = CheckpointStore(tmp_path)
+    store.save(1, tensors(), {})
+    store.load()
+    assert capsys.readouterr().err == ""
+
+
+def test_the_fallback_message_lists_every_damaged_checkpoint(tmp_path, capsys):
+    store = CheckpointStore(tmp_path)
+    for step in (1, 2, 3):
+        store.save(step, tensors(step), {})
+    for step in (2, 3):
+        (tmp_path / f"step_00000000{step}" / "manifest.json").write_text("{}")
+    assert store.load().step == 1
+    names = [tmp_path / f"step_00000000{step}" / "manifest.json" for step in (3, 2)]
+    assert capsys.readouterr().err == (
+        f"[checkpoint] skipped damaged checkpoint(s): {names[0]} is not a hpc-toolkit-checkpoint "
+        f"manifest; {names[1]} is not a hpc-toolkit-checkpoint manifest; resuming from "
+        f"{tmp_path / 'step_000000001'}\n")
+    (tmp_path / "step_000000001" / "manifest.json").write_text("{}")
+    with pytest.raises(CheckpointError) as err:
+        store.load()
+    names.append(tmp_path / "step_000000001" / "manifest.json")
+    assert str(err.value) == (
+        f"no intact checkpoint in {tmp_path}: "
+        + "; ".join(f"{n} is not a hpc-toolkit-checkpoint manifest" for n in names)
+        + "\nHINT: resume from an earlier copy, or start without --resume")
+
+
+def test_default_keep_is_3_and_keep_1_keeps_the_newest(tmp_path):
+    default, one = CheckpointStore(tmp_path / "d"), CheckpointStore(tmp_path / "o", keep=1)
+    for step in (1, 2, 3, 4, 5):
+        default.save(step, tensors(step), {})
+        one.save(step, tensors(step), {})
+    assert [p.name for p in default.checkpoints()] == [
+        "step_000000003", "step_000000004", "step_000000005"]
+    assert [p.name for p in one.checkpoints()] == ["step_000000005"]
+
+
+def test_resaving_a_step_replaces_it_and_latest_follows_the_last_save(tmp_path):
+    store = CheckpointStore(tmp_path, keep=2)
+    store.save(5, tensors(5), {})
+    store.save(6, tensors(6), {})
+    store.save(5, tensors(50), {})  # e.g. a run restarted from step 5 saves it again
+    assert_same(read_checkpoint(tmp_path / "step_000000005").tensors, tensors(50))
+    store.save(3, tensors(3), {})  # older than both kept ones: the one just written stays
+    assert (tmp_path / "step_000000003").is_dir()
+    ckpt = store.load()  # latest names the last save, not the highest step
+    assert ckpt.step == 3
+    assert_same(ckpt.tensors, tensors(3))
+    assert not [p.name for p in tmp_path.iterdir() if p.name.startswith(".")]
+
+
+def test_latest_falls_back_to_the_newest_step_without_a_pointer(tmp_path):
+    store = CheckpointStore(tmp_path, keep=5)
+    for step in (1, 2, 3):
+        store.save(step, tensors(step), {})
+    (tmp_path / "latest").unlink()
+    assert store.load().step == 3
+    (tmp_path / "latest").write_text("step_000000099\n")  # names a checkpoint that is gone
+    assert store.load().step == 3
+
+
+def test_only_step_directories_are_checkpoints_in_step_order(tmp_path):
+    store = CheckpointStore(tmp_path, keep=5)
+    store.save(999_999_999, tensors(1), {})
+    store.save(1_000_000_000, tensors(2), {})  # one more digit than the name's padding
+    (tmp_path / "step_000000007").write_text("a file, not a checkpoint")
+    (tmp_path / "notes12345").mkdir()
+    (tmp_path / "step_old").mkdir()
+    assert [p.name for p in store.checkpoints()] == ["step_999999999", "step_1000000000"]
+    assert store.load().step == 1_000_000_000
+
+
+def test_a_nested_directory_is_created_and_a_stale_temporary_one_replaced(tmp_path):
+    nested = tmp_path / "a" / "b"
+    stale = nested / f".tmp.step_000000001.{os.getpid()}"  # left by a save killed earlier
+    stale.mkdir(parents=True)
+    (stale / "junk.npy").write_text("x")
+    CheckpointStore(nested).save(1, tensors(), {})
+    assert sorted(p.name for p in (nested / "step_000000001").iterdir()) == [
+        "00000.npy", "00001.npy", "00002.npy", "manifest.json"]
+    assert not stale.exists()
+    CheckpointStore(tmp_path / "new" / "deeper").save(1, tensors(), {})
+    assert CheckpointStore(tmp_path / "new" / "deeper").load().step == 1
+
+
+def test_async_save_can_be_waited_for_twice(tmp_path):
+    store = CheckpointStore(tmp_path)
+    store.save(1, tensors(), {}, blocking=False)
+    store.wait()
+    store.wait()
+    assert store.load().step == 1
+
+
+def test_a_background_save_finishes_when_the_program_ends(tmp_path):
+    script = textwrap.dedent(f"""
+        import time
+        import numpy as np
+        from toolkit import _checkpoint
+        write = _checkpoint._write_arrays
+        def slow_write(*args):  # a slow disk: the program is done long before the write
+            time.sleep(0.5)
+            return write(*args)
+        _checkpoint._write_arrays = slow_write
+        _checkpoint.CheckpointStore({str(tmp_path)!r}).save(1, {{"w": np.ones(1000)}}, {{}},
+                                                            blocking=False)
+    """)  # the main thread returns at once; the writer thread must still complete
+    assert subprocess.run([sys.executable, "-c", script]).returncode == 0
+    assert CheckpointStore(tmp_path).load().tensors["w"].sum() == 1000
+
+
+def save_pieces_from_ranks(directory, world, pieces, step=5):
+    """Each rank (a thread) saves its ``pieces[r]`` (name -> shard spec); returns what every
+    rank's ``save`` returned or raised."""
+    import threading
+
+    barrier = threading.Barrier(world, timeout=10)
+    out = [None] * world
+
+    def rank(r):
+        try:
+            out[r] = CheckpointStore(directory, rank=r).save(
+                step, {"params/replicated": np.ones(4)}, {}, shards=pieces[r],
+                barrier=barrier.wait)
+        except BaseException as err:
+            out[r] = err
+            if not isinstance(err, CheckpointError):  # raised before the ranks' last barrier
+                barrier.abort()
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return out
+
+
+def test_pieces_along_another_axis_and_flat_pieces_of_a_full_shape(tmp_path):
+    full = np.arange(24, dtype=np.float32).reshape(2, 12)
+    flat = np.arange(10.0).reshape(2, 5)
+    # ZeRO-style flat pieces of 4 (the last one short here, and one empty) and column blocks
+    cuts = [(0, 4), (4, 8), (8, 10), (10, 10)]
+    pieces = [{"cols": (full[:, 4 * r:4 * r + 4], 1) if r < 3 else (full[:, 12:], 1),
+               "flat": (flat.reshape(-1)[a:b], 0, flat.shape)} for r, (a, b) in enumerate(cuts)]
+    out = save_pieces_from_ranks(tmp_path / "deep" / "dir", 4, pieces)
+    assert out == [tmp_path / "deep" / "dir" / "step_000000005", None, None, None]
+    ckpt = CheckpointStore(tmp_path / "deep" / "dir").load()
+    assert np.array_equal(ckpt.tensors["cols"], full)
+    assert ckpt.tensors["flat"].shape == (2, 5) and np.array_equal(ckpt.tensors["flat"], flat)
+    # one rank: its single flat piece is the whole tensor, reshaped
+    one = save_pieces_from_ranks(tmp_path / "one", 1, [{"flat": (flat.reshape(-1), 0, (2, 5))}])
+    assert np.array_equal(read_checkpoint(one[0]).tensors["flat"], flat)
+    # a manifest whose full shape does not match the pieces' values is incomplete
+    path = out[0]
+    _edit_manifest(path, lambda m: [e["shard"].update(shape=[3, 5]) for e in m["tensors"]
+                                    if e["name"] == "flat"])
+    with pytest.raises(CheckpointError) as err:
+        read_checkpoint(path)
+    assert str(err.value) == (
+        f"{path}: the pieces of tensor 'flat' hold 10 values, its shape [3, 5] needs 15\n"
+        "HINT: the checkpoint is incomplete; resume from another checkpoint")
+
+
+def test_a_missing_piece_message(tmp_path):
+    save_sharded_from_ranks(tmp_path, 3)
+    path = tmp_path / "step_000000005"
+    _edit_manifest(path, lambda m: m.update(tensors=[
+        e for e in m["tensors"] if e.get("shard", {}).get("index") != 1]))
+    with pytest.raises(CheckpointError) as err:
+        read_checkpoint(path)
+    assert str(err.value) == (
+        f"{path}: tensor 'params/sharded' has pieces [0, 2], expected one from each of 3 ranks\n"
+        "HINT: the checkpoint is incomplete; resume from another checkpoint")
+
+
+def test_a_stale_shared_temporary_directory_is_replaced(tmp_path):
+    stale = tmp_path / ".tmp.step_000000005.shared"
+    stale.mkdir()
+    (stale / "shard-r00007-00000.npy").write_text("from a save killed earlier")
+    full = save_sharded_from_ranks(tmp_path, 2)
+    assert np.array_equal(CheckpointStore(tmp_path).load().tensors["params/sharded"], full)
+    assert not stale.exists()
+
+
+def test_a_failed_sharded_write_fails_on_every_rank_and_leaves_no_temporary(tmp_path,
+                                                                             monkeypatch):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    out = save_pieces_from_ranks(blocker / "c", 2, [{"x": (np.ones(2), 0)}] * 2)
+    assert all(isinstance(err, CheckpointError) for err in out)
+    # rank 0 names the directory it could not create; the others the piece they could not write
+    assert str(out[0]) == (
+        f"could not write the shards of checkpoint step 5 in {blocker / 'c'}: [Errno 20] "
+        f"Not a directory: '{blocker / 'c'}'\nHINT: check that the directory is writable "
+        "and has free space (the previous checkpoint is untouched)")
+    assert str(out[1]).startswith(
+        f"could not write the shards of checkpoint step 5 in {blocker / 'c'}: [Errno 20] ")
+    # a disk that fills while the pieces are written
+    from toolkit import _checkpoint
+
+    def full_disk(fd):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(_checkpoint.os, "fsync", full_disk)
+    out = save_pieces_from_ranks(tmp_path / "d", 2, [{"x": (np.ones(2), 0)}] * 2)
+    for err in out:
+        assert isinstance(err, CheckpointError)
+        assert str(err).startswith(
+            f"could not write the shards of checkpoint step 5 in {tmp_path / 'd'}: [Errno 28]")
+    assert sorted(p.name for p in (tmp_path / "d").iterdir()) == []
+
+
+def _gated_writer(monkeypatch):
+    """Makes background saves wait for the returned event before writing anything."""
+    import threading
+
+    from toolkit import _checkpoint
+
+    go, write = threading.Event(), _checkpoint._write_arrays
+
+    def gated(*args):
+        go.wait(10)
+        return write(*args)
+
+    monkeypatch.setattr(_checkpoint, "_write_arrays", gated)
+    return go
+
+
+def test_a_background_save_writes_the_values_of_the_call(tmp_path, monkeypatch):
+    go = _gated_writer(monkeypatch)
+    live = {"w": np.zeros(1000)}
+    store = CheckpointStore(tmp_path)
+    store.save(1, live, {}, blocking=False)
+    live["w"][:] = 5.0  # training changes the arrays before the writer runs
+    go.set()
+    store.wait()
+    assert store.load().tensors["w"].sum() == 0.0
+
+
+def test_the_interpreter_waits_for_a_background_save(tmp_path, monkeypatch):
+    """Python exits only after its non-daemon threads end: the writer must be one."""
+    import threading
+
+    go = _gated_writer(monkeypatch)
+    before = set(threading.enumerate())
+    store = CheckpointStore(tmp_path)
+    store.save(1, tensors(), {}, blocking=False)
+    writers = [t for t in threading.enumerate() if t not in before]
+    go.set()
+    store.wait()
+    assert len(writers) == 1 and not writers[0].daemon
