@@ -171,3 +171,40 @@ def test_ctrl_c_under_horovodrun_checkpoints_without_horovod_noise(start, tmp_pa
     assert f"preempted: stopped by SIGTERM after step {step}; checkpoint " in stderr, stderr
     assert "Horovod background loop uncaught exception" not in stderr, stderr
     assert "<stderr>:Traceback" not in stderr, stderr
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("how", "status", "line"), [
+    ("kill -USR1 <srun pid>", 75, "preempted: stopped by SIGUSR1"),
+    ("scancel --signal=INT <job>", 130, "interrupted: stopped by SIGINT"),
+    ("scancel --signal=TERM <job>", 75, "preempted: stopped by SIGTERM")])
+def test_stopping_an_srun_job_checkpoints_and_srun_passes_the_status_on(
+        how, status, line, start, slurm_cluster, tmp_path):
+    """srun forwards SIGUSR1 to the tasks; scancel --signal sends a signal to them without
+    ending the step (srun's own Ctrl-C reports the step's state, and a second one within a
+    second ends the step: Slurm kills the tasks after KillWait, as the README says). Each way
+    the ranks stop together, one line names the signal, and srun exits with the tasks'
+    status."""
+    import os
+    import subprocess
+
+    ckpt, name = tmp_path / "ckpt", f"stop-test-{tmp_path.name}"
+    proc = start("srun", 2, [EXAMPLE, "--steps", "1000000", "--checkpoint-dir", str(ckpt),
+                             "--checkpoint-every", "1000"],
+                 env={**slurm_cluster, "SLURM_JOB_NAME": name})
+    wait_for_checkpoint(ckpt, timeout=180)
+    time.sleep(1)
+    if how.startswith("kill"):
+        stderr = interrupt_and_wait(proc, signal.SIGUSR1)
+    else:
+        env = {**os.environ, **slurm_cluster}
+        job = subprocess.run(["squeue", "-h", "--name", name, "-o", "%i"], env=env,
+                             capture_output=True, text=True, check=True).stdout.split()
+        assert len(job) == 1, job
+        signame = how.split("=")[1].split()[0]
+        subprocess.run(["scancel", f"--signal={signame}", job[0]], env=env, check=True)
+        _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == status, stderr
+    step = toolkit.CheckpointStore(ckpt).load("latest").step
+    assert stderr.count(f"{line} after step {step}; checkpoint") == 1, stderr
+    assert "Traceback" not in stderr, stderr
