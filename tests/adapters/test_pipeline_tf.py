@@ -1,7 +1,7 @@
-"""horovod-tf's pipeline stages (adapters/horovod_tf/pipeline.py): equal to the float64 reference under
-GPipe, 1F1B and interleaved 1F1B (one and two replicas) on the MLP and a tied GPT, float32
-within the equivalence command's bounds, checkpoints of every rank's pieces read back as the
-full model and resumed identically, and bad input.
+"""horovod-tf's pipeline stages (adapters/horovod_tf/pipeline.py): equal to the float64
+reference under GPipe, 1F1B and interleaved 1F1B (one and two replicas) on the MLP and a tied
+GPT, float32 within the equivalence command's bounds, checkpoints of every rank's pieces read
+back as the full model and resumed identically, and bad input.
 
 The multi-rank float64 checks run tests/scripts/pipeline_torch_worker.py with the backend
 ``horovod-tf`` (the same checks as horovod-torch's); the float32 ones the equivalence command.
