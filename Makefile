@@ -7,7 +7,7 @@ FAULTS_ARGS ?=
 MODULES ?=
 MUTATION_ARGS ?=
 
-.PHONY: example test test-long test-fast faults mutation install install-slurm lint
+.PHONY: example test test-long test-gpu test-fast faults mutation install install-slurm lint
 
 ## make example: install, then train the digits MLP with horovod-torch on $(NP) processes
 ## (horovodrun checks its build by importing horovod.tensorflow in a subprocess, whose
@@ -24,6 +24,10 @@ test: install-slurm
 ## per backend, the bring-your-own examples)
 test-long: install-slurm
 	$(PY) -m pytest -m long $(PYTEST_ARGS)
+
+## make test-gpu: the tests that need a GPU (elsewhere each is reported as skipped, with why)
+test-gpu: install
+	$(PY) -m pytest -m gpu $(PYTEST_ARGS)
 
 ## make test-fast: the suite without the multi-process (slow) tests
 test-fast: install

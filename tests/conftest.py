@@ -82,6 +82,24 @@ class Job:
                 f"{self.stdout[-3000:]}\n--- stderr\n{self.stderr[-3000:]}")
 
 
+def visible_gpus() -> int:
+    """GPUs torch sees here (0 without a CUDA build or a GPU)."""
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked ``gpu`` are skipped, with the reason, where torch sees no GPU (never
+    silently: ``-ra`` lists them)."""
+    gpu_tests = [item for item in items if item.get_closest_marker("gpu")]
+    if gpu_tests and visible_gpus() == 0:
+        skip = pytest.mark.skip(reason="needs a GPU: torch sees none here (make test-gpu on a "
+                                       "GPU node)")
+        for item in gpu_tests:
+            item.add_marker(skip)
+
+
 @pytest.fixture(scope="session")
 def slurm_cluster():
     """Starts the one-node Slurm cluster (unless one runs already) and stops what it started."""
