@@ -88,13 +88,13 @@ class Backend:
     """
 
     name = "backend"
-    runtime_class = ""  # "module:Class" of its Runtime, made with (dtype, **options)
+    runtime_class = ""  # "module:Class" of its Runtime, made with (dtype, **options) at once
     strategies: dict[str, str] = {}  # layout kind -> "module:Class" of its Strategy
 
     def __init__(self, dtype: str = "float32", **options: Any):
         check_choice("dtype", dtype, DTYPES)
-        self.dtype_name, self.options = dtype, options
-        self.runtime: Any = None
+        self.dtype_name = dtype
+        self.runtime: Any = load(self.runtime_class)(dtype, **options)  # checks the options
         self.strategy: Any = None
         self.layout: Any = None
 
@@ -118,8 +118,6 @@ class Backend:
                                f"{self.name} runs: {', '.join(self.strategies)}")
         strategy_class = load(self.strategies[kind])
         strategy_class.check_layout(layout)  # refused before any communicator starts
-        if self.runtime is None:
-            self.runtime = load(self.runtime_class)(self.dtype_name, **self.options)
         self.runtime.setup(env, layout)
         self.strategy, self.layout = strategy_class(self.runtime, layout), layout
 

@@ -5,36 +5,7 @@ from __future__ import annotations
 import contextlib
 
 from toolkit import SGD, Adam, ToolkitError
-from toolkit._specs import DTYPES, check_choice
-
-
-class BackendBase:
-    """What every adapter's constructor does: check and keep the dtype; ``setup`` hands the
-    layout to ``_take_layout`` (sharded and pipeline layouts), then starts the communicator
-    (``_connect``)."""
-
-    name = "backend"
-    layouts = ("data_parallel", "sharded", "pipeline")
-
-    def __init__(self, dtype: str = "float32"):
-        check_choice("dtype", dtype, DTYPES)
-        self.dtype_name = dtype
-
-    def setup(self, env, layout=None) -> None:
-        """See ``toolkit.Adapter.setup``."""
-        if layout is not None and layout.kind != "data_parallel":
-            self._take_layout(layout)
-        self._connect(env)
-
-    def sync_state(self) -> None:
-        """Nothing to do for models without non-trained state (see toolkit.Adapter)."""
-
-    def local_device_count(self) -> int:
-        """One device per process (``toolkit._contract.DrivesDevices``)."""
-        return 1
-
-    def device_names(self) -> list[str]:
-        return ["cpu"]
+from toolkit._specs import check_choice
 
 
 def missing_framework(backend: str, what: str, err: BaseException) -> ToolkitError:
@@ -76,7 +47,7 @@ def step_seed(seed: int, step: int, rank: int) -> int:
 
 def loss_name(loss) -> str:
     """``cross_entropy``/``mse`` as given, ``custom`` for a callable; anything else an error."""
-    from toolkit._specs import LOSSES, check_choice
+    from toolkit._specs import LOSSES
 
     if callable(loss):
         return "custom"

@@ -1,57 +1,18 @@
-"""What the two JAX backends share: runtime set-up, the Flax model, the optax optimizer,
-host collectives and state naming. Imported only by ``jax_pmap`` and ``jax_pjit``."""
+"""What the two JAX backends' strategies share: the Flax model, the optax optimizer, the step's
+host side and state naming (``JaxStrategy``). The runtime is ``adapters/_jax_runtime.py``."""
 
 from __future__ import annotations
 
-import contextlib
-import os
-import sys
 from typing import Any
 
 import numpy as np
 
-from adapters._common import (
-    BackendBase,
-    check_per_sample,
-    check_world,
-    loss_name,
-    missing_framework,
-    step_seed,
-)
+from adapters._backend import StrategyBase
+from adapters._common import check_per_sample, loss_name, step_seed
 from adapters._flax_models import JaxModel, correct_per_sample, per_sample_loss
-from toolkit import SGD, Adam, LaunchEnv, ToolkitError
+from adapters._jax_runtime import gloo_connect_line_silenced
+from toolkit import SGD, Adam, ToolkitError
 from toolkit._reference import adam_scalars, optimizer_slots
-from toolkit._specs import check_choice
-
-
-def import_jax(backend: str, env: LaunchEnv, dtype: str, local_devices: int | None):
-    """Imports and configures JAX for ``env``: CPU devices, x64, and the distributed runtime.
-
-    The coordinator comes from the launch environment (horovodrun, srun or mpirun), so the
-    same script needs no JAX-specific flags under any launcher.
-    """
-    try:
-        import jax
-    except ImportError as err:
-        raise missing_framework(backend, "JAX (jax, jaxlib, flax, optax)", err) from err
-    try:
-        if local_devices:
-            jax.config.update("jax_num_cpu_devices", int(local_devices))
-        if dtype == "float64":
-            jax.config.update("jax_enable_x64", True)
-        if env.world_size > 1:
-            jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    except RuntimeError as err:  # the backend already started with other settings
-        raise ToolkitError(f"{backend}: JAX was initialised before the adapter ({err})",
-                           "create the adapter before any other JAX computation") from err
-    if env.world_size > 1 and not jax.distributed.is_initialized():
-        jax.distributed.initialize(coordinator_address=env.coordinator,
-                                   num_processes=env.world_size, process_id=env.rank)
-    if dtype == "float64" and not jax.config.jax_enable_x64:
-        raise ToolkitError(f"{backend} cannot run float64: JAX started without x64",
-                           "set JAX_ENABLE_X64=1, or create the adapter before using JAX")
-    check_world(backend, env, jax.process_count(), jax.process_index())
-    return jax
 
 
 def make_optimizer(spec: Any, backend: str):
@@ -114,26 +75,6 @@ def apply_optimizer(tx, grads, opt_state, params, scalars):
     return optax.apply_updates(params, updates), opt_state
 
 
-@contextlib.contextmanager
-def _gloo_connect_line_silenced():
-    """Gloo inside jaxlib prints "[Gloo] Rank 0 is connected to 1 peer ranks..." to the C-level
-    stdout when the processes first connect; a user should see only what the toolkit prints.
-    The process's stdout file descriptor points at /dev/null for that one call (stderr, where
-    errors go, is untouched); C stdio is flushed before it is restored."""
-    import ctypes
-
-    sys.stdout.flush()
-    saved, devnull = os.dup(1), os.open(os.devnull, os.O_WRONLY)
-    os.dup2(devnull, 1)
-    try:
-        yield
-    finally:
-        ctypes.CDLL(None).fflush(None)
-        os.dup2(saved, 1)
-        os.close(saved)
-        os.close(devnull)
-
-
 class LocalMean:
     """This process's mean loss of one step, fetched from the devices only when converted
     with ``float()``: until then the host is free to launch the next step (JAX dispatches
@@ -154,33 +95,40 @@ class LocalMean:
         return f"LocalMean({float(self)!r})"
 
 
-class JaxBackendBase(BackendBase):
-    """Host-side pieces common to jax-pmap and jax-pjit."""
+class JaxStrategy(StrategyBase):
+    """What every JAX strategy shares on the host: the Flax model and optax optimizer of one
+    build (``_build_common``), inputs and labels, the step's optimizer scalars and dropout
+    seed, the compiled step's first call, the accumulated gradient, evaluation sums, and the
+    state under the checkpoint's names. The pipeline executors keep one as their host side."""
 
-    def __init__(self, dtype: str = "float32", local_devices: int | None = None):
-        super().__init__(dtype)
-        if local_devices is not None and local_devices < 1:
-            raise ToolkitError(f"local_devices={local_devices} must be >= 1",
-                               "pass the number of CPU devices per process, e.g. 2")
-        self.local_devices = local_devices
+    def __init__(self, runtime, layout):
+        super().__init__(runtime, layout)
+        self.name = runtime.backend
+        self.jax, self.jnp = runtime.jax, runtime.jnp
+        self.dtype, self.dtype_name = runtime.dtype, runtime.dtype_name
 
-    def _connect(self, env: LaunchEnv) -> None:
-        if getattr(self, "env", None) == env:  # set up already (e.g. before a Flax init)
-            return
-        os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-        self.env = env
-        self.jax = import_jax(self.name, env, self.dtype_name, self.local_devices)
-        import jax.numpy as jnp
+    def barrier(self) -> None:
+        self.runtime.barrier()
 
-        self.jnp = jnp
-        self.dtype = jnp.dtype(self.dtype_name)
+    def sync_state(self) -> None:
+        """Nothing to do: every device holds the same BatchNorm statistics (jax-pmap averages
+        them each step, jax-pjit computes them over the global batch)."""
 
-    def local_device_count(self) -> int:
-        """Devices this process computes on (``toolkit._contract.DrivesDevices``)."""
-        return self.jax.local_device_count()
+    def start_counting(self, loss, optimizer) -> None:
+        """The loss and a spec optimizer's step count for a build made elsewhere (a pipeline
+        executor's): ``_labels`` and ``_scalars`` then work as after ``_build_common``."""
+        self.loss_name, self.loss_fn = loss_name(loss), loss
+        self.opt_spec = optimizer if isinstance(optimizer, SGD | Adam) else None
+        self.count = self.steps = 0
 
-    def device_names(self) -> list[str]:
-        return [f"{d.platform}:{d.id}" for d in self.jax.local_devices()]
+    def count_step(self) -> None:
+        """One more training step taken (a step that draws no dropout key)."""
+        self.steps += 1
+
+    def load_count(self, state: dict[str, np.ndarray]) -> None:
+        """A spec optimizer's step count from a checkpoint's state (when it has one)."""
+        if "opt/count" in state:
+            self.count = int(state["opt/count"])
 
     def _build_common(self, model, optimizer, loss, seed, accumulation_steps, metrics=None,
                       init_opt: bool = True):
@@ -201,7 +149,7 @@ class JaxBackendBase(BackendBase):
         if self.env.world_size > 1:  # rank 0's initial state becomes everyone's
             from jax.experimental import multihost_utils
 
-            with _gloo_connect_line_silenced():  # the first cross-process collective
+            with gloo_connect_line_silenced():  # the first cross-process collective
                 params, opt_state, model_state = multihost_utils.broadcast_one_to_all(
                     (params, opt_state, model_state))
         return params, opt_state, model_state
@@ -305,38 +253,6 @@ class JaxBackendBase(BackendBase):
     def _eval_result(self, sums, n: int) -> dict[str, float]:
         return {**{k: float(v) for k, v in sums.items()}, "count": float(n)}
 
-    # ------------------------------------------------------------------ host collectives
-    def allreduce(self, values: np.ndarray, op: str = "mean") -> np.ndarray:
-        check_choice("reduction", op, ("mean", "sum"))
-        values = np.asarray(values, np.float64)
-        if self.env.world_size == 1:
-            return values.copy()
-        from jax.experimental import multihost_utils
-
-        # float64 travels as two float32 halves when x64 is off: gather the exact bytes.
-        raw = values.view(np.uint32) if values.size else values
-        gathered = np.asarray(multihost_utils.process_allgather(raw))
-        stacked = gathered.view(np.float64).reshape((self.env.world_size,) + values.shape)
-        total = stacked.sum(axis=0)
-        return total / self.env.world_size if op == "mean" else total
-
-    def broadcast(self, values: np.ndarray, root: int = 0) -> np.ndarray:
-        values = np.asarray(values)
-        if self.env.world_size == 1:
-            return values.copy()
-        from jax.experimental import multihost_utils
-
-        raw = values.view(np.uint8)
-        gathered = np.asarray(multihost_utils.process_allgather(raw))
-        return gathered.reshape((self.env.world_size,) + raw.shape)[root].view(
-            values.dtype).reshape(values.shape)
-
-    def barrier(self) -> None:
-        if self.env.world_size > 1:
-            from jax.experimental import multihost_utils
-
-            multihost_utils.sync_global_devices("toolkit-barrier")
-
     # ------------------------------------------------------------------ state
     def _export(self, params, opt_state, model_state) -> dict[str, np.ndarray]:
         out = {f"params/{n}": np.array(v) for n, v in self.model.flat(params).items()}
@@ -383,6 +299,3 @@ class JaxBackendBase(BackendBase):
             self.steps = int(state["rng/step"])
         return params, opt_state, model_state
 
-    def shutdown(self) -> None:
-        if self.env.world_size > 1:
-            self.jax.distributed.shutdown()

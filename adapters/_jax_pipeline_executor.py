@@ -2,13 +2,12 @@
 
 ``PipelineExecutor``: checks, the staged state, the step's round loop with its
 ``toolkit.StageRecorder`` timing, evaluation and checkpoints; a subclass places arrays and wraps
-``adapters._jax_pipeline_programs.StagePrograms`` in its mechanism. ``PipelineAbility``: the
-adapter mixin that makes a ``toolkit.Pipeline`` layout an executor and delegates to it.
+``adapters._jax_pipeline_programs.StagePrograms`` in its mechanism. The executor is the pipeline
+layout's strategy (``adapters/_backend.py``) in both JAX backends.
 """
 
 from __future__ import annotations
 
-import importlib
 import os
 import time
 from typing import Any
@@ -16,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from adapters._common import check_build, loss_name
-from adapters._jax import LocalMean, make_optimizer
+from adapters._jax import JaxStrategy, LocalMean, make_optimizer
 from adapters._jax_pipeline import RoundPlan, eval_sums, stage_model
 from adapters._jax_pipeline_programs import LocalComputes, StagePrograms
 from toolkit import Adam, Pipeline, ToolkitError
@@ -27,13 +26,14 @@ from toolkit._timeline import TIMELINE_ENV, StageRecorder, append_timeline
 
 
 class PipelineExecutor:
-    """The host side of a JAX pipeline layout; the adapter delegates ``build``, ``train_step``,
-    ``evaluate``, ``state_dict``, ``load_state_dict``, ``sharded_state``, ``memory_bytes`` and
-    ``pipeline_position`` to it.
+    """The host side of a JAX pipeline layout: the strategy of ``toolkit.Pipeline`` (``build``,
+    ``train_step``, ``evaluate``, ``state_dict``, ``load_state_dict``, ``sharded_state``,
+    ``memory_bytes``, ``position``).
 
     Args:
-        adapter: the (set up) JAX adapter; its ``jax``, ``env``, dtype, optimizer scalars
-            (``_scalars``), ``_inputs``/``_labels`` and ``barrier`` are used.
+        runtime: the started JAX runtime. The executor keeps a ``JaxStrategy`` of its own
+            (``a``) for the host side it shares with the other layouts: ``jax``, ``env``, dtype,
+            optimizer scalars (``_scalars``), ``_inputs``/``_labels`` and ``barrier``.
         layout: a ``toolkit.Pipeline``.
         samples: ``"replica"`` (the Trainer under a Pipeline layout: the sampler gives the
             ``S`` processes of a pipeline replica the same local batch, each local device its
@@ -50,14 +50,19 @@ class PipelineExecutor:
     (``adapters._jax_pipeline_programs.LocalComputes``).
     """
 
-    def __init__(self, adapter: Any, layout: Pipeline, samples: str = "replica",
+    @staticmethod
+    def check_layout(layout: Pipeline) -> None:
+        """Refused at ``build`` (the devices decide what fits)."""
+
+    def __init__(self, runtime: Any, layout: Pipeline, samples: str = "replica",
                  keep_steps: int = 4):
         if samples not in ("replica", "process"):
             raise ToolkitError(f"samples={samples!r}", "use 'replica' or 'process'")
         if not isinstance(layout, Pipeline):
             raise ToolkitError(f"{layout!r} is not a toolkit.Pipeline",
                                "pass toolkit.Pipeline(stages=..., micro_batches=...)")
-        self.a, self.layout, self.keep_steps = adapter, layout, keep_steps
+        self.a, self.layout, self.keep_steps = JaxStrategy(runtime, layout), layout, keep_steps
+        self.runtime, self.env = runtime, runtime.env
         self.samples = samples
         self.schedule = pipeline_schedule(layout.schedule, layout.stages, layout.micro_batches,
                                           layout.chunks)
@@ -86,9 +91,8 @@ class PipelineExecutor:
                 "pipeline replica of processes its samples)")
         self.staged = stage_model(model, self.layout, seed, a.dtype_name, name)
         self.loss_name, self.loss_fn = loss_name(loss), loss
-        a.loss_name, a.loss_fn = self.loss_name, loss  # the adapter's _labels reads it
+        a.start_counting(loss, optimizer)  # its _labels and _scalars read them
         self.metrics = dict(metrics or {})
-        a.opt_spec, a.count, a.steps = optimizer, 0, 0
         self.tx = make_optimizer(optimizer, name)
         self.D = len(devices) // S
         self._setup_devices(devices)
@@ -206,7 +210,7 @@ class PipelineExecutor:
         del named
         self._sliced = None
         scalars = self._scalars(a._scalars(lr))
-        a.steps += 1
+        a.count_step()
         self.params, self.opt_state, self.grads, loss = self._update(
             self.params, self.opt_state, self.grads, self.losses, scalars)
         self._named_params()  # the next step's, queued behind the update (see there)
@@ -292,8 +296,7 @@ class PipelineExecutor:
         opt = {s: self.staged.flatten({n: state[f"opt/{s}/{n}"] for n in names}, dtype)
                for s in self.slots}
         self._set_state(params, opt)
-        if "opt/count" in state:
-            self.a.count = int(state["opt/count"])
+        self.a.load_count(state)
 
     def _replica0_rows(self, arr) -> dict[int, np.ndarray]:
         """Stage -> its flat vector, for the stages whose replica 0 is a local device."""
@@ -339,31 +342,3 @@ class PipelineExecutor:
 
     def sync_state(self) -> None:
         """Nothing to synchronise: pipeline stages carry parameters only."""
-
-
-class PipelineAbility:
-    """The :class:`toolkit._contract.PipelineAdapter` ability of a JAX adapter (a mixin before
-    its sharded mixin): ``set_layout`` with a ``toolkit.Pipeline`` makes ``pipeline`` an
-    executor (``executor`` names its class as ``"module:Class"``); ``build``, ``train_step``,
-    ``evaluate``, ``state_dict`` and ``load_state_dict`` of the adapter hand over to it when
-    ``pipeline`` is set."""
-
-    pipeline = None  # the executor under toolkit.Pipeline
-    executor = ""
-
-    def _take_layout(self, layout: Any) -> None:
-        if isinstance(layout, Pipeline):
-            module, cls = self.executor.split(":")
-            self.pipeline = getattr(importlib.import_module(module), cls)(self, layout)
-            return
-        super()._take_layout(layout)
-
-    def pipeline_position(self) -> tuple[int, int]:
-        """This process's ``(stage, replica)`` (``(0, rank)`` without a pipeline)."""
-        return self.pipeline.pipeline_position() if self.pipeline else (0, self.env.rank)
-
-    def sharded_state(self):
-        return self.pipeline.sharded_state() if self.pipeline else super().sharded_state()
-
-    def memory_bytes(self) -> dict[str, int]:
-        return self.pipeline.memory_bytes() if self.pipeline else super().memory_bytes()

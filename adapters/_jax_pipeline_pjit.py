@@ -60,6 +60,10 @@ class PjitPipeline(PipelineExecutor):
     """The pipeline layout of a ``JaxPjitAdapter`` (see ``PipelineExecutor`` for the
     arguments)."""
 
+    def device_batch(self, x: np.ndarray, y: np.ndarray):
+        """The host batch as it is: the step places its micro-batches itself."""
+        return x, y
+
     def _setup_devices(self, devices) -> None:
         jax, S = self.a.jax, self.layout.stages
         from jax.sharding import Mesh, NamedSharding, PartitionSpec

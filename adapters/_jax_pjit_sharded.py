@@ -33,7 +33,6 @@ from adapters import _jax_tp
 from adapters._jax import apply_optimizer
 from adapters._jax_sharded import (
     FlatUnits,
-    check_layout,
     check_sharded_optimizer,
     local_range,
     nbytes,
@@ -44,12 +43,6 @@ from toolkit._reference import optimizer_slots
 
 class PjitSharding:
     """The :class:`toolkit.ShardedAdapter` ability of ``JaxPjitAdapter`` (a mixin)."""
-
-    layout = None  # a toolkit.Sharded after set_layout; None: data parallel
-
-    def _take_layout(self, layout: Any) -> None:
-        """Shards the state ``build`` creates as ``layout`` (a ``toolkit.Sharded``) says."""
-        self.layout = check_layout(self.name, layout, tensor_parallel_ok=True)
 
     # ------------------------------------------------------------------ build
     def _build_sharded(self, model, optimizer, loss, seed, accumulation_steps, metrics):
@@ -216,9 +209,8 @@ class PjitSharding:
 
     def memory_bytes(self) -> dict[str, int]:
         """Bytes of this process's device buffers (every local device's shards, so a
-        replicated buffer counts once per local device): parameters, the kept gradient
-        (under data parallel: the size of the parameters), optimizer slots."""
+        replicated buffer counts once per local device): parameters, the kept gradient,
+        optimizer slots."""
         params = nbytes(self.params)
-        # data parallel keeps no gradient between steps; the step's own is as large as params
-        grads = nbytes(self.grads) if self.layout is not None else params
-        return {"params": params, "grads": grads, "optimizer": nbytes(self.opt_state)}
+        return {"params": params, "grads": nbytes(self.grads),
+                "optimizer": nbytes(self.opt_state)}

@@ -28,7 +28,6 @@ import numpy as np
 from adapters._jax import apply_optimizer
 from adapters._jax_sharded import (
     FlatUnits,
-    check_layout,
     check_sharded_optimizer,
     nbytes,
     state_head,
@@ -43,12 +42,6 @@ AXIS = "batch"
 
 class PmapSharding:
     """The :class:`toolkit.ShardedAdapter` ability of ``JaxPmapAdapter`` (a mixin)."""
-
-    layout = None  # a toolkit.Sharded after set_layout; None: data parallel
-
-    def _take_layout(self, layout: Any) -> None:
-        """Shards the state ``build`` creates as ``layout`` (a ``toolkit.Sharded``) says."""
-        self.layout = check_layout(self.name, layout)
 
     def _build_sharded(self, model, optimizer, loss, seed, accumulation_steps, metrics):
         jax, lax = self.jax, self.jax.lax
@@ -200,9 +193,8 @@ class PmapSharding:
 
     def memory_bytes(self) -> dict[str, int]:
         """Bytes of this process's device buffers (every local device's, so a replicated
-        buffer counts once per local device): parameters, the kept gradient (under data
-        parallel: the size of the parameters), optimizer slots."""
+        buffer counts once per local device): parameters, the kept gradient,
+        optimizer slots."""
         params = nbytes(self.params)
-        # data parallel keeps no gradient between steps; the step's own is as large as params
-        grads = nbytes(self.grads) if self.layout is not None else params
-        return {"params": params, "grads": grads, "optimizer": nbytes(self.opt_state)}
+        return {"params": params, "grads": nbytes(self.grads),
+                "optimizer": nbytes(self.opt_state)}

@@ -94,7 +94,7 @@ def check_layout(backend: str, layout: Any, tensor_parallel_ok: bool = False) ->
     """``layout`` as a ``toolkit.Sharded``; ``tensor_parallel > 1`` only where the backend
     splits layers."""
     if not isinstance(layout, Sharded):
-        raise ToolkitError(f"{backend}.set_layout got {layout!r}",
+        raise ToolkitError(f"{backend} cannot shard as {layout!r}",
                            "pass toolkit.Sharded(stage=1|2|3)")
     if layout.tensor_parallel > 1 and not tensor_parallel_ok:
         raise ToolkitError(
@@ -108,9 +108,6 @@ def state_head(adapter: Any, model_state: dict, named_params: Any):
     ``replicated`` holds the model state (host arrays), Adam's step count and, below stage 3,
     the parameters (``named_params()``: name -> host array), and ``stores`` lists the
     ``(prefix, sharded store)`` pairs each process cuts into pieces."""
-    if adapter.layout is None:
-        raise ToolkitError(f"{adapter.name}: sharded_state() needs a sharded layout",
-                           "call set_layout(toolkit.Sharded(stage=...)) before build")
     replicated = dict(adapter.model.flat_state(model_state))
     if isinstance(adapter.opt_spec, Adam):
         replicated["opt/count"] = np.asarray(adapter.count, np.int64)

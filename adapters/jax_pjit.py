@@ -20,31 +20,45 @@ from typing import Any
 
 import numpy as np
 
-from adapters._jax import JaxBackendBase, LocalMean, apply_optimizer
-from adapters._jax_pipeline_executor import PipelineAbility
+from adapters._backend import Backend
+from adapters._jax import JaxStrategy, LocalMean, apply_optimizer
 from adapters._jax_pjit_sharded import PjitSharding
+from adapters._jax_runtime import JaxRuntime
+from adapters._jax_sharded import check_layout, nbytes
 from toolkit import ToolkitError
 
 
-class JaxPjitAdapter(PipelineAbility, PjitSharding, JaxBackendBase):
-    """JAX with jit over a device mesh. See :class:`toolkit.Adapter` for the contract,
-    :class:`toolkit.ShardedAdapter` for the sharded layouts and
-    :class:`toolkit._contract.PipelineAdapter` for the pipeline layout."""
+class PjitRuntime(JaxRuntime):
+    backend = "jax-pjit"
+
+
+class JaxPjitAdapter(Backend):
+    """JAX with jit over a device mesh. See :class:`toolkit.Adapter` for the contract.
+    Strategies: data parallel and sharded (below, with ``adapters/_jax_pjit_sharded.py``),
+    pipeline (``adapters/_jax_pipeline_pjit.py``)."""
 
     name = "jax-pjit"
-    executor = "adapters._jax_pipeline_pjit:PjitPipeline"  # under toolkit.Pipeline
+    runtime_class = "adapters.jax_pjit:PjitRuntime"
+    strategies = {"data_parallel": "adapters.jax_pjit:PjitDataParallel",
+                  "sharded": "adapters.jax_pjit:PjitSharded",
+                  "pipeline": "adapters._jax_pipeline_pjit:PjitPipeline"}
+
+    def device_batch(self, x: np.ndarray, y: np.ndarray):
+        """``toolkit._contract.PlacesBatches``: the strategy's placement of a local batch."""
+        return self.strategy.device_batch(x, y)
+
+
+class PjitDataParallel(JaxStrategy):
+    """``toolkit.DataParallel`` for ``jax-pjit``: one program over a ``data`` mesh axis."""
 
     def build(self, model: Any, optimizer: Any, loss: Any, *, seed: int = 0,
               accumulation_steps: int = 1, sync_batchnorm: bool = False,
               metrics: Any = None) -> None:
-        if self.pipeline is not None:
-            return self.pipeline.build(model, optimizer, loss, seed=seed, metrics=metrics,
-                                       accumulation_steps=accumulation_steps,
-                                       sync_batchnorm=sync_batchnorm)
         self._compiled_for = None  # the step compiles anew for this model
-        if self.layout is not None:
-            self._build_sharded(model, optimizer, loss, seed, accumulation_steps, metrics)
-            return
+        self._build_layout(model, optimizer, loss, seed, accumulation_steps, metrics)
+
+    def _build_layout(self, model, optimizer, loss, seed, accumulation_steps, metrics) -> None:
+        """(hook) The replicated state over a data mesh, and the jitted step."""
         jax = self.jax
         from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
@@ -95,8 +109,6 @@ class JaxPjitAdapter(PipelineAbility, PjitSharding, JaxBackendBase):
     def device_batch(self, x: np.ndarray, y: np.ndarray):
         """The local batch as this step's global arrays (``toolkit._contract.PlacesBatches``);
         made in the Trainer's prefetch thread, so the copy overlaps the running step."""
-        if self.pipeline is not None:  # the executor places its micro-batches itself
-            return x, y
         rows = self._local_rows()
         if len(x) % (rows * self.accumulation_steps):
             where = (f"{rows} local devices" if rows == self.jax.local_device_count() else
@@ -109,8 +121,6 @@ class JaxPjitAdapter(PipelineAbility, PjitSharding, JaxBackendBase):
         return self._global(self._inputs(x), rows), self._global(self._labels(y), rows)
 
     def train_step(self, x: np.ndarray, y: np.ndarray, lr: float | None) -> float:
-        if self.pipeline is not None:
-            return self.pipeline.train_step(x, y, lr)
         if not (isinstance(x, self.jax.Array) and x.sharding == self.batch):
             x, y = self.device_batch(x, y)
         # The step's scalars go in as numpy arrays: jit copies them to its replicated sharding
@@ -120,17 +130,17 @@ class JaxPjitAdapter(PipelineAbility, PjitSharding, JaxBackendBase):
         out = self._run_step(self._jstep, (self.params, self.opt_state, self.model_state, x, y,
                                            self._scalars(lr), self._step_seed()))
         self.params, self.opt_state, self.model_state, losses = out[:4]
-        if self.layout is not None:
-            self.grads = out[4]  # the gradient this layout keeps (memory_bytes counts it)
+        self._keep(out)
         # Per-sample losses stay sharded like the batch: this process's shards are its samples,
         # each once (a shard is on every device of its data row's ``model`` group).
         shards = {(s.index[0].start, s.index[0].stop): s.data for s in losses.addressable_shards}
         return LocalMean(list(shards.values()))
 
+    def _keep(self, out) -> None:
+        """(hook) What a layout keeps of the step's outputs beyond the state."""
+
     def evaluate(self, x: np.ndarray, y: np.ndarray) -> dict[str, float]:
-        if self.pipeline is not None:
-            return self.pipeline.evaluate(x, y)
-        params = self._full_params() if self.layout is not None else self._host(self.params)
+        params = self._full_params()
         sums = self._jeval(params, self._host(self.model_state), self._inputs(x),
                            self._labels(y))
         return self._eval_result(sums, len(x))
@@ -138,22 +148,45 @@ class JaxPjitAdapter(PipelineAbility, PjitSharding, JaxBackendBase):
     def _host(self, tree):
         return self.jax.tree_util.tree_map(lambda a: np.asarray(a.addressable_data(0)), tree)
 
+    def _full_params(self):
+        """(hook) Every parameter, whole, on the host."""
+        return self._host(self.params)
+
+    def memory_bytes(self) -> dict[str, int]:
+        """Bytes of this process's device buffers (a replicated buffer once per local device):
+        parameters, a gradient as large (the step's own: data parallel keeps none between
+        steps), optimizer slots."""
+        params = nbytes(self.params)
+        return {"params": params, "grads": params, "optimizer": nbytes(self.opt_state)}
+
     def state_dict(self) -> dict[str, np.ndarray]:
-        if self.pipeline is not None:
-            return self.pipeline.state_dict()
-        if self.layout is not None:
-            return self._sharded_state_dict()
         return self._export(self._host(self.params), self._host(self.opt_state),
                             self._host(self.model_state))
 
     def load_state_dict(self, state: dict[str, np.ndarray]) -> None:
-        if self.pipeline is not None:
-            return self.pipeline.load_state_dict(state)
-        if self.layout is not None:
-            self._load_sharded(state)
-            return
         params, opt_state, model_state = self._import(
             state, self._host(self.params), self._host(self.opt_state),
             self._host(self.model_state))
         self.params, self.opt_state = self._replicate(params), self._replicate(opt_state)
         self.model_state = self._replicate(model_state)
+
+
+class PjitSharded(PjitSharding, PjitDataParallel):
+    """``toolkit.Sharded(stage, tensor_parallel)`` for ``jax-pjit``
+    (``adapters/_jax_pjit_sharded.py``)."""
+
+    @staticmethod
+    def check_layout(layout) -> None:
+        check_layout("jax-pjit", layout, tensor_parallel_ok=True)
+
+    def _build_layout(self, model, optimizer, loss, seed, accumulation_steps, metrics) -> None:
+        self._build_sharded(model, optimizer, loss, seed, accumulation_steps, metrics)
+
+    def _keep(self, out) -> None:
+        self.grads = out[4]  # the gradient this layout keeps (memory_bytes counts it)
+
+    def state_dict(self) -> dict[str, np.ndarray]:
+        return self._sharded_state_dict()
+
+    def load_state_dict(self, state: dict[str, np.ndarray]) -> None:
+        self._load_sharded(state)

@@ -15,29 +15,37 @@ from typing import Any
 
 import numpy as np
 
-from adapters._jax import JaxBackendBase, LocalMean, apply_optimizer
-from adapters._jax_pipeline_executor import PipelineAbility
+from adapters._backend import Backend
+from adapters._jax import JaxStrategy, LocalMean, apply_optimizer
 from adapters._jax_pmap_sharded import PmapSharding
+from adapters._jax_runtime import JaxRuntime
+from adapters._jax_sharded import check_layout, nbytes
 from toolkit import ToolkitError
 
 
-class JaxPmapAdapter(PipelineAbility, PmapSharding, JaxBackendBase):
-    """JAX with pmap. See :class:`toolkit.Adapter` for the contract,
-    :class:`toolkit.ShardedAdapter` for the sharded layouts (``adapters/_jax_pmap_sharded.py``:
-    explicit ``lax.all_gather`` / ``lax.psum_scatter`` on flat per-unit buffers) and
-    :class:`toolkit._contract.PipelineAdapter` for the pipeline layout
+class PmapRuntime(JaxRuntime):
+    backend = "jax-pmap"
+
+
+class JaxPmapAdapter(Backend):
+    """JAX with pmap. See :class:`toolkit.Adapter` for the contract. Strategies: data parallel
+    (below), sharded (below, with ``adapters/_jax_pmap_sharded.py``: explicit
+    ``lax.all_gather`` / ``lax.psum_scatter`` on flat per-unit buffers) and pipeline
     (``adapters/_jax_pipeline_pmap.py``: ``lax.ppermute`` between device indices)."""
 
     name = "jax-pmap"
-    executor = "adapters._jax_pipeline_pmap:PmapPipeline"  # under toolkit.Pipeline
+    runtime_class = "adapters.jax_pmap:PmapRuntime"
+    strategies = {"data_parallel": "adapters.jax_pmap:PmapDataParallel",
+                  "sharded": "adapters.jax_pmap:PmapSharded",
+                  "pipeline": "adapters._jax_pipeline_pmap:PmapPipeline"}
+
+
+class PmapDataParallel(JaxStrategy):
+    """``toolkit.DataParallel`` for ``jax-pmap``: a replica per local device."""
 
     def build(self, model: Any, optimizer: Any, loss: Any, *, seed: int = 0,
               accumulation_steps: int = 1, sync_batchnorm: bool = False,
               metrics: Any = None) -> None:
-        if self.pipeline is not None:
-            return self.pipeline.build(model, optimizer, loss, seed=seed, metrics=metrics,
-                                       accumulation_steps=accumulation_steps,
-                                       sync_batchnorm=sync_batchnorm)
         self._compiled_for = None  # the step compiles anew for this model
         jax = self.jax
         from jax.sharding import Mesh, NamedSharding, PartitionSpec
@@ -46,9 +54,11 @@ class JaxPmapAdapter(PipelineAbility, PmapSharding, JaxBackendBase):
         # One copy (or shard) per local device, stacked on a leading axis (what pmap maps over).
         self.stacked = NamedSharding(Mesh(np.asarray(self.devices), ("local",)),
                                      PartitionSpec("local"))
-        if self.layout is not None:
-            self._build_sharded(model, optimizer, loss, seed, accumulation_steps, metrics)
-            return
+        self._build_layout(model, optimizer, loss, seed, accumulation_steps, metrics)
+
+    def _build_layout(self, model, optimizer, loss, seed, accumulation_steps, metrics) -> None:
+        """(hook) The replicated state and the pmapped step."""
+        jax = self.jax
         params, opt_state, model_state = self._build_common(model, optimizer, loss, seed,
                                                             accumulation_steps, metrics)
         self.params, self.opt_state = self._replicate(params), self._replicate(opt_state)
@@ -75,8 +85,6 @@ class JaxPmapAdapter(PipelineAbility, PmapSharding, JaxBackendBase):
         # (No device_batch here, unlike jax-pjit: copying the batch to the devices in the
         # prefetch thread measured no faster than pmap copying numpy inputs itself, within
         # the 2% the benchmark moves between runs.)
-        if self.pipeline is not None:
-            return self.pipeline.train_step(x, y, lr)
         d, k = len(self.devices), self.accumulation_steps
         if len(x) % (d * k):
             raise ToolkitError(
@@ -89,9 +97,11 @@ class JaxPmapAdapter(PipelineAbility, PmapSharding, JaxBackendBase):
         out = self._run_step(self._pstep, (self.params, self.opt_state, self.model_state, xs,
                                            ys, self._scalars(lr), self._step_seed()), ahead=False)
         self.params, self.opt_state, self.model_state, losses = out[:4]
-        if self.layout is not None:
-            self.grads = out[4]  # the gradient this layout keeps (memory_bytes counts it)
+        self._keep(out)
         return LocalMean([losses])  # one mean per device, of equal shares
+
+    def _keep(self, out) -> None:
+        """(hook) What a layout keeps of the step's outputs beyond the state."""
 
     def _replicate(self, tree):
         d = len(self.devices)
@@ -102,29 +112,49 @@ class JaxPmapAdapter(PipelineAbility, PmapSharding, JaxBackendBase):
         return self.jax.tree_util.tree_map(lambda a: np.asarray(a[0]), tree)
 
     def evaluate(self, x: np.ndarray, y: np.ndarray) -> dict[str, float]:
-        if self.pipeline is not None:
-            return self.pipeline.evaluate(x, y)
-        params = self._full_params() if self.layout is not None else self._local(self.params)
+        params = self._full_params()
         sums = self._jeval(params, self._local(self.model_state), self._inputs(x),
                            self._labels(y))
         return self._eval_result(sums, len(x))
 
+    def _full_params(self):
+        """(hook) Every parameter, whole, on the host."""
+        return self._local(self.params)
+
+    def memory_bytes(self) -> dict[str, int]:
+        """Bytes of this process's device buffers (every local device's replica): parameters,
+        a gradient as large (the step's own: data parallel keeps none between steps),
+        optimizer slots."""
+        params = nbytes(self.params)
+        return {"params": params, "grads": params, "optimizer": nbytes(self.opt_state)}
+
     def state_dict(self) -> dict[str, np.ndarray]:
-        if self.pipeline is not None:
-            return self.pipeline.state_dict()
-        if self.layout is not None:
-            return self._sharded_state_dict()
         return self._export(self._local(self.params), self._local(self.opt_state),
                             self._local(self.model_state))
 
     def load_state_dict(self, state: dict[str, np.ndarray]) -> None:
-        if self.pipeline is not None:
-            return self.pipeline.load_state_dict(state)
-        if self.layout is not None:
-            self._load_sharded(state)
-            return
         params, opt_state, model_state = self._import(
             state, self._local(self.params), self._local(self.opt_state),
             self._local(self.model_state))
         self.params, self.opt_state = self._replicate(params), self._replicate(opt_state)
         self.model_state = self._replicate(model_state)
+
+
+class PmapSharded(PmapSharding, PmapDataParallel):
+    """``toolkit.Sharded(stage)`` for ``jax-pmap`` (``adapters/_jax_pmap_sharded.py``)."""
+
+    @staticmethod
+    def check_layout(layout) -> None:
+        check_layout("jax-pmap", layout)
+
+    def _build_layout(self, model, optimizer, loss, seed, accumulation_steps, metrics) -> None:
+        self._build_sharded(model, optimizer, loss, seed, accumulation_steps, metrics)
+
+    def _keep(self, out) -> None:
+        self.grads = out[4]  # the gradient this layout keeps (memory_bytes counts it)
+
+    def state_dict(self) -> dict[str, np.ndarray]:
+        return self._sharded_state_dict()
+
+    def load_state_dict(self, state: dict[str, np.ndarray]) -> None:
+        self._load_sharded(state)

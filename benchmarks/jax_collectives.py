@@ -48,8 +48,9 @@ def train(backend: str, layout: str, args, env) -> tuple[float, dict[str, int] |
     ops = None
     if backend == "jax-pjit":
         xb, yb = time_steps.first[id(adapter)]  # as the step received them: global arrays
-        lowered = adapter._jstep.lower(adapter.params, adapter.opt_state, adapter.model_state,
-                                       xb, yb, adapter._scalars(0.1), adapter._step_seed())
+        s = adapter.strategy
+        lowered = s._jstep.lower(s.params, s.opt_state, s.model_state, xb, yb, s._scalars(0.1),
+                                 s._step_seed())
         ops = collectives(lowered.compile().as_text())
     median = statistics.median(seconds[5:])
     return float(adapter.allreduce(np.asarray([median]), "mean")[0]), ops

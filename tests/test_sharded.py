@@ -75,7 +75,7 @@ def test_jax_pjit_splits_the_gpt_and_refuses_tensor_parallel_for_other_models():
                               layout="sharded:3:tp2", env=toolkit.LaunchEnv(), progress=False)
     history = trainer.fit(xs, ys)
     assert adapter.layout.tensor_parallel == 2
-    fc = adapter.params["split"]["blocks.0.mlp.fc.kernel"]  # (4w, w) in 2 rows of halves
+    fc = adapter.strategy.params["split"]["blocks.0.mlp.fc.kernel"]  # (4w, w) in 2 rows of halves
     assert [s.data.shape for s in fc.addressable_shards] == [(1, 4 * 16 * 16 // 2)] * 2
     ref_losses, _ = reference_run(gpt, optimizer, "cross_entropy", xs, ys,
                                   global_batch_size=8, steps=2, dtype="float64")

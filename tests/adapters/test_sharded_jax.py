@@ -150,7 +150,7 @@ def test_tensor_parallel_gpt_equals_the_reference():
         if not name.endswith("attn.qkv.bias"):  # the key bias: see equivalence._comparable
             np.testing.assert_allclose(state[f"params/{name}"], value,
                                        atol=PARAM_TOLERANCE["float32"], err_msg=name)
-    fc = adapter.params["split"]["blocks.0.mlp.fc.kernel"]  # (4w, w) in 2 rows of halves
+    fc = adapter.strategy.params["split"]["blocks.0.mlp.fc.kernel"]  # (4w, w) in 2 rows of halves
     assert [s.data.shape for s in fc.addressable_shards] == [(1, 4 * 16 * 16 // 2)] * 2
 
 
@@ -206,7 +206,7 @@ def test_a_native_flax_module_is_sharded_by_top_level_submodule(backend, stage):
                                     layout, optimizer=toolkit.SGD(lr=0.1, momentum=0.9))
         runs.append(history.losses)
     np.testing.assert_allclose(runs[1], runs[0], rtol=1e-6)
-    assert list(adapter.units.layouts) == ["hidden", "out"]
+    assert list(adapter.strategy.units.layouts) == ["hidden", "out"]
 
 
 def refused(backend, model, layout, match, optimizer=None, data=None):

@@ -73,7 +73,7 @@ def check_pieces(adapter, env) -> None:
     full = adapter.state_dict()
     replicated, pieces = adapter.sharded_state()
     assert set(replicated) == {"opt/count"}, sorted(replicated)
-    n, local = adapter.jax.device_count(), adapter.jax.local_device_count()
+    n, local = adapter.runtime.jax.device_count(), adapter.runtime.jax.local_device_count()
     layouts = unit_layouts({k: v.shape for k, v in model.init(0).items()}, n)
     expected = {}
     for layout in layouts.values():
@@ -95,7 +95,7 @@ def main() -> None:
     env = toolkit.current_env()
     adapter = adapters.get("jax-pmap", local_devices=2)
     adapter.setup(env)
-    jax = adapter.jax
+    jax = adapter.runtime.jax
     assert jax.device_count() == 2 * env.world_size, jax.devices()
     for mib in (1.1, 4.4):
         chunk = int(mib * 2**20 / 4)

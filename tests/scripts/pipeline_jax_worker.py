@@ -34,9 +34,15 @@ def attach(adapter, layout, samples="replica"):
     its own samples, e.g. one process holding both stages on two devices)."""
     adapter.setup(adapter.env, layout)
     if samples != "replica":
-        adapter.pipeline = type(adapter.pipeline)(adapter, layout, samples=samples)
-    adapter._take_layout = lambda given: None  # the executor exists already
-    return adapter.pipeline
+        adapter.strategy = type(adapter.strategy)(adapter.runtime, layout, samples=samples)
+    executor, setup = adapter.strategy, adapter.setup
+
+    def keep(env, given=None):  # the runtime stays set up; the executor stays the strategy
+        setup(env, given)
+        adapter.strategy, adapter.layout = executor, layout
+
+    adapter.setup = keep
+    return executor
 
 
 def main() -> None:

@@ -1,0 +1,137 @@
+"""The JAX runtime both JAX backends share: JAX configured for the launch environment (CPU
+devices, x64, the distributed runtime with Gloo between processes), and host collectives."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+from typing import Any
+
+import numpy as np
+
+from adapters._common import check_world, missing_framework
+from toolkit import LaunchEnv, ToolkitError
+from toolkit._specs import DTYPES, check_choice
+
+
+def import_jax(backend: str, env: LaunchEnv, dtype: str, local_devices: int | None):
+    """Imports and configures JAX for ``env``: CPU devices, x64, and the distributed runtime.
+
+    The coordinator comes from the launch environment (horovodrun, srun or mpirun), so the
+    same script needs no JAX-specific flags under any launcher.
+    """
+    try:
+        import jax
+    except ImportError as err:
+        raise missing_framework(backend, "JAX (jax, jaxlib, flax, optax)", err) from err
+    try:
+        if local_devices:
+            jax.config.update("jax_num_cpu_devices", int(local_devices))
+        if dtype == "float64":
+            jax.config.update("jax_enable_x64", True)
+        if env.world_size > 1:
+            jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    except RuntimeError as err:  # the backend already started with other settings
+        raise ToolkitError(f"{backend}: JAX was initialised before the adapter ({err})",
+                           "create the adapter before any other JAX computation") from err
+    if env.world_size > 1 and not jax.distributed.is_initialized():
+        jax.distributed.initialize(coordinator_address=env.coordinator,
+                                   num_processes=env.world_size, process_id=env.rank)
+    if dtype == "float64" and not jax.config.jax_enable_x64:
+        raise ToolkitError(f"{backend} cannot run float64: JAX started without x64",
+                           "set JAX_ENABLE_X64=1, or create the adapter before using JAX")
+    check_world(backend, env, jax.process_count(), jax.process_index())
+    return jax
+
+
+
+@contextlib.contextmanager
+def gloo_connect_line_silenced():
+    """Gloo inside jaxlib prints "[Gloo] Rank 0 is connected to 1 peer ranks..." to the C-level
+    stdout when the processes first connect; a user should see only what the toolkit prints.
+    The process's stdout file descriptor points at /dev/null for that one call (stderr, where
+    errors go, is untouched); C stdio is flushed before it is restored."""
+    import ctypes
+
+    sys.stdout.flush()
+    saved, devnull = os.dup(1), os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 1)
+    try:
+        yield
+    finally:
+        ctypes.CDLL(None).fflush(None)
+        os.dup2(saved, 1)
+        os.close(saved)
+        os.close(devnull)
+
+
+
+class JaxRuntime:
+    """JAX for one backend (``backend`` names it in errors), set up once per process."""
+
+    backend = "jax"
+    env: Any = None
+    jax: Any = None
+
+    def __init__(self, dtype: str = "float32", local_devices: int | None = None):
+        check_choice("dtype", dtype, DTYPES)
+        if local_devices is not None and local_devices < 1:
+            raise ToolkitError(f"local_devices={local_devices} must be >= 1",
+                               "pass the number of CPU devices per process, e.g. 2")
+        self.dtype_name, self.local_devices = dtype, local_devices
+
+    def setup(self, env: LaunchEnv, layout: Any = None) -> None:
+        """Configures JAX for ``env`` (once: set up again, e.g. after a Flax init, it keeps
+        what it has)."""
+        if self.env == env:
+            return
+        os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+        self.env = env
+        self.jax = import_jax(self.backend, env, self.dtype_name, self.local_devices)
+        import jax.numpy as jnp
+
+        self.jnp = jnp
+        self.dtype = jnp.dtype(self.dtype_name)
+
+    def local_device_count(self) -> int:
+        """Devices this process computes on (``toolkit._contract.DrivesDevices``)."""
+        return self.jax.local_device_count()
+
+    def device_names(self) -> list[str]:
+        return [f"{d.platform}:{d.id}" for d in self.jax.local_devices()]
+
+    def allreduce(self, values: np.ndarray, op: str = "mean") -> np.ndarray:
+        check_choice("reduction", op, ("mean", "sum"))
+        values = np.asarray(values, np.float64)
+        if self.env.world_size == 1:
+            return values.copy()
+        from jax.experimental import multihost_utils
+
+        # float64 travels as two float32 halves when x64 is off: gather the exact bytes.
+        raw = values.view(np.uint32) if values.size else values
+        gathered = np.asarray(multihost_utils.process_allgather(raw))
+        stacked = gathered.view(np.float64).reshape((self.env.world_size,) + values.shape)
+        total = stacked.sum(axis=0)
+        return total / self.env.world_size if op == "mean" else total
+
+    def broadcast(self, values: np.ndarray, root: int = 0) -> np.ndarray:
+        values = np.asarray(values)
+        if self.env.world_size == 1:
+            return values.copy()
+        from jax.experimental import multihost_utils
+
+        raw = values.view(np.uint8)
+        gathered = np.asarray(multihost_utils.process_allgather(raw))
+        return gathered.reshape((self.env.world_size,) + raw.shape)[root].view(
+            values.dtype).reshape(values.shape)
+
+    def barrier(self) -> None:
+        if self.env.world_size > 1:
+            from jax.experimental import multihost_utils
+
+            multihost_utils.sync_global_devices("toolkit-barrier")
+
+    def shutdown(self) -> None:
+        if self.env.world_size > 1:
+            self.jax.distributed.shutdown()
