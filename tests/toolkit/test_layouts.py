@@ -277,4 +277,12 @@ def test_resolve_layout_reads_forms_and_refuses_what_a_backend_cannot_run():
         resolve_layout(None, sharded_only)
     with pytest.raises(ToolkitError, match="is not a parallel layout") as err:
         resolve_layout(object(), _Able())
-    assert "HINT: pass toolkit.DataParallel(), toolkit.Sharded(stage=...)" in str(err.value)
+    assert str(err.value).endswith(
+        "HINT: pass toolkit.DataParallel(), toolkit.Sharded(stage=...) or a text form such as "
+        "'sharded:3'")
+    two = type("Two", (_Plain,), {"name": "two", "layouts": ("data_parallel", "sharded")})()
+    with pytest.raises(ToolkitError) as err:
+        resolve_layout("pipeline:2:4", two)
+    assert str(err.value).endswith(
+        "HINT: two runs: data_parallel, sharded; choose one of these, or a backend that runs "
+        "this layout (see the README's layouts)")
