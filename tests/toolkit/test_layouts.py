@@ -286,3 +286,64 @@ def test_resolve_layout_reads_forms_and_refuses_what_a_backend_cannot_run():
     assert str(err.value).endswith(
         "HINT: two runs: data_parallel, sharded; choose one of these, or a backend that runs "
         "this layout (see the README's layouts)")
+
+
+FORMS = ("write one of: data, sharded:1|2|3, "
+         "pipeline:STAGES:MICRO_BATCHES[:gpipe|1f1b|interleaved-1f1b]")
+PIPELINE_EXAMPLE = "HINT: e.g. Pipeline(stages=4, micro_batches=8)"
+
+
+@pytest.mark.parametrize("text, message", [
+    ("sharded:3:x2", "layout 'sharded:3:x2': expected tpN after the stage\n"
+     "HINT: e.g. sharded:3 or sharded:3:tp2"),
+    ("sharded:x", f"layout 'sharded:x': stage 'x' is not an integer\nHINT: {FORMS}"),
+    ("Sharded:3:tpX",
+     f"layout 'Sharded:3:tpX': tensor-parallel size 'x' is not an integer\nHINT: {FORMS}"),
+    ("pipeline:x:4", f"layout 'pipeline:x:4': stages 'x' is not an integer\nHINT: {FORMS}"),
+    ("pipeline:2:y",
+     f"layout 'pipeline:2:y': micro-batches 'y' is not an integer\nHINT: {FORMS}"),
+    ("pipeline:2:4:interleaved-1f1b:z",
+     f"layout 'pipeline:2:4:interleaved-1f1b:z': chunks 'z' is not an integer\nHINT: {FORMS}"),
+    ("Tensor", f"unknown layout 'Tensor'\nHINT: {FORMS}"),
+])
+def test_parse_layout_errors_whole(text, message):
+    with pytest.raises(ToolkitError) as err:
+        parse_layout(text)
+    assert str(err.value) == message
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda: Sharded(4), "Sharded stage=4 is not a ZeRO stage\n"
+     "HINT: use 1 (optimizer state), 2 (+ gradients) or 3 (+ parameters, = FSDP)"),
+    (lambda: Sharded(1, tensor_parallel=0),
+     "Sharded tensor_parallel=0 must be a positive integer\nHINT: e.g. Sharded(stage=3)"),
+    (lambda: Pipeline(0, 4), f"Pipeline stages=0 must be a positive integer\n{PIPELINE_EXAMPLE}"),
+    (lambda: Pipeline(2, -1),
+     f"Pipeline micro_batches=-1 must be a positive integer\n{PIPELINE_EXAMPLE}"),
+    (lambda: Pipeline(2, 4, "interleaved-1f1b", chunks=0),
+     f"Pipeline chunks=0 must be a positive integer\n{PIPELINE_EXAMPLE}"),
+    (lambda: Pipeline(2, 4, "zb-h1"),
+     "unknown pipeline schedule 'zb-h1'\nHINT: use one of: gpipe, 1f1b, interleaved-1f1b"),
+    (lambda: Pipeline(2, 4, "1f1b", chunks=2),
+     "Pipeline chunks=2 needs the interleaved-1f1b schedule, not '1f1b'\n"
+     "HINT: use schedule='interleaved-1f1b' or chunks=1"),
+    (lambda: Pipeline(2, 4, "interleaved-1f1b", 2, splits=(1, 2)),
+     "Pipeline splits=(1, 2) are not 3 increasing positive layer indices\n"
+     "HINT: give the first layer of each of the 4 pieces but the first, e.g. splits=(1, 2, 3), "
+     "or none to balance by size"),
+    (lambda: Pipeline(2, 4, splits=3),
+     "Pipeline splits=3 are not 1 increasing positive layer indices\n"
+     "HINT: give the first layer of each of the 2 pieces but the first, e.g. splits=(1,), "
+     "or none to balance by size"),
+    (lambda: Sharded(3, tensor_parallel=4).data_share(3, 0, 2),
+     "tensor_parallel=4 does not divide the 6 devices\n"
+     "HINT: use one of [1, 2, 6] (3 process(es) x 2 device(s))"),
+    (lambda: Sharded(3, tensor_parallel=2).data_share(2, 0, 3),
+     "tensor_parallel=2 cuts the 3 devices of a process into uneven model groups\n"
+     "HINT: use one of [1, 3, 6] (2 process(es) x 3 device(s)): a group lies inside one "
+     "process or spans whole processes"),
+])
+def test_layout_errors_whole(make, message):
+    with pytest.raises(ToolkitError) as err:
+        make()
+    assert str(err.value) == message
