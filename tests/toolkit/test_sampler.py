@@ -193,3 +193,45 @@ def test_allowed_changes_move_the_position_by_samples():
     assert (big.epoch, big.step) == (3, 0)
     big.load_state_dict({**late, "step": 23}, allow_changes=True)  # 92 samples: 2 of 32
     assert (big.epoch, big.step) == (2, 2)
+
+
+RESUME_HINT = ("HINT: resume with the same data set, global batch size, seed and shuffle settings "
+               "as the run that saved it (the world size may differ)")
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda: GlobalBatchSampler(0, 4),
+     "the data set is empty (num_samples=0)\nHINT: check the data you passed to the sampler"),
+    (lambda: GlobalBatchSampler(10, 0), "global batch size 0 must be positive\n"
+     "HINT: pass --batch-size with a positive multiple of the world size"),
+    (lambda: GlobalBatchSampler(100, 10, world_size=4),
+     "global batch size 10 is not divisible by the world size 4\n"
+     "HINT: use a multiple of 4, such as 8 or 12"),
+    (lambda: GlobalBatchSampler(100, 3, world_size=4),
+     "global batch size 3 is not divisible by the world size 4\n"
+     "HINT: use a multiple of 4, such as 4 or 8"),
+    (lambda: GlobalBatchSampler(10, 16), "global batch size 16 is larger than the data set "
+     "(10 samples), so drop_last leaves no step\n"
+     "HINT: use a batch of at most 10 samples, or drop_last=False"),
+    (lambda: GlobalBatchSampler(10, 4, world_size=2, rank=2), "rank 2 is outside a world of "
+     "size 2\nHINT: take rank and world size from the same LaunchEnv"),
+    (lambda: GlobalBatchSampler(10, 4, world_size=2, rank=-1), "rank -1 is outside a world of "
+     "size 2\nHINT: take rank and world size from the same LaunchEnv"),
+    (lambda: GlobalBatchSampler(100, 8, seed=6).load_state_dict(
+        GlobalBatchSampler(100, 8, seed=5).state_dict()),
+     f"the saved sampler state has seed=5, this run has seed=6\n{RESUME_HINT}"),
+    (lambda: GlobalBatchSampler(90, 8, seed=5).load_state_dict(
+        GlobalBatchSampler(100, 8, seed=5).state_dict(), allow_changes=True),
+     f"the saved sampler state has num_samples=100, this run has num_samples=90\n{RESUME_HINT}"),
+])
+def test_sampler_errors_whole(make, message):
+    with pytest.raises(ToolkitError) as err:
+        make()
+    assert str(err.value) == message
+
+
+def test_a_step_outside_the_epoch_names_the_step_and_the_epoch_length():
+    for step in (1, -1):
+        with pytest.raises(IndexError) as err:
+            GlobalBatchSampler(8, 8).global_batch(0, step)
+        assert str(err.value) == f"step {step} outside an epoch of 1 steps"
