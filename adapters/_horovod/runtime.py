@@ -28,8 +28,8 @@ def init_horovod(hvd, layout: Any, world_size: int) -> dict[tuple[int, ...], Any
     gradients in (a ``toolkit.Pipeline``'s stage replicas and end stages,
     ``PipelineGrid.reduction_groups``); returns them as ``{ranks: hvd.ProcessSet}``.
 
-    Horovod fixes its static sets at the first ``hvd.init`` (so the Trainer calls
-    ``set_layout`` before ``setup``). If Horovod was initialised before (by the user's script or
+    Horovod fixes its static sets at the first ``hvd.init`` (so the layout comes with
+    ``setup``). If Horovod was initialised before (by the user's script or
     an earlier Trainer), a group not registered then is added dynamically, which Horovod allows
     only when ``HOROVOD_DYNAMIC_PROCESS_SETS=1`` was set before that first init."""
     groups = (PipelineGrid(world_size, layout.stages).reduction_groups()
