@@ -41,9 +41,12 @@ TESTS = {
     "toolkit/_sampler.py": ["tests/toolkit/test_sampler.py"],
     "toolkit/_shards.py": ["tests/toolkit/test_layouts.py", "tests/toolkit/test_shards.py"],
     "toolkit/_partition.py": ["tests/toolkit/test_partition.py"],
-    "toolkit/_schedules.py": ["tests/toolkit/test_pipeline.py"],
-    "toolkit/_pipeline.py": ["tests/toolkit/test_pipeline.py"],
-    "toolkit/_checkpoint.py": ["tests/toolkit/test_checkpoint.py"],
+    "toolkit/_schedules.py": ["tests/toolkit/test_pipeline.py",
+                              "tests/toolkit/test_pipeline_rounds.py"],
+    "toolkit/_pipeline.py": ["tests/toolkit/test_pipeline.py",
+                             "tests/toolkit/test_pipeline_rounds.py"],
+    "toolkit/_checkpoint.py": ["tests/toolkit/test_checkpoint.py",
+                               "tests/toolkit/test_checkpoint_pieces.py"],
     # The Pipeline spec's splits are checked in test_partition.py. (describe() is checked in
     # test_start_summary.py and resolve_layout() through the Trainer, whose tests start
     # Horovod: seconds per mutant, so left out; their mutants count as "no tests".)
