@@ -42,10 +42,11 @@ from toolkit._reference import optimizer_slots
 
 
 class PjitSharding:
-    """The :class:`toolkit.ShardedAdapter` ability of ``JaxPjitAdapter`` (a mixin)."""
+    """jax-pjit's sharded state: mixed in before ``PjitDataParallel``, it replaces that
+    strategy's hooks (``_build_layout``, ``_keep``, ``_full_params``) and its state methods."""
 
     # ------------------------------------------------------------------ build
-    def _build_sharded(self, model, optimizer, loss, seed, accumulation_steps, metrics):
+    def _build_layout(self, model, optimizer, loss, seed, accumulation_steps, metrics):
         jax = self.jax
         from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
@@ -172,12 +173,15 @@ class PjitSharding:
     def _full_params(self):
         return self.model.unflat(self._host_named(self.params), self.model.params)
 
-    def _sharded_state_dict(self) -> dict[str, np.ndarray]:
+    def _keep(self, out) -> None:
+        self.grads = out[4]  # the gradient this layout keeps (memory_bytes counts it)
+
+    def state_dict(self) -> dict[str, np.ndarray]:
         unflat, like = self.model.unflat, self.model.params
         opt = {slot: unflat(self._host_named(s), like) for slot, s in self.opt_state.items()}
         return self._export(self._full_params(), opt, self._host(self.model_state))
 
-    def _load_sharded(self, state: dict[str, np.ndarray]) -> None:
+    def load_state_dict(self, state: dict[str, np.ndarray]) -> None:
         like = self.model.params
         params, opt_state, model_state = self._import(
             state, like, {slot: like for slot in self.opt_state}, self._host(self.model_state))

@@ -41,9 +41,10 @@ AXIS = "batch"
 
 
 class PmapSharding:
-    """The :class:`toolkit.ShardedAdapter` ability of ``JaxPmapAdapter`` (a mixin)."""
+    """jax-pmap's sharded state: mixed in before ``PmapDataParallel``, it replaces that
+    strategy's hooks (``_build_layout``, ``_keep``, ``_full_params``) and its state methods."""
 
-    def _build_sharded(self, model, optimizer, loss, seed, accumulation_steps, metrics):
+    def _build_layout(self, model, optimizer, loss, seed, accumulation_steps, metrics):
         jax, lax = self.jax, self.jax.lax
         check_sharded_optimizer(self.name, optimizer)
         params, _, model_state = self._build_common(model, optimizer, loss, seed,
@@ -162,11 +163,14 @@ class PmapSharding:
     def _full_params(self):
         return self._tree(self.params, self.layout.stage < 3)
 
-    def _sharded_state_dict(self) -> dict[str, np.ndarray]:
+    def _keep(self, out) -> None:
+        self.grads = out[4]  # the gradient this layout keeps (memory_bytes counts it)
+
+    def state_dict(self) -> dict[str, np.ndarray]:
         opt = {slot: self._tree(s, False) for slot, s in self.opt_state.items()}
         return self._export(self._full_params(), opt, self._local(self.model_state))
 
-    def _load_sharded(self, state: dict[str, np.ndarray]) -> None:
+    def load_state_dict(self, state: dict[str, np.ndarray]) -> None:
         like = self.model.params
         params, opt_state, model_state = self._import(
             state, like, {slot: like for slot in self.opt_state}, self._local(self.model_state))

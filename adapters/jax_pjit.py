@@ -178,15 +178,3 @@ class PjitSharded(PjitSharding, PjitDataParallel):
     @staticmethod
     def check_layout(layout) -> None:
         check_layout("jax-pjit", layout, tensor_parallel_ok=True)
-
-    def _build_layout(self, model, optimizer, loss, seed, accumulation_steps, metrics) -> None:
-        self._build_sharded(model, optimizer, loss, seed, accumulation_steps, metrics)
-
-    def _keep(self, out) -> None:
-        self.grads = out[4]  # the gradient this layout keeps (memory_bytes counts it)
-
-    def state_dict(self) -> dict[str, np.ndarray]:
-        return self._sharded_state_dict()
-
-    def load_state_dict(self, state: dict[str, np.ndarray]) -> None:
-        self._load_sharded(state)
