@@ -104,7 +104,7 @@ def to_orbax(ckpt: toolkit.Checkpoint, out: Path) -> None:
     from toolkit._gpt import GPT
 
     if isinstance(spec_from_dict(ckpt.meta.get("model")), GPT):
-        from adapters._gpt_flax import to_tree
+        from adapters._jax.models.gpt import to_tree
 
         tree = to_tree(weights(ckpt))
     else:

@@ -89,7 +89,7 @@ def jax_loop(spec, params, lr, env, pmap: bool):
     import optax
     from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-    from adapters._gpt_flax import FlaxGPT, to_tree
+    from adapters._jax.models.gpt import FlaxGPT, to_tree
 
     module, tx = FlaxGPT(spec), optax.adamw(lr, weight_decay=0.1)
     tree = to_tree(params)

@@ -38,12 +38,12 @@ FAULTS: list[Fault] = [
           'hvd.allreduce(g, op=hvd.Sum, name=f"grad_{i}")',
           (f"{CONFORMANCE_2}[horovod-tf]",),
           "gradient allreduce with op=hvd.Sum"),
-    Fault("not-averaged", "jax-pmap", "adapters/jax_pmap.py",
+    Fault("not-averaged", "jax-pmap", "adapters/jax_pmap/data_parallel.py",
           'grads = lax.pmean(grads, axis_name="batch")',
           'grads = lax.psum(grads, axis_name="batch")',
           (f"{STEPS_MATCH}[mlp-sgd-jax-pmap]",),
           "lax.psum instead of lax.pmean (2 local devices in the test process)"),
-    Fault("not-averaged", "jax-pjit", "adapters/jax_pjit.py",
+    Fault("not-averaged", "jax-pjit", "adapters/jax_pjit/data_parallel.py",
           "        grads, losses, model_state = self._accumulated_grads(params, model_state, x, "
           "y, key)\n",
           "        grads, losses, model_state = self._accumulated_grads(params, model_state, x, "
@@ -62,7 +62,7 @@ FAULTS: list[Fault] = [
           "shard = self.hvd.reducescatter(flat, op=self.hvd.Sum)",
           ("tests/test_sharded.py::test_every_stage_equals_the_reference[horovod-tf]",),
           "stages 2 and 3: the gradient reduce-scatter with op=hvd.Sum"),
-    Fault("not-averaged-sharded", "jax-pmap", "adapters/_jax_pmap_sharded.py",
+    Fault("not-averaged-sharded", "jax-pmap", "adapters/jax_pmap/sharded.py",
           "grads = tmap(lambda g: g / n, grads)",
           "grads = tmap(lambda g: g, grads)",
           ("tests/adapters/test_sharded_jax.py::"
@@ -81,13 +81,13 @@ FAULTS: list[Fault] = [
           'hvd.allreduce(g / hvd.size(), op=hvd.Average, name=f"grad_{i}")',
           (f"{CONFORMANCE_2}[horovod-tf]",),
           "each gradient divided by the world size before the averaging allreduce"),
-    Fault("averaged-twice", "jax-pmap", "adapters/jax_pmap.py",
+    Fault("averaged-twice", "jax-pmap", "adapters/jax_pmap/data_parallel.py",
           'grads = lax.pmean(grads, axis_name="batch")',
           "grads = self.jax.tree_util.tree_map(\n"
           '            lambda g: lax.pmean(g, axis_name="batch") / lax.psum(1, "batch"), grads)',
           (f"{STEPS_MATCH}[mlp-sgd-jax-pmap]",),
           "lax.pmean, then divided by the device count again"),
-    Fault("averaged-twice", "jax-pjit", "adapters/jax_pjit.py",
+    Fault("averaged-twice", "jax-pjit", "adapters/jax_pjit/data_parallel.py",
           "        grads, losses, model_state = self._accumulated_grads(params, model_state, x, "
           "y, key)\n",
           "        grads, losses, model_state = self._accumulated_grads(params, model_state, x, "
@@ -108,13 +108,13 @@ FAULTS: list[Fault] = [
           ("tests/adapters/test_keras_native.py::"
            "test_dropout_draws_differ_between_steps_but_not_between_runs",),
           "the Keras generators reseeded from step 0 on every step"),
-    Fault("fixed-dropout-seed", "jax-pmap", "adapters/jax_pmap.py",
+    Fault("fixed-dropout-seed", "jax-pmap", "adapters/jax_pmap/data_parallel.py",
           "self.jax.random.fold_in(self.jax.random.PRNGKey(seed), ",
           "self.jax.random.fold_in(self.jax.random.PRNGKey(0), ",
           ("tests/adapters/test_model_state.py::"
            "test_flax_dropout_draws_differ_between_steps_but_not_between_runs[jax-pmap]",),
           "the dropout key from PRNGKey(0), not the step's seed"),
-    Fault("fixed-dropout-seed", "jax-pjit", "adapters/jax_pjit.py",
+    Fault("fixed-dropout-seed", "jax-pjit", "adapters/jax_pjit/data_parallel.py",
           "key = self.jax.random.PRNGKey(seed)",
           "key = self.jax.random.PRNGKey(0)",
           ("tests/adapters/test_model_state.py::"
@@ -139,16 +139,16 @@ FAULTS: list[Fault] = [
           "        pass  # (fault: state.broadcast skipped)\n",
           (f"{CONFORMANCE_2}[horovod-tf]",),
           "the broadcast of variables and slots at build skipped"),
-    Fault("no-initial-broadcast", "jax-pmap", "adapters/_jax.py",
+    Fault("no-initial-broadcast", "jax-pmap", "adapters/_jax/strategy.py",
           "        if self.env.world_size > 1:  # rank 0's initial state becomes everyone's\n",
           "        if False:  # (fault: broadcast skipped)\n",
           (f"{CONFORMANCE_2}[jax-pmap]",),
-          "broadcast_one_to_all of the initial state skipped (shared _jax.py)"),
-    Fault("no-initial-broadcast", "jax-pjit", "adapters/_jax.py",
+          "broadcast_one_to_all of the initial state skipped (shared adapters/_jax/strategy.py)"),
+    Fault("no-initial-broadcast", "jax-pjit", "adapters/_jax/strategy.py",
           "        if self.env.world_size > 1:  # rank 0's initial state becomes everyone's\n",
           "        if False:  # (fault: broadcast skipped)\n",
           (f"{CONFORMANCE_2}[jax-pjit]",),
-          "broadcast_one_to_all of the initial state skipped (shared _jax.py)"),
+          "broadcast_one_to_all of the initial state skipped (shared adapters/_jax/strategy.py)"),
     # -------------------------------------------------------------- 6. a shard's padding
     Fault("padding-not-zeroed", "core", "toolkit/_shards.py",
           "        flat = np.zeros(self.padded, dtype)\n",
@@ -163,7 +163,7 @@ FAULTS: list[Fault] = [
           ("tests/toolkit/test_layouts.py::test_flatten_unflatten_and_errors",),
           "FlatLayout.owned: the last tensor's piece runs on into the padding "
           "(horovod-torch's and horovod-tf's checkpoint pieces)"),
-    Fault("padding-in-pieces", "jax-pmap", "adapters/_jax_sharded.py",
+    Fault("padding-in-pieces", "jax-pmap", "adapters/_jax/flat_units.py",
           "            a, b = max(lo, start), min(lo + len(data), start + size)\n",
           "            a, b = max(lo, start), min(lo + len(data), start + size)\n"
           "            if name == layout.names[-1]:  # (fault: the padding counted)\n"
@@ -171,8 +171,8 @@ FAULTS: list[Fault] = [
           ("tests/adapters/test_sharded_jax.py::"
            "test_checkpoint_pieces_of_padded_units_are_the_owned_slices[jax-pmap]",),
           "FlatUnits.pieces: the last tensor's piece runs on into the padding (shared "
-          "_jax_sharded.py)"),
-    Fault("padding-in-pieces", "jax-pjit", "adapters/_jax_sharded.py",
+          "adapters/_jax/flat_units.py)"),
+    Fault("padding-in-pieces", "jax-pjit", "adapters/_jax/flat_units.py",
           "            a, b = max(lo, start), min(lo + len(data), start + size)\n",
           "            a, b = max(lo, start), min(lo + len(data), start + size)\n"
           "            if name == layout.names[-1]:  # (fault: the padding counted)\n"
@@ -180,7 +180,7 @@ FAULTS: list[Fault] = [
           ("tests/adapters/test_sharded_jax.py::"
            "test_checkpoint_pieces_of_padded_units_are_the_owned_slices[jax-pjit]",),
           "FlatUnits.pieces: the last tensor's piece runs on into the padding (shared "
-          "_jax_sharded.py)"),
+          "adapters/_jax/flat_units.py)"),
     # -------------------------------------------------------------- 7. a stage's gradient dropped
     Fault("stage-gradient-dropped", "horovod-torch", "adapters/horovod_torch/pipeline.py",
           'self.outbox[("SEND_B", m, c)] = inp.grad',
@@ -193,14 +193,14 @@ FAULTS: list[Fault] = [
           'self.outbox[("SEND_B", m, c)] = tf.zeros_like(grads[0])',
           ("tests/adapters/test_pipeline_tf.py::test_1f1b_equals_the_reference_at_two_ranks",),
           "zeros sent back to the previous stage instead of its input's gradient"),
-    Fault("stage-gradient-dropped", "jax-pmap", "adapters/_jax_pipeline_programs.py",
+    Fault("stage-gradient-dropped", "jax-pmap", "adapters/_jax/programs.py",
           "bx.at[out].set(self._pack(gh))",
           "bx.at[out].set(self._pack(jnp.zeros_like(gh)))",
           (f"{JAX_PIPELINE}[pipeline:2:4:gpipe-1-jax-pmap]",),
-          "zeros sent back to the previous stage (shared _jax_pipeline_programs.py)"),
-    Fault("stage-gradient-dropped", "jax-pjit", "adapters/_jax_pipeline_programs.py",
+          "zeros sent back to the previous stage (shared adapters/_jax/programs.py)"),
+    Fault("stage-gradient-dropped", "jax-pjit", "adapters/_jax/programs.py",
           "bx.at[out].set(self._pack(gh))",
           "bx.at[out].set(self._pack(jnp.zeros_like(gh)))",
           (f"{JAX_PIPELINE}[pipeline:2:4:gpipe-1-jax-pjit]",),
-          "zeros sent back to the previous stage (shared _jax_pipeline_programs.py)"),
+          "zeros sent back to the previous stage (shared adapters/_jax/programs.py)"),
 ]

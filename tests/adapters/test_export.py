@@ -98,7 +98,7 @@ def test_orbax_export_of_the_gpt_runs_in_flax_as_the_toolkit_does(gpt_checkpoint
     import jax.numpy as jnp
     import orbax.checkpoint as ocp
 
-    from adapters._gpt_flax import FlaxGPT, from_tree
+    from adapters._jax.models.gpt import FlaxGPT, from_tree
 
     tmp, spec, ckpt, x = gpt_checkpoint
     export.main([str(tmp / "ckpt"), "--format", "orbax", "--out", str(tmp / "orbax")])

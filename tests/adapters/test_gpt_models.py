@@ -80,7 +80,7 @@ def run_flax(spec, params, x, y, dtype):
         jax.config.update("jax_enable_x64", True)
     import jax.numpy as jnp
 
-    from adapters._gpt_flax import FlaxGPT, from_tree, to_tree
+    from adapters._jax.models.gpt import FlaxGPT, from_tree, to_tree
 
     module = FlaxGPT(spec)
 
@@ -158,7 +158,7 @@ def test_torch_tied_head_shares_the_embedding_parameter():
 def test_flax_tree_round_trip_and_layout(tied):
     import jax
 
-    from adapters._gpt_flax import FlaxGPT, from_tree, name_of, path_of, to_tree
+    from adapters._jax.models.gpt import FlaxGPT, from_tree, name_of, path_of, to_tree
 
     spec = tiny(tied)
     params = spec.init(0, "float32")

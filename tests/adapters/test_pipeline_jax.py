@@ -1,5 +1,5 @@
-"""jax-pjit and jax-pmap pipeline stages (adapters/_jax_pipeline*.py) against the float64 numpy
-reference.
+"""jax-pjit and jax-pmap pipeline stages (``adapters/jax_*/pipeline.py`` over ``adapters/_jax/``)
+against the float64 numpy reference.
 
 In this process (2 CPU devices, conftest), both backends: S = 2 stages, D = 1, every schedule,
 state round trips, activations held and bad input; jax-pjit also native models, checkpoint

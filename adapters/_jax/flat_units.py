@@ -3,7 +3,7 @@
 A model's parameters are grouped into units (``toolkit._shards.units_of`` for the spec models:
 ``layers.i``, ``convs.i``, ``blocks.i``; a native Flax module's top-level submodules), and each
 unit is one flat buffer padded to a multiple of the shard count (``toolkit._shards.FlatLayout``).
-The optimizer (``adapters._jax.make_optimizer``) is elementwise, so it runs on flat shards
+The optimizer (``adapters._jax.strategy.make_optimizer``) is elementwise, so it runs on flat shards
 unchanged, and padding stays zero: its gradient is zero, and so is every update of it.
 
 Both backends keep their state as ``{unit: flat array}`` dicts: jax-pjit as global arrays
@@ -24,7 +24,7 @@ class FlatUnits:
     """The flat layouts of a model's units over ``shards`` shards, and the (un)flattening.
 
     Args:
-        model: an ``adapters._flax_models.JaxModel``.
+        model: an ``adapters._jax.models.spec.JaxModel``.
         shards: the number of shards each unit's buffer is cut into.
         exclude: neutral names kept out of the flat buffers (tensor-parallel kernels).
     """
@@ -148,7 +148,7 @@ def unit_forward(spec: Any, unit: str, named: dict[str, Any], h: Any) -> Any:
     """One unit's part of a spec model's forward pass (FSDP's wrapped module): the
     activations after unit ``unit`` from those before it (token ids or inputs for the first
     unit), with the unit's parameters ``named`` (neutral names; a tied GPT's last unit gets
-    ``tok_emb`` too). The same function as the Flax modules of ``adapters._flax_models``."""
+    ``tok_emb`` too). The same function as the Flax modules of ``adapters._jax.models.spec``."""
     import jax
     import jax.numpy as jnp
 
@@ -169,16 +169,16 @@ def unit_forward(spec: Any, unit: str, named: dict[str, Any], h: Any) -> Any:
         return z
     from flax import traverse_util
 
-    from adapters import _gpt_flax
+    from adapters._jax.models import gpt as flax_gpt
 
     if "pos_emb" in named:  # the first unit (a tied head's extra is tok_emb alone)
         h = jnp.take(named["tok_emb"], h, axis=0) + named["pos_emb"][: h.shape[1]]
     prefix = f"{unit}."
     block = traverse_util.unflatten_dict({tuple(n[len(prefix):].split(".")): v
                                           for n, v in named.items() if n.startswith(prefix)})
-    h = _gpt_flax._Block(spec.width, spec.heads).apply({"params": block}, h)
+    h = flax_gpt._Block(spec.width, spec.heads).apply({"params": block}, h)
     if "ln_f.scale" in named:
-        f = _gpt_flax._LayerNorm().apply(
+        f = flax_gpt._LayerNorm().apply(
             {"params": {"scale": named["ln_f.scale"], "bias": named["ln_f.bias"]}}, h)
         head = named["tok_emb"].T if spec.tied else named["head.kernel"]
         h = (f.reshape(-1, spec.width) @ head).reshape(*f.shape[:-1], -1)

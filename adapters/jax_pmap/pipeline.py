@@ -9,7 +9,7 @@ Every array has the local devices on its leading axis: a device holds its stage'
 parameter vector (a copy per replica), its own gradient, box and losses.
 
 Collectives (``DeviceAxisCollectives``, the mechanism of
-``adapters._jax_pipeline_programs.StagePrograms``, whose bodies jax-pjit runs under
+``adapters._jax.programs.StagePrograms``, whose bodies jax-pjit runs under
 ``shard_map``): ``ppermute`` with the pairs ``(a * D + d, b * D + d)`` for every replica ``d``;
 the sum over a stage's ``D`` replicas and the tied embedding's sum over a replica's holder
 stages are ``psum`` with ``axis_index_groups`` (the groups ``{s * D + d : d}`` and
@@ -31,7 +31,7 @@ from functools import partial
 
 import numpy as np
 
-from adapters._jax_pipeline_executor import PipelineExecutor
+from adapters._jax.pipeline import PipelineExecutor
 from toolkit import ToolkitError
 
 AXIS = "pipe"
@@ -86,7 +86,7 @@ class PmapPipeline(PipelineExecutor):
     arguments)."""
 
     def _setup_devices(self, devices) -> None:
-        jax, lax = self.a.jax, self.a.jax.lax
+        jax, lax = self.host.jax, self.host.jax.lax
         index = jax.pmap(lambda _: lax.axis_index(AXIS), axis_name=AXIS)(
             np.zeros(jax.local_device_count()))
         # Arrays placed as pmap places its outputs (a mesh of the local devices named AXIS):
@@ -100,19 +100,19 @@ class PmapPipeline(PipelineExecutor):
                                "together)")
         self.where = [int(i) for i in where]
         self._pfull = _FirstCallBarrier(
-            jax.pmap(lambda t: lax.all_gather(t, AXIS), axis_name=AXIS), self.a.barrier)
+            jax.pmap(lambda t: lax.all_gather(t, AXIS), axis_name=AXIS), self.host.barrier)
 
     def _collectives(self) -> DeviceAxisCollectives:
-        return DeviceAxisCollectives(self.a.jax.lax, self.layout.stages, self.D)
+        return DeviceAxisCollectives(self.host.jax.lax, self.layout.stages, self.D)
 
     def _stacked(self, host: np.ndarray):
-        return self.a.jax.device_put(host, self.stacked)
+        return self.host.jax.device_put(host, self.stacked)
 
     def _per_stage(self, host: np.ndarray):
         return self._stacked(np.stack([host[i // self.D] for i in self.where]))
 
     def _zeros(self, shape: tuple[int, ...]):
-        return self._stacked(np.zeros((len(self.where),) + tuple(shape), self.a.dtype_name))
+        return self._stacked(np.zeros((len(self.where),) + tuple(shape), self.host.dtype_name))
 
     def _batch(self, local: np.ndarray):
         return self._stacked(local.reshape((len(self.where), -1) + local.shape[1:]))
@@ -129,7 +129,7 @@ class PmapPipeline(PipelineExecutor):
     def _compile(self, n: int, xi: np.ndarray, yi: np.ndarray) -> None:
         """The step's pmapped programs for a global batch of ``n`` rows (compiled at their
         first calls, each after a barrier)."""
-        jax, barrier = self.a.jax, self.a.barrier
+        jax, barrier = self.host.jax, self.host.barrier
         progs = self._programs(n, xi.shape, xi.dtype)
         pmap = partial(jax.pmap, axis_name=AXIS)
         prepare = pmap(progs.prepare)

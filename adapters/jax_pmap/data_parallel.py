@@ -1,13 +1,4 @@
-"""The ``jax-pmap`` backend: ``jax.pmap`` over the local devices, gradients averaged with
-``lax.pmean``; several processes join through ``jax.distributed`` (Gloo on CPU).
-
-Pipeline stages (``toolkit.Pipeline``, see ``adapters/_jax_pipeline_pmap.py``): pmap over every
-process's devices, stages exchanging activations and gradients with ``lax.ppermute``.
-
-``pmap`` is in maintenance mode in current JAX; it works on the pinned JAX 0.10.2. New code
-should prefer ``jax-pjit`` (``jax.jit`` over a device ``Mesh``), which gives the same data
-parallelism, lets the compiler place the collectives, and extends to sharded parameters.
-"""
+"""``toolkit.DataParallel`` for ``jax-pmap``."""
 
 from __future__ import annotations
 
@@ -15,29 +6,9 @@ from typing import Any
 
 import numpy as np
 
-from adapters._backend import Backend
-from adapters._jax import JaxStrategy, LocalMean, apply_optimizer
-from adapters._jax_pmap_sharded import PmapSharding
-from adapters._jax_runtime import JaxRuntime
-from adapters._jax_sharded import check_layout, nbytes
+from adapters._jax.flat_units import nbytes
+from adapters._jax.strategy import JaxStrategy, LocalMean, apply_optimizer
 from toolkit import ToolkitError
-
-
-class PmapRuntime(JaxRuntime):
-    backend = "jax-pmap"
-
-
-class JaxPmapAdapter(Backend):
-    """JAX with pmap. See :class:`toolkit.Adapter` for the contract. Strategies: data parallel
-    (below), sharded (below, with ``adapters/_jax_pmap_sharded.py``: explicit
-    ``lax.all_gather`` / ``lax.psum_scatter`` on flat per-unit buffers) and pipeline
-    (``adapters/_jax_pipeline_pmap.py``: ``lax.ppermute`` between device indices)."""
-
-    name = "jax-pmap"
-    runtime_class = "adapters.jax_pmap:PmapRuntime"
-    strategies = {"data_parallel": "adapters.jax_pmap:PmapDataParallel",
-                  "sharded": "adapters.jax_pmap:PmapSharded",
-                  "pipeline": "adapters._jax_pipeline_pmap:PmapPipeline"}
 
 
 class PmapDataParallel(JaxStrategy):
@@ -92,10 +63,11 @@ class PmapDataParallel(JaxStrategy):
                 f"devices x {k} accumulation steps",
                 f"use a global batch divisible by world size x {d * k}, or change "
                 "--local-devices / --accumulation-steps")
-        xs = self._inputs(x).reshape((d, -1) + x.shape[1:])
-        ys = self._labels(y).reshape((d, -1) + y.shape[1:])
-        out = self._run_step(self._pstep, (self.params, self.opt_state, self.model_state, xs,
-                                           ys, self._scalars(lr), self._step_seed()), ahead=False)
+        xs = self.inputs(x).reshape((d, -1) + x.shape[1:])
+        ys = self.labels(y).reshape((d, -1) + y.shape[1:])
+        args = (self.params, self.opt_state, self.model_state, xs, ys,
+                self.optimizer_scalars(lr), self._step_seed())
+        out = self._run_step(self._pstep, args, ahead=False)
         self.params, self.opt_state, self.model_state, losses = out[:4]
         self._keep(out)
         return LocalMean([losses])  # one mean per device, of equal shares
@@ -113,8 +85,8 @@ class PmapDataParallel(JaxStrategy):
 
     def evaluate(self, x: np.ndarray, y: np.ndarray) -> dict[str, float]:
         params = self._full_params()
-        sums = self._jeval(params, self._local(self.model_state), self._inputs(x),
-                           self._labels(y))
+        sums = self._jeval(params, self._local(self.model_state), self.inputs(x),
+                           self.labels(y))
         return self._eval_result(sums, len(x))
 
     def _full_params(self):
@@ -138,11 +110,3 @@ class PmapDataParallel(JaxStrategy):
             self._local(self.model_state))
         self.params, self.opt_state = self._replicate(params), self._replicate(opt_state)
         self.model_state = self._replicate(model_state)
-
-
-class PmapSharded(PmapSharding, PmapDataParallel):
-    """``toolkit.Sharded(stage)`` for ``jax-pmap`` (``adapters/_jax_pmap_sharded.py``)."""
-
-    @staticmethod
-    def check_layout(layout) -> None:
-        check_layout("jax-pmap", layout)

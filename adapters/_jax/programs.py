@@ -6,8 +6,8 @@ of one piece), ``exchange`` (one wave of activations forward and gradients backw
 neighbouring stages) and ``update`` (the gradient summed over the stage's replicas, the tied
 embedding's over its holder stages, the elementwise optimizer). The collectives come from a
 *mechanism* object, so the same bodies run under ``shard_map`` over a ``(stage, data)`` mesh
-(``adapters/_jax_pipeline_pjit.py``) and under ``pmap`` over one device axis
-(``adapters/_jax_pipeline_pmap.py``). The branches take no collective: ``LocalComputes`` runs
+(``adapters/jax_pjit/pipeline.py``) and under ``pmap`` over one device axis
+(``adapters/jax_pmap/pipeline.py``). The branches take no collective: ``LocalComputes`` runs
 each on one device, as that process's own program. A mechanism has:
 
 - ``stage()``: this device's stage (traced);
@@ -18,15 +18,15 @@ each on one device, as that process's own program. A mechanism has:
   each replica; a device that receives nothing gets zeros);
 - ``gather_replica(x)``: the replica's ``S`` devices' ``x`` concatenated in stage order.
 
-The host side both executors share is ``adapters/_jax_pipeline_executor.py``.
+The host side both executors share is ``adapters/_jax/pipeline.py``.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from adapters._flax_models import per_sample_loss
-from adapters._jax import apply_optimizer
+from adapters._jax.models.spec import per_sample_loss
+from adapters._jax.strategy import apply_optimizer
 
 
 class StagePrograms:

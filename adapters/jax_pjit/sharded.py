@@ -1,6 +1,6 @@
 """jax-pjit's sharded layouts (ZeRO stages 1-3 / FSDP, and tensor parallelism of the GPT).
 
-The state lives in flat per-unit buffers (``adapters._jax_sharded.FlatUnits``, padded to a
+The state lives in flat per-unit buffers (``adapters._jax.flat_units.FlatUnits``, padded to a
 multiple of the ``data`` axis's size, so any device count works, 3 included) on a
 ``(data, model)`` mesh of every process's devices, process-major (a process's devices hold
 consecutive shards). The jitted step unflattens the buffers into the model's parameters; where a
@@ -17,9 +17,9 @@ sharded layout, the reduce-scatter:
   buffers itself, without per-unit activation checkpointing: that is jax-pmap's explicit FSDP).
 
 ``tensor_parallel=k`` (a ``toolkit.GPT`` only) makes the mesh ``(devices / k, k)``: the
-attention and MLP kernels are split over ``model`` (``adapters._jax_tp``), kept as ``(k, M)``
-arrays sharded ``P("model", "data")``; every other parameter stays in the flat buffers sharded
-over ``data``.
+attention and MLP kernels are split over ``model`` (``adapters._jax.tensor_parallel``), kept
+as ``(k, M)`` arrays sharded ``P("model", "data")``; every other parameter stays in the flat
+buffers sharded over ``data``.
 """
 
 from __future__ import annotations
@@ -29,15 +29,17 @@ from typing import Any
 
 import numpy as np
 
-from adapters import _jax_tp
-from adapters._jax import apply_optimizer
-from adapters._jax_sharded import (
+from adapters._jax import tensor_parallel as tp
+from adapters._jax.flat_units import (
     FlatUnits,
+    check_layout,
     check_sharded_optimizer,
     local_range,
     nbytes,
     state_head,
 )
+from adapters._jax.strategy import apply_optimizer
+from adapters.jax_pjit.data_parallel import PjitDataParallel
 from toolkit._reference import optimizer_slots
 
 
@@ -56,15 +58,15 @@ class PjitSharding:
         k, stage = self.layout.tensor_parallel, self.layout.stage
         devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
         if k > 1:
-            _jax_tp.check(model, k, len(devices), self.model.native)
+            tp.check(model, k, len(devices), self.model.native)
         self.mesh = Mesh(np.asarray(devices).reshape(len(devices) // k, k), ("data", "model"))
         self._ns = lambda *dims: NamedSharding(self.mesh, PartitionSpec(*dims))
         self.replicated, self.batch = self._ns(), self._ns("data")
         self.spec = model if k > 1 else None
-        self.split = _jax_tp.split_names(model) if k > 1 else ()
+        self.split = tp.split_names(model) if k > 1 else ()
         self.units = FlatUnits(self.model, len(devices) // k, exclude=self.split)
         named = self.model.flat(params)
-        self.views = {n: _jax_tp.to_view(n, named[n], model, np).shape for n in self.split}
+        self.views = {n: tp.to_view(n, named[n], model, np).shape for n in self.split}
         sharded, full = self._store_shardings(True), self._store_shardings(False)
         self.param_sharding = sharded if stage == 3 else full
         self.grad_sharding = full if stage == 1 else sharded
@@ -100,7 +102,7 @@ class PjitSharding:
         k, d = self.layout.tensor_parallel, self.units.shards
         split = {}
         for n in self.split:
-            rows = _jax_tp.to_view(n, np.asarray(named[n]), self.spec, np).reshape(k, -1)
+            rows = tp.to_view(n, np.asarray(named[n]), self.spec, np).reshape(k, -1)
             split[n] = np.pad(rows, ((0, 0), (0, -rows.shape[1] % d)))
         return {"units": self.units.flatten(named), "split": split}
 
@@ -132,7 +134,7 @@ class PjitSharding:
         """A store -> every tensor by neutral name in its original layout."""
         named = self._named(store)
         for n in self.split:
-            named[n] = _jax_tp.from_view(n, named[n], self.spec, self.jnp)
+            named[n] = tp.from_view(n, named[n], self.spec, self.jnp)
         return named
 
     def _flat_tensors(self, store: dict[str, Any]) -> dict[str, Any]:
@@ -150,7 +152,7 @@ class PjitSharding:
             return self.model.apply(tree, model_state, xb, train=True, rng=rng)
         for n in self.split:  # each model-parallel rank computes with its part only
             named[n] = self._constrain(named[n], ("model",) + (None,) * (named[n].ndim - 1))
-        return _jax_tp.forward(named, xb, self.spec, self._constrain), model_state
+        return tp.forward(named, xb, self.spec, self._constrain), model_state
 
     def _sharded_step(self, params, opt_state, model_state, x, y, scalars, seed):
         wsc = self.jax.lax.with_sharding_constraint
@@ -218,3 +220,11 @@ class PjitSharding:
         params = nbytes(self.params)
         return {"params": params, "grads": nbytes(self.grads),
                 "optimizer": nbytes(self.opt_state)}
+
+
+class PjitSharded(PjitSharding, PjitDataParallel):
+    """``toolkit.Sharded(stage, tensor_parallel)`` for ``jax-pjit``."""
+
+    @staticmethod
+    def check_layout(layout) -> None:
+        check_layout("jax-pjit", layout, tensor_parallel_ok=True)

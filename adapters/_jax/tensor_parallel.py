@@ -14,7 +14,8 @@ hidden units for the MLP), so that ``view.reshape(k, -1)`` puts device ``r``'s p
 - ``mlp.fc.kernel`` ``(w, 4w)`` -> ``(4w, w)`` (transposed); ``mlp.fc.bias`` and
   ``mlp.proj.kernel`` ``(4w, w)`` unchanged.
 
-:func:`forward` computes exactly the function of ``adapters._gpt_flax.FlaxGPT`` from these views.
+:func:`forward` computes exactly the function of ``adapters._jax.models.gpt.FlaxGPT`` from
+these views.
 """
 
 from __future__ import annotations

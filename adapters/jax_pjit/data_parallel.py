@@ -1,18 +1,4 @@
-"""The ``jax-pjit`` backend: ``jax.jit`` over a ``Mesh`` of every process's devices.
-
-Data parallel (the default layout): the batch is sharded on the mesh's ``data`` axis
-(``NamedSharding(mesh, P("data"))``), the parameters and optimizer state are replicated
-(``P()``); the compiler inserts the gradient all-reduce. Each process contributes its local
-samples through ``jax.make_array_from_process_local_data``.
-
-Sharded layouts (``toolkit.Sharded``, see ``adapters/_jax_pjit_sharded.py``): the state lives in
-flat per-unit buffers sharded ``P("data")`` and the compiler inserts the all-gathers and
-reduce-scatters; ``tensor_parallel=k`` adds a ``model`` axis that splits the GPT's attention
-and MLP kernels (Megatron style).
-
-Pipeline stages (``toolkit.Pipeline``, see ``adapters/_jax_pipeline_pjit.py``): a (stage, data)
-mesh; stages exchange activations and gradients with ``lax.ppermute`` inside ``shard_map``.
-"""
+"""``toolkit.DataParallel`` for ``jax-pjit``."""
 
 from __future__ import annotations
 
@@ -20,32 +6,9 @@ from typing import Any
 
 import numpy as np
 
-from adapters._backend import Backend
-from adapters._jax import JaxStrategy, LocalMean, apply_optimizer
-from adapters._jax_pjit_sharded import PjitSharding
-from adapters._jax_runtime import JaxRuntime
-from adapters._jax_sharded import check_layout, nbytes
+from adapters._jax.flat_units import nbytes
+from adapters._jax.strategy import JaxStrategy, LocalMean, apply_optimizer
 from toolkit import ToolkitError
-
-
-class PjitRuntime(JaxRuntime):
-    backend = "jax-pjit"
-
-
-class JaxPjitAdapter(Backend):
-    """JAX with jit over a device mesh. See :class:`toolkit.Adapter` for the contract.
-    Strategies: data parallel and sharded (below, with ``adapters/_jax_pjit_sharded.py``),
-    pipeline (``adapters/_jax_pipeline_pjit.py``)."""
-
-    name = "jax-pjit"
-    runtime_class = "adapters.jax_pjit:PjitRuntime"
-    strategies = {"data_parallel": "adapters.jax_pjit:PjitDataParallel",
-                  "sharded": "adapters.jax_pjit:PjitSharded",
-                  "pipeline": "adapters._jax_pipeline_pjit:PjitPipeline"}
-
-    def device_batch(self, x: np.ndarray, y: np.ndarray):
-        """``toolkit._contract.PlacesBatches``: the strategy's placement of a local batch."""
-        return self.strategy.device_batch(x, y)
 
 
 class PjitDataParallel(JaxStrategy):
@@ -118,7 +81,7 @@ class PjitDataParallel(JaxStrategy):
                 f"x {self.accumulation_steps} accumulation steps",
                 f"use a global batch divisible by world size x "
                 f"{rows * self.accumulation_steps}, or change --local-devices")
-        return self._global(self._inputs(x), rows), self._global(self._labels(y), rows)
+        return self._global(self.inputs(x), rows), self._global(self.labels(y), rows)
 
     def train_step(self, x: np.ndarray, y: np.ndarray, lr: float | None) -> float:
         if not (isinstance(x, self.jax.Array) and x.sharding == self.batch):
@@ -128,7 +91,7 @@ class PjitDataParallel(JaxStrategy):
         # Numpy inputs to a multi-process jit are taken as replicated: every process passes the
         # same values (the Trainer's learning rate, a seed from the step count).
         out = self._run_step(self._jstep, (self.params, self.opt_state, self.model_state, x, y,
-                                           self._scalars(lr), self._step_seed()))
+                                           self.optimizer_scalars(lr), self._step_seed()))
         self.params, self.opt_state, self.model_state, losses = out[:4]
         self._keep(out)
         # Per-sample losses stay sharded like the batch: this process's shards are its samples,
@@ -141,8 +104,8 @@ class PjitDataParallel(JaxStrategy):
 
     def evaluate(self, x: np.ndarray, y: np.ndarray) -> dict[str, float]:
         params = self._full_params()
-        sums = self._jeval(params, self._host(self.model_state), self._inputs(x),
-                           self._labels(y))
+        sums = self._jeval(params, self._host(self.model_state), self.inputs(x),
+                           self.labels(y))
         return self._eval_result(sums, len(x))
 
     def _host(self, tree):
@@ -169,12 +132,3 @@ class PjitDataParallel(JaxStrategy):
             self._host(self.model_state))
         self.params, self.opt_state = self._replicate(params), self._replicate(opt_state)
         self.model_state = self._replicate(model_state)
-
-
-class PjitSharded(PjitSharding, PjitDataParallel):
-    """``toolkit.Sharded(stage, tensor_parallel)`` for ``jax-pjit``
-    (``adapters/_jax_pjit_sharded.py``)."""
-
-    @staticmethod
-    def check_layout(layout) -> None:
-        check_layout("jax-pjit", layout, tensor_parallel_ok=True)

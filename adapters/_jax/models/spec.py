@@ -35,9 +35,9 @@ class JaxModel:
             from toolkit._gpt import GPT
 
             if isinstance(model, GPT):
-                from adapters import _gpt_flax
+                from adapters._jax.models import gpt as flax_gpt
 
-                self.gpt, self.module = _gpt_flax, _gpt_flax.FlaxGPT(model)
+                self.gpt, self.module = flax_gpt, flax_gpt.FlaxGPT(model)
             else:
                 self.module = _flax_module(nn, model)
             self.params = traverse_util.unflatten_dict(

@@ -1,4 +1,4 @@
-"""Pipeline stages for the JAX backends, framework pieces shared by their executors.
+"""Pipeline stages for the JAX backends: a model cut into pieces, held as flat vectors.
 
 A model is cut into ``K = S x v`` *pieces* (``toolkit.partition_model`` for spec models; a list
 of ``(flax module, variables)`` pairs cut by index for native ones); piece ``k`` runs on stage
@@ -9,13 +9,7 @@ vectors directly (padding stays zero: zero gradient, zero update). A parameter h
 (the tied GPT ``tok_emb``: embedding on the first stage, head on the last) comes first in both
 holders' vectors, so one masked ``psum`` over the stage axis sums its gradients.
 
-``RoundPlan`` turns a schedule into lockstep rounds (``toolkit.lockstep_rounds``): per round and
-stage, the compute to run (forward or backward of one piece and micro-batch, or nothing), then
-*waves* of messages, each wave at most one activation forward and one gradient backward per stage
-(two ``ppermute`` shifts over the stage axis). Activations, received activations (kept for the
-backward, which recomputes the piece's forward under ``jax.vjp``) and gradients live in a
-per-device *box* of slots; the plan assigns slots statically by simulating every stage's order,
-so the box holds exactly the schedule's peak of live values (1F1B's is smaller than GPipe's).
+The schedule's rounds are in ``rounds.py``.
 """
 
 from __future__ import annotations
@@ -28,8 +22,6 @@ import numpy as np
 
 from toolkit import ToolkitError
 from toolkit._partition import partition_layers, partition_model
-from toolkit._pipeline import lockstep_rounds
-from toolkit._schedules import Action, Schedule
 from toolkit._specs import CNN, MLP, ModelSpec
 
 _NATIVE_HINT = ("pass a toolkit.MLP/GPT spec, or a list of (flax module, variables) pairs applied "
@@ -196,7 +188,7 @@ def _spec_piece(spec, layers: range, first: bool, last: bool):
     def gpt(p, h):  # FlaxGPT's arithmetic, one piece of it
         import jax.numpy as jnp
 
-        from adapters._gpt_flax import _Block, _Dense, _LayerNorm, to_tree
+        from adapters._jax.models.gpt import _Block, _Dense, _LayerNorm, to_tree
 
         if first:
             h = jnp.take(p["tok_emb"], h, axis=0) + p["pos_emb"][: h.shape[1]]
@@ -262,7 +254,7 @@ def _native_pieces(model, S, v, splits, dtype, backend):
 def eval_sums(staged: StagedModel, loss_fn: Any, loss: str, metrics: dict[str, Any]):
     """``sums(params_by_name, x, y)``: the evaluation sums of the whole model, piece after
     piece on one device (``loss_sum``, ``correct`` for classification, one per metric)."""
-    from adapters._flax_models import correct_per_sample, per_sample_loss
+    from adapters._jax.models.spec import correct_per_sample, per_sample_loss
 
     def sums(params, x, y):
         import jax.numpy as jnp
@@ -278,110 +270,3 @@ def eval_sums(staged: StagedModel, loss_fn: Any, loss: str, metrics: dict[str, A
         return out
 
     return sums
-
-
-@dataclasses.dataclass
-class Wave:
-    """One exchange: per stage ``[send_f, send_b, recv_f, recv_f_valid, recv_b,
-    recv_b_valid]`` slots, whether any activation / gradient moves, and each stage's
-    SEND/RECV actions."""
-
-    ctrl: np.ndarray
-    forward: bool
-    backward: bool
-    actions: list[list[Action]]
-
-
-@dataclasses.dataclass
-class Round:
-    """One lockstep round: per stage ``[branch, micro_batch, act_in, grad_in, out]`` (branch
-    0: idle, ``1 + 2k``: forward of piece ``k``, ``2 + 2k``: its backward), then its waves."""
-
-    ctrl: np.ndarray
-    compute: tuple[Action | None, ...]
-    waves: list[Wave]
-
-
-class RoundPlan:
-    """``schedule`` as lockstep rounds with every value's box slot assigned (see the module
-    docstring). Attributes: ``rounds``, ``slots`` (box size, at least 1)."""
-
-    def __init__(self, schedule: Schedule):
-        self.schedule = schedule
-        S, v = schedule.stages, schedule.chunks
-        K = S * v
-        live: list[dict[tuple, int]] = [{} for _ in range(S)]
-        free: list[list[int]] = [[] for _ in range(S)]
-        used = [0] * S
-
-        def alloc(s: int, key: tuple) -> int:
-            if free[s]:
-                slot = free[s].pop(0)
-            else:
-                slot, used[s] = used[s], used[s] + 1
-            live[s][key] = slot
-            return slot
-
-        def release(s: int, key: tuple) -> int:
-            slot = live[s].pop(key)
-            free[s].append(slot)
-            free[s].sort()
-            return slot
-
-        self.rounds: list[Round] = []
-        for lr in lockstep_rounds(schedule):
-            ctrl = np.zeros((S, 5), np.int32)
-            for s, a in enumerate(lr.compute):
-                if a is None:
-                    continue
-                k, m, c = a.chunk * S + s, a.micro_batch, a.chunk
-                row = [1 + 2 * k if a.kind == "F" else 2 + 2 * k, m, 0, 0, 0]
-                if a.kind == "F":
-                    if k > 0:
-                        row[2] = live[s][("act", m, c)]
-                    if k < K - 1:
-                        row[4] = alloc(s, ("out", m, c))
-                else:  # inputs are read before the output is written: free them first
-                    if k > 0:
-                        row[2] = release(s, ("act", m, c))
-                    if k < K - 1:
-                        row[3] = release(s, ("gin", m, c))
-                    if k > 0:
-                        row[4] = alloc(s, ("gout", m, c))
-                ctrl[s] = row
-            self.rounds.append(Round(ctrl, lr.compute, self._waves(lr.messages, alloc,
-                                                                   release, S)))
-        self.slots = max(1, *used)
-
-    @staticmethod
-    def _waves(messages, alloc, release, S) -> list[Wave]:
-        waves: list[list[tuple]] = []
-        for msg in messages:  # first fit: one activation and one gradient per stage a wave
-            sender, receiver, send, _ = msg
-            key = (send.kind, sender)
-            for wave in waves:
-                if key not in {(m[2].kind, m[0]) for m in wave}:
-                    wave.append(msg)
-                    break
-            else:
-                waves.append([msg])
-        out = []
-        for wave in waves:
-            ctrl = np.zeros((S, 6), np.int32)
-            actions: list[list[Action]] = [[] for _ in range(S)]
-            for sender, _, send, _ in wave:  # sends read the box before receives write it
-                forward = send.kind == "SEND_F"
-                slot = release(sender, ("out" if forward else "gout", send.micro_batch,
-                                        send.chunk))
-                ctrl[sender, 0 if forward else 1] = slot
-                actions[sender].append(send)
-            for _, receiver, send, recv in wave:
-                forward = send.kind == "SEND_F"
-                slot = alloc(receiver, ("act" if forward else "gin", recv.micro_batch,
-                                        recv.chunk))
-                ctrl[receiver, 2 if forward else 4] = slot
-                ctrl[receiver, 3 if forward else 5] = 1
-                actions[receiver].append(recv)
-            kinds = {send.kind for _, _, send, _ in wave}
-            out.append(Wave(ctrl, "SEND_F" in kinds, "SEND_B" in kinds, actions))
-        return out

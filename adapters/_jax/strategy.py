@@ -1,5 +1,5 @@
 """What the two JAX backends' strategies share: the Flax model, the optax optimizer, the step's
-host side and state naming (``JaxStrategy``). The runtime is ``adapters/_jax_runtime.py``."""
+host side and state naming (``JaxStrategy``). The runtime is ``adapters/_jax/runtime.py``."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import numpy as np
 
 from adapters._backend import StrategyBase
 from adapters._common import check_per_sample, loss_name, step_seed
-from adapters._flax_models import JaxModel, correct_per_sample, per_sample_loss
-from adapters._jax_runtime import gloo_connect_line_silenced
+from adapters._jax.models.spec import JaxModel, correct_per_sample, per_sample_loss
+from adapters._jax.runtime import gloo_connect_line_silenced
 from toolkit import SGD, Adam, ToolkitError
 from toolkit._reference import adam_scalars, optimizer_slots
 
@@ -116,7 +116,7 @@ class JaxStrategy(StrategyBase):
 
     def start_counting(self, loss, optimizer) -> None:
         """The loss and a spec optimizer's step count for a build made elsewhere (a pipeline
-        executor's): ``_labels`` and ``_scalars`` then work as after ``_build_common``."""
+        executor's): ``labels`` and ``optimizer_scalars`` then work as after ``_build_common``."""
         self.loss_name, self.loss_fn = loss_name(loss), loss
         self.opt_spec = optimizer if isinstance(optimizer, SGD | Adam) else None
         self.count = self.steps = 0
@@ -158,7 +158,7 @@ class JaxStrategy(StrategyBase):
         a = np.asarray(a)
         return a.astype(self.dtype_name) if np.issubdtype(a.dtype, np.floating) else a
 
-    def _scalars(self, lr: float | None) -> np.ndarray:
+    def optimizer_scalars(self, lr: float | None) -> np.ndarray:
         """``[lr, step_size, c2_sqrt]`` of this step for a spec optimizer, else empty."""
         if self.opt_spec is None:
             return np.zeros(0, self.dtype_name)
@@ -175,17 +175,17 @@ class JaxStrategy(StrategyBase):
         self.steps += 1
         return np.asarray(step_seed(self.seed, self.steps - 1, 0), np.uint32)
 
-    def _inputs(self, x: np.ndarray) -> np.ndarray:
+    def inputs(self, x: np.ndarray) -> np.ndarray:
         x = np.asarray(x)
         # copy=False: a batch already of the model's dtype is not copied (0.5 ms per step for
         # a 256 x 256 float32 batch, measured, while the step's own threads fill the cores).
         return x.astype(self.dtype_name, copy=False) if np.issubdtype(x.dtype, np.floating) \
             else x.astype(np.int32, copy=False)
 
-    def _labels(self, y: np.ndarray) -> np.ndarray:
+    def labels(self, y: np.ndarray) -> np.ndarray:
         if self.loss_name == "cross_entropy":
             return np.asarray(y, np.int32)
-        return self._inputs(y)
+        return self.inputs(y)
 
     _compiled_for = None
 

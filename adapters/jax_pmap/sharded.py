@@ -2,7 +2,7 @@
 
 Every device of every process (``N = jax.device_count()``, process-major: a process's devices
 hold consecutive shards) keeps shard ``axis_index`` of each unit's flat buffer
-(``adapters._jax_sharded.FlatUnits``), stacked on the leading axis pmap maps over:
+(``adapters._jax.flat_units.FlatUnits``), stacked on the leading axis pmap maps over:
 
 - stage 1: full parameters on every device; the gradient averaged in full (``lax.pmean``) and
   kept; each device updates its slice of the parameters with its shard of the optimizer state;
@@ -15,8 +15,8 @@ hold consecutive shards) keeps shard ``axis_index`` of each unit's flat buffer
   activation checkpointing) before the transpose of the all-gather, a ``psum_scatter``,
   reduce-scatters the unit's gradient. Gradient accumulation reduce-scatters every
   micro-batch's gradient (accumulating unsharded gradients would need full-size buffers).
-  Stage 3 needs the spec models' per-unit forward (``_jax_sharded.unit_forward``); a native
-  Flax module is sharded at stages 1 and 2.
+  Stage 3 needs the spec models' per-unit forward (``adapters._jax.flat_units.unit_forward``);
+  a native Flax module is sharded at stages 1 and 2.
 """
 
 from __future__ import annotations
@@ -25,15 +25,17 @@ from typing import Any
 
 import numpy as np
 
-from adapters._jax import apply_optimizer
-from adapters._jax_sharded import (
+from adapters._jax.flat_units import (
     FlatUnits,
+    check_layout,
     check_sharded_optimizer,
     nbytes,
     state_head,
     unit_forward,
     unit_named,
 )
+from adapters._jax.strategy import apply_optimizer
+from adapters.jax_pmap.data_parallel import PmapDataParallel
 from toolkit import ToolkitError
 from toolkit._reference import optimizer_slots
 
@@ -202,3 +204,11 @@ class PmapSharding:
         params = nbytes(self.params)
         return {"params": params, "grads": nbytes(self.grads),
                 "optimizer": nbytes(self.opt_state)}
+
+
+class PmapSharded(PmapSharding, PmapDataParallel):
+    """``toolkit.Sharded(stage)`` for ``jax-pmap``."""
+
+    @staticmethod
+    def check_layout(layout) -> None:
+        check_layout("jax-pmap", layout)

@@ -2,7 +2,7 @@
 
 ``PipelineExecutor``: checks, the staged state, the step's round loop with its
 ``toolkit.StageRecorder`` timing, evaluation and checkpoints; a subclass places arrays and wraps
-``adapters._jax_pipeline_programs.StagePrograms`` in its mechanism. The executor is the pipeline
+``adapters._jax.programs.StagePrograms`` in its mechanism. The executor is the pipeline
 layout's strategy (``adapters/_backend.py``) in both JAX backends.
 """
 
@@ -15,9 +15,10 @@ from typing import Any
 import numpy as np
 
 from adapters._common import check_build, loss_name
-from adapters._jax import JaxStrategy, LocalMean, make_optimizer
-from adapters._jax_pipeline import RoundPlan, eval_sums, stage_model
-from adapters._jax_pipeline_programs import LocalComputes, StagePrograms
+from adapters._jax.programs import LocalComputes, StagePrograms
+from adapters._jax.rounds import RoundPlan
+from adapters._jax.stages import eval_sums, stage_model
+from adapters._jax.strategy import JaxStrategy, LocalMean, make_optimizer
 from toolkit import Adam, Pipeline, ToolkitError
 from toolkit._partition import micro_batch_size
 from toolkit._reference import optimizer_slots
@@ -32,8 +33,8 @@ class PipelineExecutor:
 
     Args:
         runtime: the started JAX runtime. The executor keeps a ``JaxStrategy`` of its own
-            (``a``) for the host side it shares with the other layouts: ``jax``, ``env``, dtype,
-            optimizer scalars (``_scalars``), ``_inputs``/``_labels`` and ``barrier``.
+            (``host``) for the host side it shares with the other layouts: ``jax``, dtype,
+            ``optimizer_scalars``, ``inputs``/``labels``, step counting and ``barrier``.
         layout: a ``toolkit.Pipeline``.
         samples: ``"replica"`` (the Trainer under a Pipeline layout: the sampler gives the
             ``S`` processes of a pipeline replica the same local batch, each local device its
@@ -47,7 +48,7 @@ class PipelineExecutor:
     provides ``_collectives`` (the mechanism), ``_per_stage``, ``_zeros``, ``_batch``,
     ``_scalars``, ``_full`` and ``_compile`` (setting ``_prepare``, ``_exchange`` and
     ``_update``, and making ``box`` and ``losses``). The computes are the executor's own
-    (``adapters._jax_pipeline_programs.LocalComputes``).
+    (``adapters._jax.programs.LocalComputes``).
     """
 
     @staticmethod
@@ -61,7 +62,7 @@ class PipelineExecutor:
         if not isinstance(layout, Pipeline):
             raise ToolkitError(f"{layout!r} is not a toolkit.Pipeline",
                                "pass toolkit.Pipeline(stages=..., micro_batches=...)")
-        self.a, self.layout, self.keep_steps = JaxStrategy(runtime, layout), layout, keep_steps
+        self.host, self.layout, self.keep_steps = JaxStrategy(runtime, layout), layout, keep_steps
         self.runtime, self.env = runtime, runtime.env
         self.samples = samples
         self.schedule = pipeline_schedule(layout.schedule, layout.stages, layout.micro_batches,
@@ -74,7 +75,7 @@ class PipelineExecutor:
     def build(self, model: Any, optimizer: Any, loss: Any, *, seed: int = 0,
               accumulation_steps: int = 1, sync_batchnorm: bool = False,
               metrics: Any = None) -> None:
-        a, jax = self.a, self.a.jax
+        a, jax = self.host, self.host.jax
         name, S = a.name, self.layout.stages
         check_build(name, optimizer, accumulation_steps, sync_batchnorm)
         devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
@@ -91,7 +92,7 @@ class PipelineExecutor:
                 "pipeline replica of processes its samples)")
         self.staged = stage_model(model, self.layout, seed, a.dtype_name, name)
         self.loss_name, self.loss_fn = loss_name(loss), loss
-        a.start_counting(loss, optimizer)  # its _labels and _scalars read them
+        a.start_counting(loss, optimizer)  # its labels and optimizer_scalars read them
         self.metrics = dict(metrics or {})
         self.tx = make_optimizer(optimizer, name)
         self.D = len(devices) // S
@@ -120,7 +121,7 @@ class PipelineExecutor:
 
     def _programs(self, n: int, x_shape, x_dtype) -> StagePrograms:
         """The bodies for a global batch of ``n`` rows (each process's ``n / P`` rows)."""
-        jax, S, D, M = self.a.jax, self.layout.stages, self.D, self.layout.micro_batches
+        jax, S, D, M = self.host.jax, self.layout.stages, self.D, self.layout.micro_batches
         gather = self.samples == "process"
         # "process": every process's samples differ, a replica gathers its S devices' shares;
         # "replica": a replica's S processes hold the same samples (n counts them S times).
@@ -128,7 +129,7 @@ class PipelineExecutor:
         progs = StagePrograms(jax, self.staged, self.loss_fn, self.tx, self._collectives(), M,
                               mb, 1.0 / n if gather else S / n, gather,
                               jax.ShapeDtypeStruct((mb,) + tuple(x_shape[1:]), x_dtype),
-                              self.a.dtype)
+                              self.host.dtype)
         self.local = LocalComputes(jax, progs)
         return progs
 
@@ -136,7 +137,7 @@ class PipelineExecutor:
     def train_step(self, x: np.ndarray, y: np.ndarray, lr: float | None) -> LocalMean:
         """One step on this process's samples; returns the global batch's mean loss (the same
         on every process, so the Trainer's average over processes is that mean)."""
-        a, jax = self.a, self.a.jax
+        a, jax = self.host, self.host.jax
         local = jax.local_device_count()
         if len(x) % local:
             raise ToolkitError(
@@ -147,7 +148,7 @@ class PipelineExecutor:
         replica_batch = n // self.D // (1 if self.samples == "process" else self.layout.stages)
         if replica_batch % self.layout.micro_batches:
             micro_batch_size(replica_batch, self.layout.micro_batches)  # its error and hint
-        xi, yi = a._inputs(x), a._labels(y)
+        xi, yi = a.inputs(x), a.labels(y)
         shapes = (xi.shape, xi.dtype, yi.shape, yi.dtype)
         fresh = self._compiled_for != shapes
         if fresh:
@@ -209,7 +210,7 @@ class PipelineExecutor:
             block[0] = None
         del named
         self._sliced = None
-        scalars = self._scalars(a._scalars(lr))
+        scalars = self._scalars(a.optimizer_scalars(lr))
         a.count_step()
         self.params, self.opt_state, self.grads, loss = self._update(
             self.params, self.opt_state, self.grads, self.losses, scalars)
@@ -251,7 +252,7 @@ class PipelineExecutor:
     def _joined(self, blocks: dict, i: int):
         """The global array of the grads (1), box (2) or losses (3) from the local blocks."""
         shape, sharding, devices = self._like[i - 1]
-        return self.a.jax.make_array_from_single_device_arrays(
+        return self.host.jax.make_array_from_single_device_arrays(
             shape, sharding, [blocks[d][i] for d in devices])
 
     def pipeline_position(self) -> tuple[int, int]:
@@ -272,9 +273,9 @@ class PipelineExecutor:
         """Local sums over ``x`` (the whole model on this process's first device)."""
         params = self._named(self.params)
         if not hasattr(self, "_jeval"):
-            self._jeval = self.a.jax.jit(eval_sums(self.staged, self.loss_fn, self.loss_name,
+            self._jeval = self.host.jax.jit(eval_sums(self.staged, self.loss_fn, self.loss_name,
                                                    self.metrics))
-        sums = self._jeval(params, self.a._inputs(x), self.a._labels(y))
+        sums = self._jeval(params, self.host.inputs(x), self.host.labels(y))
         return {**{k: float(v) for k, v in sums.items()}, "count": float(len(x))}
 
     def state_dict(self) -> dict[str, np.ndarray]:
@@ -282,12 +283,12 @@ class PipelineExecutor:
         out = {f"params/{n}": v for n, v in self._named(self.params).items()}
         for slot, flat in self.opt_state.items():
             out.update({f"opt/{slot}/{n}": v for n, v in self._named(flat).items()})
-        if isinstance(self.a.opt_spec, Adam):
-            out["opt/count"] = np.asarray(self.a.count, np.int64)
+        if isinstance(self.host.opt_spec, Adam):
+            out["opt/count"] = np.asarray(self.host.count, np.int64)
         return out
 
     def load_state_dict(self, state: dict[str, np.ndarray]) -> None:
-        dtype, names = self.a.dtype_name, self.staged.names()
+        dtype, names = self.host.dtype_name, self.staged.names()
         missing = [f"params/{n}" for n in names if f"params/{n}" not in state]
         if missing:
             raise ToolkitError(f"the state lacks {missing[:3]} (of {len(missing)})",
@@ -296,7 +297,7 @@ class PipelineExecutor:
         opt = {s: self.staged.flatten({n: state[f"opt/{s}/{n}"] for n in names}, dtype)
                for s in self.slots}
         self._set_state(params, opt)
-        self.a.load_count(state)
+        self.host.load_count(state)
 
     def _replica0_rows(self, arr) -> dict[int, np.ndarray]:
         """Stage -> its flat vector, for the stages whose replica 0 is a local device."""
@@ -311,8 +312,8 @@ class PipelineExecutor:
         """``(replicated, pieces)`` for a checkpoint: replica 0 of each stage gives each of its
         parameters (and optimizer slots) whole as one flat piece, a shared one only from its
         first holder; every other process gives an empty piece of every name."""
-        replicated = ({"opt/count": np.asarray(self.a.count, np.int64)}
-                      if isinstance(self.a.opt_spec, Adam) else {})
+        replicated = ({"opt/count": np.asarray(self.host.count, np.int64)}
+                      if isinstance(self.host.opt_spec, Adam) else {})
         trees = {"params": self.params, **{f"opt/{s}": v for s, v in self.opt_state.items()}}
         pieces = {}
         for prefix, arr in trees.items():
@@ -321,7 +322,7 @@ class PipelineExecutor:
                 s = self.staged.owner_stage(name)
                 off, shape = self.staged.offsets[s][name]
                 piece = (mine[s][off:off + int(np.prod(shape))].copy() if s in mine
-                         else np.zeros(0, self.a.dtype_name))
+                         else np.zeros(0, self.host.dtype_name))
                 pieces[f"{prefix}/{name}"] = (piece, 0, shape)
         return replicated, pieces
 

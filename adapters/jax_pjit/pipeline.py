@@ -6,7 +6,7 @@ Ranks. The mesh is every device, process-major, reshaped ``(S, D)``: device ``i`
 ``i // D`` of replica ``i % D`` (``toolkit.PipelineGrid``'s order applied to devices, so one
 process per device gives exactly its rank mapping; a process with ``L`` devices holds ``L``
 consecutive replicas of one stage, or, alone, several stages). Samples: see
-``adapters._jax_pipeline_executor.PipelineExecutor``; gradients are summed over ``data`` (each
+``adapters._jax.pipeline.PipelineExecutor``; gradients are summed over ``data`` (each
 backward scales by ``1 / B``).
 
 Execution. One step is three kinds of jitted programs over the mesh, each called by every process
@@ -14,7 +14,7 @@ in the same order: ``prepare`` (the gather of the inputs and labels), one ``exch
 messages (``ppermute`` forward and/or backward over ``stage``; its time is the send/receive,
 waiting for the neighbour included), and ``update`` (``psum`` of gradients over ``data``, the tied
 embedding's over the holders on ``stage``, the elementwise optimizer). The bodies are
-``adapters._jax_pipeline_programs.StagePrograms``, shared with jax-pmap; here each is wrapped in
+``adapters._jax.programs.StagePrograms``, shared with jax-pmap; here each is wrapped in
 ``shard_map`` (one device's block of every array, leading ``(1, 1)`` or ``(1,)`` axes dropped).
 A round's forwards and backwards take no collective: each process runs its own devices' actions
 as single-device programs on their blocks (``LocalComputes``; the executor times them). Every
@@ -27,7 +27,7 @@ from functools import partial
 
 import numpy as np
 
-from adapters._jax_pipeline_executor import PipelineExecutor
+from adapters._jax.pipeline import PipelineExecutor
 
 
 class MeshCollectives:
@@ -65,7 +65,7 @@ class PjitPipeline(PipelineExecutor):
         return x, y
 
     def _setup_devices(self, devices) -> None:
-        jax, S = self.a.jax, self.layout.stages
+        jax, S = self.host.jax, self.layout.stages
         from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
         self.mesh = Mesh(np.asarray(devices).reshape(S, self.D), ("stage", "data"))
@@ -75,10 +75,10 @@ class PjitPipeline(PipelineExecutor):
         self._jfull = jax.jit(lambda t: t, out_shardings=self._ns())
 
     def _collectives(self) -> MeshCollectives:
-        return MeshCollectives(self.a.jax.lax)
+        return MeshCollectives(self.host.jax.lax)
 
     def _place(self, host: np.ndarray, dims):
-        return self.a.jax.make_array_from_callback(host.shape, self._ns(*dims),
+        return self.host.jax.make_array_from_callback(host.shape, self._ns(*dims),
                                                    lambda i: host[i])
 
     def _per_stage(self, host: np.ndarray):
@@ -86,10 +86,10 @@ class PjitPipeline(PipelineExecutor):
 
     def _zeros(self, shape: tuple[int, ...]):
         S, D = self.layout.stages, self.D
-        return self._place(np.zeros((S, D) + tuple(shape), self.a.dtype_name), ("stage", "data"))
+        return self._place(np.zeros((S, D) + tuple(shape), self.host.dtype_name), ("stage", "data"))
 
     def _batch(self, local: np.ndarray):
-        return self.a.jax.make_array_from_process_local_data(self._ns(("stage", "data")), local)
+        return self.host.jax.make_array_from_process_local_data(self._ns(("stage", "data")), local)
 
     def _scalars(self, host: np.ndarray):
         return self._place(host, ())
@@ -101,7 +101,7 @@ class PjitPipeline(PipelineExecutor):
         """Builds and compiles the step's programs for a global batch of ``n`` rows shaped like
         ``xi``/``yi``, then a barrier (no process starts a collective while another still
         compiles: jax issue 40831)."""
-        jax = self.a.jax
+        jax = self.host.jax
         spec = jax.sharding.PartitionSpec
         progs = self._programs(n, xi.shape, xi.dtype)
         sd, st = spec("stage", "data"), spec("stage")
@@ -134,7 +134,7 @@ class PjitPipeline(PipelineExecutor):
         self._exchange = {(f, b): exchange(f, b).lower(self.box, wave).compile()
                           for f in (False, True) for b in (False, True)
                           if (f or b) and wave is not None}
-        scalars = self._place(np.zeros(3, self.a.dtype_name), ())
+        scalars = self._place(np.zeros(3, self.host.dtype_name), ())
         self._update = upd.lower(self.params, self.opt_state, self.grads, self.losses,
                                  scalars).compile()
-        self.a.barrier()
+        self.host.barrier()
