@@ -22,18 +22,14 @@
   its owner, replica 0 of the first stage holding it; ``sharded_state`` gives the checkpoint
   store each tensor whole from its owner and an empty piece from every other rank).
 
-A subclass provides ``hvd``, ``metric_names``, ``cut`` (``names_by_stage``,
-``shapes``, ``buffers``, ``buffer_specs``), ``slots`` and the hooks ``_alltoall`` (or
-``_alltoall_start``/``_alltoall_wait``), ``_allgather``, ``_allreduce_sum``, ``_host``,
-``_activation``, ``_compute``, ``_local``, ``_replicated`` and ``_set_buffer``; and ``_sum``
-where its ``_compute`` hands a backward's parameter gradients to ``_defer`` (horovod-tf's does).
+A subclass is a :class:`StageCompute`: the framework's part, written out below.
 """
 
 from __future__ import annotations
 
 import os
 import time
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -56,8 +52,50 @@ def check_pipeline(layout: Any, world_size: int) -> PipelineGrid:
     return PipelineGrid(world_size, layout.stages)
 
 
+class StageCompute(Protocol):
+    """What a framework gives :class:`HvdPipeline` (horovod-torch's and horovod-tf's pipeline
+    strategies are both): its Horovod module, its stage's cut model and the hooks below; the
+    base class calls nothing else of its subclass. A ``_compute`` that hands a backward's
+    gradients to ``_defer`` also gives ``_sum(gradients)`` (horovod-tf's does)."""
+
+    hvd: Any  # horovod.torch or horovod.tensorflow
+    metric_names: tuple[str, ...]  # the user's metrics, in order (evaluation sums)
+    cut: Any  # the stage's cut model: names_by_stage, shapes, buffers, buffer_specs
+    slots: tuple[str, ...]  # the optimizer's slot names (checkpoint catalogue)
+
+    def _alltoall_start(self, buf: np.ndarray, splits: list[int], name: str) -> Any:
+        """Starts a round's named alltoall (or runs it: see ``RoundMessages._alltoall``)."""
+
+    def _alltoall_wait(self, started: Any) -> tuple[np.ndarray, list[int]]:
+        """The received bytes and per-rank sizes of a started alltoall."""
+
+    def _allgather(self, flat: np.ndarray, name: str) -> np.ndarray: ...
+
+    def _allreduce_sum(self, flat: np.ndarray, process_set: Any, name: str) -> np.ndarray:
+        """A sum over ``process_set`` (a stage's replicas, or the tied parameter's stages)."""
+
+    def _host(self, tensor: Any) -> np.ndarray:
+        """A framework tensor as numpy (a view where the framework allows)."""
+
+    def _activation(self, array: np.ndarray, grad: bool) -> Any:
+        """A received message as a tensor of its own (requiring its gradient if ``grad``)."""
+
+    def _compute(self, action: Any) -> None:
+        """Runs one forward or backward (``toolkit.Action``) of this rank's stage."""
+
+    def _local(self) -> dict[str, np.ndarray]:
+        """This rank's parameters and slots under their neutral checkpoint keys."""
+
+    def _replicated(self) -> dict[str, np.ndarray]:
+        """The state every rank holds alike (step counters)."""
+
+    def _set_buffer(self, buffer: Any, array: np.ndarray) -> None:
+        """Writes a loaded buffer (BatchNorm statistics) into the model."""
+
+
 class HvdPipeline(RoundMessages):
-    """The framework-free part of a Horovod pipeline executor (see the module's docstring)."""
+    """The framework-free part of a Horovod pipeline executor (see the module's docstring); a
+    subclass is a :class:`StageCompute`."""
 
     metric_names: tuple[str, ...] = ()  # the build's metrics (their sums on idle ranks: 0)
 

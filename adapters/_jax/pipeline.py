@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -24,6 +24,38 @@ from toolkit._partition import micro_batch_size
 from toolkit._reference import optimizer_slots
 from toolkit._schedules import pipeline_schedule
 from toolkit._timeline import TIMELINE_ENV, StageRecorder, append_timeline
+
+
+class StagePlacement(Protocol):
+    """What a JAX backend gives :class:`PipelineExecutor`: where the stages' arrays live
+    (stacked over pmap's device axis, or sharded over a ``(stage, data)`` mesh) and the
+    mechanism that moves them; the executor calls nothing else of its subclass."""
+
+    def _setup_devices(self, devices: list[Any]) -> None:
+        """Sets ``where``: the global index of each local device (in ``local_devices``' order;
+        device ``i`` is stage ``i // D`` of replica ``i % D``)."""
+
+    def _collectives(self) -> Any:
+        """The stage-axis collectives the compiled programs use (``ppermute`` shifts, psums)."""
+
+    def _per_stage(self, host: np.ndarray) -> Any:
+        """A host array with a leading stage axis, placed one row per stage."""
+
+    def _zeros(self, shape: tuple[int, ...]) -> Any:
+        """Zeros of ``shape`` on every local device."""
+
+    def _batch(self, local: np.ndarray) -> Any:
+        """This process's local samples placed for the prepare program."""
+
+    def _scalars(self, host: np.ndarray) -> Any:
+        """The optimizer scalars (``JaxStrategy.optimizer_scalars``) placed for the update."""
+
+    def _full(self, flat: Any) -> np.ndarray:
+        """Every stage's flat parameter vector on the host, ``(S, L)``."""
+
+    def _compile(self, n: int, xi: np.ndarray, yi: np.ndarray) -> None:
+        """Compiles for a local batch of ``n``: sets ``_prepare``, ``_exchange`` and
+        ``_update``, and makes ``box`` and ``losses``."""
 
 
 class PipelineExecutor:
@@ -43,12 +75,8 @@ class PipelineExecutor:
             ``S`` devices' slices gathered). Either way the loss is the global batch's mean.
         keep_steps: steps of timeline records kept (the latest).
 
-    A subclass's ``_setup_devices`` sets ``where``, the global index of each local device (in
-    ``local_devices``' order; device ``i`` is stage ``i // D`` of replica ``i % D``), and it
-    provides ``_collectives`` (the mechanism), ``_per_stage``, ``_zeros``, ``_batch``,
-    ``_scalars``, ``_full`` and ``_compile`` (setting ``_prepare``, ``_exchange`` and
-    ``_update``, and making ``box`` and ``losses``). The computes are the executor's own
-    (``adapters._jax.programs.LocalComputes``).
+    A subclass is a :class:`StagePlacement` (where the stages' arrays live and how they move);
+    the computes are the executor's own (``adapters._jax.programs.LocalComputes``).
     """
 
     @staticmethod
