@@ -41,7 +41,7 @@ faults: install
 
 ## make mutation: install, then install the pinned mutmut (requirements-mutation.txt) and mutate
 ## the framework-free core module by module against its fast unit tests (tools/mutation.py, in
-## scratch copies under build/mutation/); MODULES=toolkit/_sampler.py chooses modules, all by
+## scratch copies under build/mutation/); MODULES=toolkit/data/sampler.py chooses modules, all by
 ## default; MUTATION_ARGS=--write-doc updates the table of docs/mutation.md. Not part of make test
 mutation: install
 	$(VENV)/bin/pip install -q -c constraints.txt -r requirements-mutation.txt

@@ -27,9 +27,9 @@ from typing import Any, Protocol
 import numpy as np
 
 from toolkit import ToolkitError
-from toolkit._env import LaunchEnv
-from toolkit._layouts import DataParallel
-from toolkit._specs import DTYPES, check_choice
+from toolkit.launch.env import LaunchEnv
+from toolkit.models.specs import DTYPES, check_choice
+from toolkit.parallel.layouts import DataParallel
 
 
 class Runtime(Protocol):

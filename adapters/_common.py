@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 
 from toolkit import SGD, Adam, ToolkitError
-from toolkit._specs import check_choice
+from toolkit.models.specs import check_choice
 
 
 def missing_framework(backend: str, what: str, err: BaseException) -> ToolkitError:
@@ -47,7 +47,7 @@ def step_seed(seed: int, step: int, rank: int) -> int:
 
 def loss_name(loss) -> str:
     """``cross_entropy``/``mse`` as given, ``custom`` for a callable; anything else an error."""
-    from toolkit._specs import LOSSES
+    from toolkit.models.specs import LOSSES
 
     if callable(loss):
         return "custom"

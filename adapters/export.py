@@ -19,7 +19,7 @@ CHECKPOINT is a ``step_*`` directory or a store directory (its newest intact che
   (``{"layers_0": {"kernel", "bias"}, ...}``).
 - ``hf``: for a ``toolkit.GPT``, ``model.safetensors`` and ``config.json`` that Hugging Face's
   ``GPT2LMHeadModel.from_pretrained(dir)`` loads offline: the toolkit's GPT is GPT-2's
-  architecture, mapped by renaming alone (``toolkit._gpt2_files``). ``toolkit.GPT.
+  architecture, mapped by renaming alone (``toolkit.models.gpt2_files``). ``toolkit.GPT.
   from_pretrained(dir)`` reads such a directory back as a spec to fine-tune.
 
 Parameters are exported, and for native torch models their buffers (BatchNorm statistics) too;
@@ -36,7 +36,7 @@ from pathlib import Path
 import numpy as np
 
 import toolkit
-from toolkit._specs import spec_from_dict
+from toolkit.models.specs import spec_from_dict
 
 FORMATS = ("torch", "tf", "orbax", "hf")
 
@@ -101,7 +101,7 @@ def to_tf(ckpt: toolkit.Checkpoint, out: Path) -> None:
 def to_orbax(ckpt: toolkit.Checkpoint, out: Path) -> None:
     import orbax.checkpoint as ocp
 
-    from toolkit._gpt import GPT
+    from toolkit.models.gpt import GPT
 
     if isinstance(spec_from_dict(ckpt.meta.get("model")), GPT):
         from adapters._jax.models.gpt import to_tree
@@ -116,8 +116,8 @@ def to_orbax(ckpt: toolkit.Checkpoint, out: Path) -> None:
 
 
 def to_hf(ckpt: toolkit.Checkpoint, out: Path) -> None:
-    from toolkit._gpt import GPT
-    from toolkit._gpt2_files import save_pretrained
+    from toolkit.models.gpt import GPT
+    from toolkit.models.gpt2_files import save_pretrained
 
     spec = spec_from_dict(ckpt.meta.get("model"))
     if not isinstance(spec, GPT):

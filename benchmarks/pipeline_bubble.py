@@ -32,7 +32,13 @@ import numpy as np
 
 import adapters
 import toolkit
-from toolkit._timeline import TIMELINE_ENV, idle_fraction, peak_in_flight, select, stage_times
+from toolkit.parallel.pipeline.timeline import (
+    TIMELINE_ENV,
+    idle_fraction,
+    peak_in_flight,
+    select,
+    stage_times,
+)
 
 
 def measure(records: list[dict], name: str, M: int, steps: range):

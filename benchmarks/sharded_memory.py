@@ -109,8 +109,8 @@ def main(argv=None) -> int:
         return 0
 
     from toolkit import parse_layout
-    from toolkit._shards import unit_layouts
     from toolkit.memory import estimate, human
+    from toolkit.parallel.shards import unit_layouts
 
     spec = gpt_spec(args)
     arrays = spec.init(0, "float32")

@@ -54,7 +54,7 @@ def test_jax_pjit_splits_the_gpt_and_refuses_tensor_parallel_for_other_models():
     """jax-pjit takes ``tensor_parallel=2`` for a toolkit.GPT (on the 2 local devices: each
     holds half of every split kernel, and the losses are the reference's), and refuses it for
     any other model with an error that names the GPT and the way out."""
-    from toolkit._reference import reference_run
+    from toolkit.models.reference import reference_run
 
     assert SPLITS_LAYERS in adapters.BACKENDS
     (x, y), _ = load_digits()

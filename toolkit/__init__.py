@@ -4,22 +4,26 @@ This package is framework-free: importing it imports numpy and the standard libr
 Backends live in the ``adapters`` package and import their framework when chosen.
 """
 
-from toolkit._checkpoint import Checkpoint, CheckpointError, CheckpointStore, read_checkpoint
-from toolkit._cli import ArgumentParser, UsageError, run
-from toolkit._contract import Adapter, ShardedAdapter
-from toolkit._data import ArrayDataset, Dataset, TokenWindows
-from toolkit._env import LaunchEnv, detect_launch_env, expand_nodelist
-from toolkit._errors import ToolkitError
-from toolkit._gpt import GPT
-from toolkit._layouts import DataParallel, Pipeline, Sharded, parse_layout
-from toolkit._partition import (
+from toolkit.checkpoint.store import Checkpoint, CheckpointError, CheckpointStore, read_checkpoint
+from toolkit.contract import Adapter, ShardedAdapter
+from toolkit.data.dataset import ArrayDataset, Dataset, TokenWindows
+from toolkit.data.sampler import GlobalBatchSampler, shard_indices
+from toolkit.errors import ToolkitError
+from toolkit.launch.cli import ArgumentParser, UsageError, run
+from toolkit.launch.env import LaunchEnv, detect_launch_env, expand_nodelist
+from toolkit.launch.rank0 import atomic_open, current_env, print0, save0
+from toolkit.models.gpt import GPT
+from toolkit.models.specs import CNN, MLP, SGD, Adam, WarmupCosine, learning_rate, lr_scale
+from toolkit.parallel.layouts import DataParallel, Pipeline, Sharded, parse_layout
+from toolkit.parallel.pipeline.partition import (
     ModelPartition,
     PipelineGrid,
     micro_batch_size,
     partition_layers,
     partition_model,
 )
-from toolkit._pipeline import (
+from toolkit.parallel.pipeline.schedules import Action, Schedule, bubble_formula, pipeline_schedule
+from toolkit.parallel.pipeline.simulation import (
     LockstepRound,
     Simulation,
     lockstep_idle_fraction,
@@ -27,12 +31,8 @@ from toolkit._pipeline import (
     simulate_schedule,
     validate_schedule,
 )
-from toolkit._rank0 import atomic_open, current_env, print0, save0
-from toolkit._sampler import GlobalBatchSampler, shard_indices
-from toolkit._schedules import Action, Schedule, bubble_formula, pipeline_schedule
-from toolkit._specs import CNN, MLP, SGD, Adam, WarmupCosine, learning_rate, lr_scale
-from toolkit._timeline import StageRecorder, read_timeline
-from toolkit._trainer import PREEMPTED_EXIT_CODE, History, Trainer, TrainingPreempted
+from toolkit.parallel.pipeline.timeline import StageRecorder, read_timeline
+from toolkit.trainer.trainer import PREEMPTED_EXIT_CODE, History, Trainer, TrainingPreempted
 
 __all__ = [
     "Action", "Adam", "Adapter", "ArgumentParser", "ArrayDataset", "CNN", "Checkpoint",

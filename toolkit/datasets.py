@@ -12,8 +12,8 @@ from pathlib import Path
 
 import numpy as np
 
-from toolkit._errors import ToolkitError
-from toolkit._rank0 import atomic_open
+from toolkit.errors import ToolkitError
+from toolkit.launch.rank0 import atomic_open
 
 
 def load_digits(val_fraction: float = 0.2, seed: int = 0, dtype: str = "float32"):

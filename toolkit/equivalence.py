@@ -31,8 +31,8 @@ from pathlib import Path
 
 import numpy as np
 
-from toolkit._errors import ToolkitError
-from toolkit._specs import CNN, MLP, SGD, Adam, WarmupCosine
+from toolkit.errors import ToolkitError
+from toolkit.models.specs import CNN, MLP, SGD, Adam, WarmupCosine
 
 LAUNCHERS = ("auto", "horovodrun", "mpirun", "srun")
 # Bounds on the max relative per-step loss deviation (and on the parameters' max absolute
@@ -47,7 +47,7 @@ GPT_WINDOWS = 4096  # the GPT preset trains on the first windows of the text cor
 def make_model(name: str):
     """The model presets: ``mlp`` (64-128-10, relu), ``cnn`` (conv 3x3x8, relu, dense) and
     ``gpt`` (2 blocks, width 32, 2 heads, context 16, bytes)."""
-    from toolkit._gpt import GPT
+    from toolkit.models.gpt import GPT
 
     models = {"mlp": lambda: MLP((64, 128, 10)),
               "cnn": lambda: CNN(image_shape=(8, 8, 1), channels=(8,), classes=10),
@@ -109,7 +109,7 @@ def stdlib_bytes(n: int) -> np.ndarray:
 
 def reference(args) -> tuple[list[float], dict[str, np.ndarray]]:
     """The one-process float64 numpy run every backend is compared with."""
-    from toolkit._reference import reference_run
+    from toolkit.models.reference import reference_run
 
     x, y = load_data(args.model, "float64")
     return reference_run(make_model(args.model), make_optimizer(args.optimizer, args.steps),
@@ -297,7 +297,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                                f"{args.batch_size}", "choose world sizes that divide --batch-size")
     make_model(args.model)
     make_optimizer(args.optimizer, args.steps)
-    from toolkit._layouts import parse_layout
+    from toolkit.parallel.layouts import parse_layout
 
     args.layouts = [parse_layout(name).name for name in args.layout.split(",")]
     args.layout = ",".join(args.layouts)

@@ -45,8 +45,8 @@ import argparse
 import dataclasses
 import sys
 
-from toolkit._errors import ToolkitError
-from toolkit._layouts import DataParallel, Layout, Pipeline, Sharded, parse_layout
+from toolkit.errors import ToolkitError
+from toolkit.parallel.layouts import DataParallel, Layout, Pipeline, Sharded, parse_layout
 
 DTYPES = ("float32", "float16", "bfloat16", "mixed")
 OPTIMIZERS = ("sgd", "momentum", "adam", "adam-master")
@@ -190,8 +190,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def _count(args: argparse.Namespace) -> tuple[int, float, str]:
     """Parameters, one micro-batch's activation bytes and a description of the model."""
-    from toolkit._gpt import GPT
-    from toolkit._specs import MLP
+    from toolkit.models.gpt import GPT
+    from toolkit.models.specs import MLP
 
     if args.batch < 1:
         raise ToolkitError(f"--batch {args.batch} must be positive", "e.g. --batch 8")
@@ -230,7 +230,7 @@ def _count(args: argparse.Namespace) -> tuple[int, float, str]:
 def _count_cnn(args: argparse.Namespace) -> tuple[int, float, str]:
     """A CNN spec's parameters (from its real initial arrays' sizes) and activations: every
     convolution's input and output maps, the head's input and output."""
-    from toolkit._specs import CNN
+    from toolkit.models.specs import CNN
 
     try:
         image = tuple(int(v) for v in args.image.split(","))

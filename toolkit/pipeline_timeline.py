@@ -19,11 +19,11 @@ from __future__ import annotations
 import argparse
 import sys
 
-from toolkit._errors import ToolkitError
-from toolkit._layouts import SCHEDULES
-from toolkit._pipeline import simulate_schedule
-from toolkit._schedules import bubble_formula, pipeline_schedule
-from toolkit._timeline import (
+from toolkit.errors import ToolkitError
+from toolkit.parallel.layouts import SCHEDULES
+from toolkit.parallel.pipeline.schedules import bubble_formula, pipeline_schedule
+from toolkit.parallel.pipeline.simulation import simulate_schedule
+from toolkit.parallel.pipeline.timeline import (
     idle_fraction,
     peak_in_flight,
     read_timeline,

@@ -121,7 +121,7 @@ FAULTS: list[Fault] = [
            "test_flax_dropout_draws_differ_between_steps_but_not_between_runs[jax-pjit]",),
           "the dropout key from PRNGKey(0), not the step's seed"),
     # -------------------------------------------------------------- 4. sampler epoch seed
-    Fault("sampler-epoch-seed", "core", "toolkit/_sampler.py",
+    Fault("sampler-epoch-seed", "core", "toolkit/data/sampler.py",
           "np.random.default_rng([self.seed, epoch])",
           "np.random.default_rng([self.seed, 0])",
           ("tests/toolkit/test_sampler.py::"
@@ -150,12 +150,12 @@ FAULTS: list[Fault] = [
           (f"{CONFORMANCE_2}[jax-pjit]",),
           "broadcast_one_to_all of the initial state skipped (shared adapters/_jax/strategy.py)"),
     # -------------------------------------------------------------- 6. a shard's padding
-    Fault("padding-not-zeroed", "core", "toolkit/_shards.py",
+    Fault("padding-not-zeroed", "core", "toolkit/parallel/shards.py",
           "        flat = np.zeros(self.padded, dtype)\n",
           "        flat = np.ones(self.padded, dtype)\n",
           ("tests/toolkit/test_layouts.py", "-k", "test_shard_gather_round_trip"),
           "FlatLayout.flatten leaves ones in the padding"),
-    Fault("padding-in-pieces", "core", "toolkit/_shards.py",
+    Fault("padding-in-pieces", "core", "toolkit/parallel/shards.py",
           "            a, b = max(lo, start), min(hi, start + size)\n",
           "            a, b = max(lo, start), min(hi, start + size)\n"
           "            if name == self.names[-1]:  # (fault: the padding counted)\n"

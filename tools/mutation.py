@@ -15,8 +15,8 @@ Exit status: 0 when every surviving mutant is named in ``docs/mutation.md`` (cla
 equivalent, or as needing a test), 1 otherwise (the unclassified ones are printed).
 
     python tools/mutation.py                       # all modules
-    python tools/mutation.py toolkit/_sampler.py   # one module
-    python tools/mutation.py --jobs 2 --write-doc toolkit/_layouts.py
+    python tools/mutation.py toolkit/data/sampler.py   # one module
+    python tools/mutation.py --jobs 2 --write-doc toolkit/parallel/layouts.py
 """
 
 from __future__ import annotations
@@ -38,21 +38,22 @@ TABLE_START, TABLE_END = "<!-- mutation-table:start -->", "<!-- mutation-table:e
 
 # Each module of the framework-free core, and the fast unit tests that must catch its faults.
 TESTS = {
-    "toolkit/_sampler.py": ["tests/toolkit/test_sampler.py"],
-    "toolkit/_shards.py": ["tests/toolkit/test_layouts.py", "tests/toolkit/test_shards.py"],
-    "toolkit/_partition.py": ["tests/toolkit/test_partition.py"],
-    "toolkit/_schedules.py": ["tests/toolkit/test_pipeline.py",
+    "toolkit/data/sampler.py": ["tests/toolkit/test_sampler.py"],
+    "toolkit/parallel/shards.py": ["tests/toolkit/test_layouts.py", "tests/toolkit/test_shards.py"],
+    "toolkit/parallel/pipeline/partition.py": ["tests/toolkit/test_partition.py"],
+    "toolkit/parallel/pipeline/schedules.py": ["tests/toolkit/test_pipeline.py",
                               "tests/toolkit/test_pipeline_rounds.py"],
-    "toolkit/_pipeline.py": ["tests/toolkit/test_pipeline.py",
+    "toolkit/parallel/pipeline/simulation.py": ["tests/toolkit/test_pipeline.py",
                              "tests/toolkit/test_pipeline_rounds.py"],
-    "toolkit/_checkpoint.py": ["tests/toolkit/test_checkpoint.py",
+    "toolkit/checkpoint/store.py": ["tests/toolkit/test_checkpoint.py",
                                "tests/toolkit/test_checkpoint_pieces.py"],
     # The Pipeline spec's splits are checked in test_partition.py. (describe() is checked in
     # test_start_summary.py and resolve_layout() through the Trainer, whose tests start
     # Horovod: seconds per mutant, so left out; their mutants count as "no tests".)
-    "toolkit/_layouts.py": ["tests/toolkit/test_layouts.py", "tests/toolkit/test_partition.py"],
-    "toolkit/_env.py": ["tests/toolkit/test_env.py"],
-    "toolkit/_reference.py": ["tests/toolkit/test_reference.py"],
+    "toolkit/parallel/layouts.py": ["tests/toolkit/test_layouts.py",
+                                    "tests/toolkit/test_partition.py"],
+    "toolkit/launch/env.py": ["tests/toolkit/test_env.py"],
+    "toolkit/models/reference.py": ["tests/toolkit/test_reference.py"],
 }
 HEADER = ("| module | tests | mutants | killed | survived | timeout | no tests | kill rate "
           "| time |\n|---|---|---:|---:|---:|---:|---:|---:|---:|")

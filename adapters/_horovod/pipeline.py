@@ -35,11 +35,11 @@ import numpy as np
 
 from adapters._horovod.rounds import RoundMessages, unpack
 from toolkit import ToolkitError
-from toolkit._layouts import Pipeline
-from toolkit._partition import PipelineGrid
-from toolkit._pipeline import lockstep_rounds
-from toolkit._schedules import pipeline_schedule
-from toolkit._timeline import TIMELINE_ENV, StageRecorder, append_timeline
+from toolkit.parallel.layouts import Pipeline
+from toolkit.parallel.pipeline.partition import PipelineGrid
+from toolkit.parallel.pipeline.schedules import pipeline_schedule
+from toolkit.parallel.pipeline.simulation import lockstep_rounds
+from toolkit.parallel.pipeline.timeline import TIMELINE_ENV, StageRecorder, append_timeline
 
 
 def check_pipeline(layout: Any, world_size: int) -> PipelineGrid:
@@ -205,7 +205,7 @@ class HvdPipeline(RoundMessages):
         S = 2 the whole message time is on the critical path. (The sums of one 4096 x 4096
         float32 matrix take 5-7 ms, a message 2-4 ms from one stage's compute to the next's.)
         The timeline records the sums as a second part of the backward (an action in parts:
-        ``toolkit._timeline``).
+        ``toolkit.parallel.pipeline.timeline``).
 
         horovod-tf uses it; horovod-torch does not: its autograd adds each parameter's gradient
         to ``.grad`` in place during the backward, and deferring that

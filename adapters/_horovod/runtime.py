@@ -18,9 +18,9 @@ import numpy as np
 
 from adapters._common import check_world, missing_framework
 from toolkit import ToolkitError
-from toolkit._layouts import Pipeline
-from toolkit._partition import PipelineGrid
-from toolkit._specs import DTYPES, check_choice
+from toolkit.models.specs import DTYPES, check_choice
+from toolkit.parallel.layouts import Pipeline
+from toolkit.parallel.pipeline.partition import PipelineGrid
 
 
 def init_horovod(hvd, layout: Any, world_size: int) -> dict[tuple[int, ...], Any]:

@@ -1,10 +1,11 @@
 """Flat per-unit buffers for the JAX backends' sharded layouts (ZeRO stages 1-3 / FSDP).
 
-A model's parameters are grouped into units (``toolkit._shards.units_of`` for the spec models:
-``layers.i``, ``convs.i``, ``blocks.i``; a native Flax module's top-level submodules), and each
-unit is one flat buffer padded to a multiple of the shard count (``toolkit._shards.FlatLayout``).
-The optimizer (``adapters._jax.strategy.make_optimizer``) is elementwise, so it runs on flat shards
-unchanged, and padding stays zero: its gradient is zero, and so is every update of it.
+A model's parameters are grouped into units (``toolkit.parallel.shards.units_of`` for the spec
+models: ``layers.i``, ``convs.i``, ``blocks.i``; a native Flax module's top-level submodules),
+and each unit is one flat buffer padded to a multiple of the shard count
+(``toolkit.parallel.shards.FlatLayout``). The optimizer
+(``adapters._jax.strategy.make_optimizer``) is elementwise, so it runs on flat shards unchanged,
+and padding stays zero: its gradient is zero, and so is every update of it.
 
 Both backends keep their state as ``{unit: flat array}`` dicts: jax-pjit as global arrays
 sharded over the mesh's ``data`` axis, jax-pmap as per-device shards stacked on a leading axis.
@@ -17,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from toolkit import Adam, Sharded, ToolkitError
-from toolkit._shards import FlatLayout, unit_layouts
+from toolkit.parallel.shards import FlatLayout, unit_layouts
 
 
 class FlatUnits:

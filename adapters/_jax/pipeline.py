@@ -20,10 +20,10 @@ from adapters._jax.rounds import RoundPlan
 from adapters._jax.stages import eval_sums, stage_model
 from adapters._jax.strategy import JaxStrategy, LocalMean, make_optimizer
 from toolkit import Adam, Pipeline, ToolkitError
-from toolkit._partition import micro_batch_size
-from toolkit._reference import optimizer_slots
-from toolkit._schedules import pipeline_schedule
-from toolkit._timeline import TIMELINE_ENV, StageRecorder, append_timeline
+from toolkit.models.reference import optimizer_slots
+from toolkit.parallel.pipeline.partition import micro_batch_size
+from toolkit.parallel.pipeline.schedules import pipeline_schedule
+from toolkit.parallel.pipeline.timeline import TIMELINE_ENV, StageRecorder, append_timeline
 
 
 class StagePlacement(Protocol):

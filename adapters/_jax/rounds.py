@@ -15,8 +15,8 @@ import dataclasses
 
 import numpy as np
 
-from toolkit._pipeline import lockstep_rounds
-from toolkit._schedules import Action, Schedule
+from toolkit.parallel.pipeline.schedules import Action, Schedule
+from toolkit.parallel.pipeline.simulation import lockstep_rounds
 
 
 @dataclasses.dataclass

@@ -12,7 +12,7 @@ import numpy as np
 
 from adapters._common import check_world, missing_framework
 from toolkit import LaunchEnv, ToolkitError
-from toolkit._specs import DTYPES, check_choice
+from toolkit.models.specs import DTYPES, check_choice
 
 
 def import_jax(backend: str, env: LaunchEnv, dtype: str, local_devices: int | None):
@@ -95,7 +95,7 @@ class JaxRuntime:
         self.dtype = jnp.dtype(self.dtype_name)
 
     def local_device_count(self) -> int:
-        """Devices this process computes on (``toolkit._contract.DrivesDevices``)."""
+        """Devices this process computes on (``toolkit.contract.DrivesDevices``)."""
         return self.jax.local_device_count()
 
     def device_names(self) -> list[str]:

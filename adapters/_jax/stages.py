@@ -21,8 +21,8 @@ from typing import Any
 import numpy as np
 
 from toolkit import ToolkitError
-from toolkit._partition import partition_layers, partition_model
-from toolkit._specs import CNN, MLP, ModelSpec
+from toolkit.models.specs import CNN, MLP, ModelSpec
+from toolkit.parallel.pipeline.partition import partition_layers, partition_model
 
 _NATIVE_HINT = ("pass a toolkit.MLP/GPT spec, or a list of (flax module, variables) pairs applied "
                 "in order (each variables = module.init(key, x))")

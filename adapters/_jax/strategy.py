@@ -12,11 +12,11 @@ from adapters._common import check_per_sample, loss_name, step_seed
 from adapters._jax.models.spec import JaxModel, correct_per_sample, per_sample_loss
 from adapters._jax.runtime import gloo_connect_line_silenced
 from toolkit import SGD, Adam, ToolkitError
-from toolkit._reference import adam_scalars, optimizer_slots
+from toolkit.models.reference import adam_scalars, optimizer_slots
 
 
 def make_optimizer(spec: Any, backend: str):
-    """An optax GradientTransformationExtraArgs doing toolkit._reference's arithmetic.
+    """An optax GradientTransformationExtraArgs doing toolkit.models.reference's arithmetic.
 
     ``update(grads, state, params, lr=, step_size=, c2_sqrt=)``: the step's learning rate and
     Adam's host-computed scalars arrive as arguments, as in torch.optim, instead of being

@@ -36,7 +36,7 @@ def split_names(spec: Any) -> tuple[str, ...]:
 
 def check(spec: Any, k: int, devices: int, native: bool) -> None:
     """Clear errors for a tensor-parallel size the model or the devices cannot take."""
-    from toolkit._gpt import GPT
+    from toolkit.models.gpt import GPT
 
     if native or not isinstance(spec, GPT):
         raise ToolkitError(

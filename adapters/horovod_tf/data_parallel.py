@@ -5,7 +5,7 @@ Two kinds of model:
 
 - a spec (``toolkit.MLP``/``CNN``/``GPT``): ``tf.Variable``\\ s under the spec's neutral names,
   built from its numpy initialisation; with a spec optimizer the arithmetic is torch.optim's
-  in TF ops (see ``toolkit._reference``), so the backends agree to rounding.
+  in TF ops (see ``toolkit.models.reference``), so the backends agree to rounding.
 - any built Keras 3 model (Sequential, functional or subclassed), called as
   ``model(x, training=True)`` in steps and ``training=False`` in evaluation. All of its state
   is the backend's: trainable variables (``params/...``), non-trainable ones such as

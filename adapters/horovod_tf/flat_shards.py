@@ -1,16 +1,17 @@
 """Sharded parameters (ZeRO stages 1-3 / FSDP) for the ``horovod-tf`` backend.
 
 The mechanism, with ``horovod.tensorflow``'s core ops inside the compiled step (``tf.function``);
-the semantics (units, flat padded shards, checkpoint pieces) are ``toolkit._shards``':
+the semantics (units, flat padded shards, checkpoint pieces) are ``toolkit.parallel.shards``':
 
-- Every unit of ``toolkit._shards.unit_layouts`` (an MLP's ``layers.i``, a CNN's ``convs.i``, a
-  GPT's ``blocks.i`` with the embeddings in the first and ``ln_f``/``head`` in the last) is one
-  flat buffer padded to a multiple of the world size N; rank r owns elements [r*L, (r+1)*L).
+- Every unit of ``toolkit.parallel.shards.unit_layouts`` (an MLP's ``layers.i``, a CNN's
+  ``convs.i``, a GPT's ``blocks.i`` with the embeddings in the first and ``ln_f``/``head`` in
+  the last) is one flat buffer padded to a multiple of the world size N; rank r owns elements [r*L,
+  (r+1)*L).
   Every collective below moves whole padded buffers, so Horovod's uneven split of a first
   dimension (the first ``dim0 % N`` ranks get one row more) never arises.
 - Stage 1: each rank keeps the optimizer slots of its shard only. The local gradient of a unit
   is flattened and averaged in full (``hvd.allreduce``) into a persistent full-size gradient
-  buffer; each rank updates its shard of the parameters with ``toolkit._reference``'s
+  buffer; each rank updates its shard of the parameters with ``toolkit.models.reference``'s
   arithmetic and the updated shards are re-assembled with ``hvd.allgather``.
 - Stage 2: as 1, but the flat gradient is ``hvd.reducescatter(op=hvd.Average)``-ed: each rank
   keeps only its gradient shard (in a persistent buffer, so its size is real and measured).
@@ -49,8 +50,8 @@ import numpy as np
 
 from adapters.horovod_tf.models.units import unit_functions
 from toolkit import GPT, SGD, Sharded
-from toolkit._reference import optimizer_slots
-from toolkit._shards import FlatLayout, unit_layouts
+from toolkit.models.reference import optimizer_slots
+from toolkit.parallel.shards import FlatLayout, unit_layouts
 
 
 class ShardedTF:
@@ -221,7 +222,7 @@ class ShardedTF:
         return total
 
     def _update(self, unit, p, g, lr, step_size, c2_sqrt):
-        """``toolkit._reference.apply_update`` on a flat shard (``horovod_tf._apply``'s TF
+        """``toolkit.models.reference.apply_update`` on a flat shard (``horovod_tf._apply``'s TF
         ops, in the same order); returns the new shard. Padding stays zero."""
         tf, spec = self.tf, self.opt
         if isinstance(spec, SGD):

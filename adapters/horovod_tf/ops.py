@@ -11,8 +11,8 @@ import numpy as np
 from adapters._common import check_per_sample, loss_name
 from adapters.horovod_tf.models.keras_native import assign, is_keras_optimizer, to_host
 from toolkit import GPT, SGD, Adam, ToolkitError
-from toolkit._reference import adam_scalars, optimizer_slots
-from toolkit._specs import ModelSpec
+from toolkit.models.reference import adam_scalars, optimizer_slots
+from toolkit.models.specs import ModelSpec
 
 
 def _is_int(a: np.ndarray) -> bool:

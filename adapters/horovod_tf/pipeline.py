@@ -44,10 +44,10 @@ from adapters.horovod_tf.models.keras_native import assign
 from adapters.horovod_tf.ops import TFOps, TFState
 from adapters.horovod_tf.stages import cut_model
 from adapters.horovod_tf.update import apply_update
-from toolkit._layouts import Pipeline
-from toolkit._partition import micro_batch_size
-from toolkit._reference import optimizer_slots
-from toolkit._schedules import Action
+from toolkit.models.reference import optimizer_slots
+from toolkit.parallel.layouts import Pipeline
+from toolkit.parallel.pipeline.partition import micro_batch_size
+from toolkit.parallel.pipeline.schedules import Action
 
 
 class InOrderRounds:

@@ -24,8 +24,8 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from toolkit import ToolkitError
-from toolkit._partition import partition_layers, partition_model
-from toolkit._specs import ModelSpec
+from toolkit.models.specs import ModelSpec
+from toolkit.parallel.pipeline.partition import partition_layers, partition_model
 
 SEQUENTIAL_ONLY = ("a pipeline needs a sequential model, cut into consecutive pieces: pass a "
                    "toolkit.MLP/CNN/GPT spec, or a keras.Sequential (cut by layer index)")

@@ -1,4 +1,4 @@
-"""The spec optimizers' update (``toolkit._reference.apply_update``) in TF ops, on named
+"""The spec optimizers' update (``toolkit.models.reference.apply_update``) in TF ops, on named
 ``tf.Variable``\\ s: ``horovod-tf``'s data-parallel step applies it to the whole model, its
 pipeline stages (``_tf_pipeline.py``) each to their own variables, so both do the same
 arithmetic as torch.optim and the float64 reference."""
@@ -15,7 +15,7 @@ def apply_update(tf, spec: Any, variables: dict, slots: dict, grads: dict, lr, s
     """Updates ``variables[name]`` (and its slots ``slots["opt/<slot>/<name>"]``) by
     ``grads[name]`` for every name of ``grads``, in that order, under the ``toolkit.SGD`` or
     ``toolkit.Adam`` ``spec``; ``step_size`` and ``c2_sqrt`` are Adam's host-side scalars
-    (``toolkit._reference.adam_scalars``)."""
+    (``toolkit.models.reference.adam_scalars``)."""
     for name, g in grads.items():
         p = variables[name]
         if isinstance(spec, SGD):

@@ -30,7 +30,7 @@ from adapters.horovod_torch.models.sync_bn import convert_sync_batchnorm
 from adapters.horovod_torch.ops import NEUTRAL_SLOTS, TorchOps, make_optimizer, set_lr, zero_slots
 from adapters.horovod_torch.scheduler import load_scheduler_state, scheduler_state, split_scheduler
 from toolkit import ToolkitError
-from toolkit._specs import ModelSpec
+from toolkit.models.specs import ModelSpec
 
 
 class TorchDataParallel(StrategyBase):

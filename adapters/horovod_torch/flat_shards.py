@@ -1,8 +1,9 @@
 """ZeRO stages 1-3 / FSDP for the ``horovod-torch`` backend, with Horovod's collectives only.
 
-The model's parameters live in one flat, padded buffer per unit (``toolkit._shards.FlatLayout``
-over the neutral names and shapes, so every backend cuts the same pieces): the whole buffer on
-every rank for stages 1 and 2, only this rank's shard for stage 3. The torch module never owns
+The model's parameters live in one flat, padded buffer per unit
+(``toolkit.parallel.shards.FlatLayout`` over the neutral names and shapes, so every backend
+cuts the same pieces): the whole buffer on every rank for stages 1 and 2, only this rank's shard
+for stage 3. The torch module never owns
 them: each parameter attribute of each submodule becomes a property (on a per-module subclass,
 the way ``torch.nn.utils.parametrize`` does it) that returns a view of its unit's current
 tensors, permuted into torch's layout where that differs (``Linear.weight`` is the neutral
@@ -34,9 +35,11 @@ reduce-scatters twice; both contributions add up in its gradient shard. As in an
 rank must touch the units in the same order (a native module's forward must not branch on its
 rank's data), since each first touch is a collective.
 
-The optimizer is ``toolkit/_reference.py``'s arithmetic on flat shards (Adam's bias corrections
-computed on the host in float64, as the data-parallel path's ``torch.optim`` does); padding
-elements get zero gradients and stay zero. Stages 1 and 2 then re-assemble the parameters with
+The optimizer is ``toolkit/models/reference.py``'s arithmetic on flat shards (Adam's bias
+corrections computed on the host in float64, as the data-parallel path's
+``torch.optim``
+does); padding elements get zero gradients and stay zero. Stages 1 and 2 then re-assemble the
+parameters with
 one grouped ``allgather`` of the updated shards.
 """
 
@@ -49,8 +52,8 @@ import numpy as np
 
 from adapters.horovod_torch.models.units import SHARDABLE, native_units, spec_units, update_shard
 from toolkit import SGD, Adam, ToolkitError
-from toolkit._reference import adam_scalars, optimizer_slots
-from toolkit._shards import FlatLayout
+from toolkit.models.reference import adam_scalars, optimizer_slots
+from toolkit.parallel.shards import FlatLayout
 
 __all__ = ["SHARDABLE", "ShardedParameters", "native_units", "spec_units"]
 

@@ -28,10 +28,10 @@ from adapters._horovod.pipeline import HvdPipeline, check_pipeline
 from adapters.horovod_torch.models.spec import same, to_host
 from adapters.horovod_torch.ops import TORCH_SLOTS, TorchOps, make_optimizer, set_lr, zero_slots
 from adapters.horovod_torch.stages import cut_model
-from toolkit._layouts import Pipeline
-from toolkit._partition import micro_batch_size
-from toolkit._reference import optimizer_slots
-from toolkit._schedules import Action
+from toolkit.models.reference import optimizer_slots
+from toolkit.parallel.layouts import Pipeline
+from toolkit.parallel.pipeline.partition import micro_batch_size
+from toolkit.parallel.pipeline.schedules import Action
 
 __all__ = ["TorchPipeline", "check_pipeline"]
 

@@ -20,8 +20,8 @@ from typing import Any
 import numpy as np
 
 from toolkit import ToolkitError
-from toolkit._partition import partition_layers, partition_model
-from toolkit._specs import ModelSpec
+from toolkit.models.specs import ModelSpec
+from toolkit.parallel.pipeline.partition import partition_layers, partition_model
 
 SEQUENTIAL_ONLY = ("a pipeline cuts a model into consecutive pieces: pass a toolkit.MLP/CNN/GPT "
                    "spec, or a torch.nn.Sequential (cut by index)")

@@ -34,5 +34,5 @@ class JaxPjitAdapter(Backend):
                   "pipeline": f"{_HERE}.pipeline:PjitPipeline"}
 
     def device_batch(self, x: np.ndarray, y: np.ndarray):
-        """``toolkit._contract.PlacesBatches``: the strategy's placement of a local batch."""
+        """``toolkit.contract.PlacesBatches``: the strategy's placement of a local batch."""
         return self.strategy.device_batch(x, y)

@@ -70,7 +70,7 @@ class PjitDataParallel(JaxStrategy):
         return self.jax.make_array_from_process_local_data(self.batch, local, shape)
 
     def device_batch(self, x: np.ndarray, y: np.ndarray):
-        """The local batch as this step's global arrays (``toolkit._contract.PlacesBatches``);
+        """The local batch as this step's global arrays (``toolkit.contract.PlacesBatches``);
         made in the Trainer's prefetch thread, so the copy overlaps the running step."""
         rows = self._local_rows()
         if len(x) % (rows * self.accumulation_steps):

@@ -40,7 +40,7 @@ from adapters._jax.flat_units import (
 )
 from adapters._jax.strategy import apply_optimizer
 from adapters.jax_pjit.data_parallel import PjitDataParallel
-from toolkit._reference import optimizer_slots
+from toolkit.models.reference import optimizer_slots
 
 
 class PjitSharding:

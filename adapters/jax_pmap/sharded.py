@@ -37,7 +37,7 @@ from adapters._jax.flat_units import (
 from adapters._jax.strategy import apply_optimizer
 from adapters.jax_pmap.data_parallel import PmapDataParallel
 from toolkit import ToolkitError
-from toolkit._reference import optimizer_slots
+from toolkit.models.reference import optimizer_slots
 
 AXIS = "batch"
 

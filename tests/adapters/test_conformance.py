@@ -10,7 +10,7 @@ import pytest
 
 import adapters
 from toolkit import CNN, GPT, MLP, SGD, Adam, LaunchEnv, ToolkitError
-from toolkit._reference import apply_update, init_state
+from toolkit.models.reference import apply_update, init_state
 
 BACKENDS = adapters.IMPLEMENTED
 SPEC = MLP((8, 16, 4))
@@ -74,7 +74,7 @@ SPECS = {"mlp": SPEC, "cnn": CNN_SPEC, "gpt": GPT_SPEC, "gpt-untied": GPT_UNTIED
 @pytest.mark.parametrize(("model", "opt_name"), MODEL_OPTIMIZERS,
                          ids=[f"{m}-{o}" for m, o in MODEL_OPTIMIZERS])
 def test_steps_match_the_numpy_reference(backend, model, opt_name):
-    """The framework's model and optimizer arithmetic are the spec's and toolkit._reference's,
+    """The framework's model and optimizer arithmetic are the spec's and toolkit.models.reference's,
     to float64 rounding."""
     spec = SPECS[model]
     opt = OPTIMIZERS[opt_name]

@@ -6,7 +6,7 @@ import pytest
 import adapters
 import toolkit
 from adapters import export
-from toolkit._gpt2_files import load_pretrained, save_pretrained
+from toolkit.models.gpt2_files import load_pretrained, save_pretrained
 
 SPEC = toolkit.GPT(vocab=64, context=16, width=32, layers=2, heads=4)
 

@@ -19,9 +19,9 @@ import pytest
 
 import adapters
 import toolkit
-from toolkit._reference import reference_run
-from toolkit._timeline import idle_fraction, peak_in_flight
 from toolkit.equivalence import load_data, make_model
+from toolkit.models.reference import reference_run
+from toolkit.parallel.pipeline.timeline import idle_fraction, peak_in_flight
 
 ROOT = Path(__file__).resolve().parents[2]
 WORKER = str(ROOT / "tests" / "scripts" / "pipeline_jax_worker.py")
@@ -256,7 +256,7 @@ def test_stages_across_processes_equal_the_reference(launch, tmp_path, backend, 
     records = [r for res in got.values() for r in res["records"] if r["replica"] == 0]
     assert 0 < idle_fraction(records) < 1
     # Replica 0 of each stage wrote it whole; any layout reads full tensors back.
-    from toolkit._checkpoint import read_checkpoint
+    from toolkit.checkpoint.store import read_checkpoint
 
     ckpt = read_checkpoint(next(tmp_path.glob("step_*")))
     with np.load(tmp_path / "full.npz") as full:

@@ -18,10 +18,10 @@ from test_pipeline_torch import check_equivalence, results
 import adapters
 import toolkit
 from toolkit import MLP, SGD, Pipeline, ToolkitError
-from toolkit._contract import PipelineAdapter
-from toolkit._timeline import peak_in_flight
+from toolkit.contract import PipelineAdapter
 from toolkit.datasets import load_digits
 from toolkit.equivalence import LOSS_TOLERANCE, PARAM_TOLERANCE
+from toolkit.parallel.pipeline.timeline import peak_in_flight
 
 WORKER = "tests/scripts/pipeline_torch_worker.py"
 

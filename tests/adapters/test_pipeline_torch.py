@@ -15,8 +15,8 @@ import adapters
 import toolkit
 from adapters.horovod_torch.pipeline import TorchPipeline
 from toolkit import MLP, SGD, Pipeline, ToolkitError
-from toolkit._layouts import resolve_layout
 from toolkit.datasets import load_digits
+from toolkit.parallel.layouts import resolve_layout
 
 WORKER = "tests/scripts/pipeline_torch_worker.py"
 

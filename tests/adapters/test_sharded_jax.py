@@ -12,9 +12,9 @@ import pytest
 
 import adapters
 import toolkit
-from toolkit._reference import reference_run
-from toolkit._shards import unit_layouts
 from toolkit.equivalence import LOSS_TOLERANCE, PARAM_TOLERANCE
+from toolkit.models.reference import reference_run
+from toolkit.parallel.shards import unit_layouts
 
 JAX = ("jax-pjit", "jax-pmap")
 
@@ -35,7 +35,7 @@ def train(backend, model, layout, steps=3, batch=16, data=None, **kw):
 
 
 def tiny_gpt(heads=2):
-    from toolkit._gpt import GPT
+    from toolkit.models.gpt import GPT
 
     return GPT(vocab=32, context=8, width=8 * heads, layers=2, heads=heads)
 

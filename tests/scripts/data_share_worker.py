@@ -27,8 +27,8 @@ from _emit import emit
 
 import adapters
 import toolkit
-from toolkit._contract import DrivesDevices
-from toolkit._gpt import GPT
+from toolkit.contract import DrivesDevices
+from toolkit.models.gpt import GPT
 
 STEPS, BATCH = 2, 16
 

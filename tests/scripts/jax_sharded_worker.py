@@ -13,7 +13,7 @@ import numpy as np
 
 import adapters
 import toolkit
-from toolkit._shards import unit_layouts
+from toolkit.parallel.shards import unit_layouts
 
 
 def inputs(device: int, n: int) -> np.ndarray:

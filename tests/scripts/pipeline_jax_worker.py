@@ -21,8 +21,8 @@ from _emit import emit
 
 import adapters
 import toolkit
-from toolkit._reference import reference_run
 from toolkit.equivalence import _comparable, load_data, make_model, make_optimizer
+from toolkit.models.reference import reference_run
 
 
 def attach(adapter, layout, samples="replica"):
@@ -104,11 +104,11 @@ def main() -> None:
                       rounds=len(pipe.plan.rounds))
     records = pipe.timeline() if pipe is not None else []
     if args.timeline_dir and records:
-        from toolkit._timeline import write_timeline
+        from toolkit.parallel.pipeline.timeline import write_timeline
 
         write_timeline(records, f"{args.timeline_dir}/rank{env.rank}.jsonl")
     if records:
-        from toolkit._timeline import idle_fraction, peak_in_flight
+        from toolkit.parallel.pipeline.timeline import idle_fraction, peak_in_flight
 
         last = max(r["step"] for r in records)
         mine = [r for r in records if r["step"] == last]
@@ -118,7 +118,7 @@ def main() -> None:
         result["idle_here"] = idle_fraction(mine)
         result["peak_in_flight"] = peak_in_flight(mine)
     if args.pieces_dir:
-        from toolkit._checkpoint import CheckpointStore
+        from toolkit.checkpoint.store import CheckpointStore
 
         replicated, pieces = adapter.sharded_state()
         CheckpointStore(args.pieces_dir, rank=env.rank).save(

@@ -27,7 +27,7 @@ import numpy as np
 from _emit import emit
 
 import toolkit
-from toolkit._checkpoint import read_checkpoint
+from toolkit.checkpoint.store import read_checkpoint
 
 
 def executor_of(adapter):
@@ -96,9 +96,9 @@ def equivalence(schedule: str, folder: str, backend: str = "horovod-torch") -> N
     def pipelined():
         return adapters.get(backend, dtype="float64")
 
-    from toolkit._reference import reference_run
     from toolkit.datasets import load_digits
     from toolkit.equivalence import load_data, make_model, make_optimizer
+    from toolkit.models.reference import reference_run
 
     interleaved = schedule == "interleaved-1f1b"
     layout = f"pipeline:2:4:{schedule}" + (":2" if interleaved else "")
@@ -156,8 +156,8 @@ def bubble(folder: str, batch: str = "512", steps: str = "4") -> None:
     import torch
 
     import adapters
-    from toolkit._timeline import idle_fraction, peak_in_flight, select
     from toolkit.datasets import load_digits
+    from toolkit.parallel.pipeline.timeline import idle_fraction, peak_in_flight, select
 
     (x, y), _ = load_digits()
     model, steps = toolkit.MLP((64, 2048, 2048, 2048, 10)), int(steps)
@@ -232,8 +232,8 @@ def keras_sequential() -> None:
 def process_sets(backend: str, stages: str) -> None:
     """See the module's docstring."""
     import adapters
-    from toolkit._reference import reference_run
     from toolkit.equivalence import load_data, make_optimizer
+    from toolkit.models.reference import reference_run
 
     model = toolkit.GPT(vocab=256, context=16, width=32, layers=4, heads=2)
     x, y = load_data("gpt", "float64")

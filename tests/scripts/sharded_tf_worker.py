@@ -16,7 +16,7 @@ from _emit import emit
 
 import adapters
 import toolkit
-from toolkit._shards import unit_layouts
+from toolkit.parallel.shards import unit_layouts
 
 CHUNK = 262144 + 3  # float32 elements per rank: just over 1 MiB
 

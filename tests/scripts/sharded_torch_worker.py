@@ -22,9 +22,9 @@ from _emit import emit
 
 import adapters
 import toolkit
-from toolkit._checkpoint import CheckpointStore, read_checkpoint
-from toolkit._shards import unit_layouts
+from toolkit.checkpoint.store import CheckpointStore, read_checkpoint
 from toolkit.equivalence import _comparable
+from toolkit.parallel.shards import unit_layouts
 
 CHUNK = 300_000  # float32 elements per rank: 1.2 MB
 

@@ -123,7 +123,7 @@ def test_killed_during_save_leaves_the_previous_checkpoint(tmp_path):
     script = textwrap.dedent(f"""
         import os, signal
         import numpy as np
-        from toolkit import _checkpoint
+        from toolkit.checkpoint import store as _checkpoint
         real = _checkpoint.json.dump
         def die(*a, **k):  # SIGKILL right before the manifest is written
             os.kill(os.getpid(), signal.SIGKILL)
@@ -354,7 +354,7 @@ def test_a_background_save_finishes_when_the_program_ends(tmp_path):
     script = textwrap.dedent(f"""
         import time
         import numpy as np
-        from toolkit import _checkpoint
+        from toolkit.checkpoint import store as _checkpoint
         write = _checkpoint._write_arrays
         def slow_write(*args):  # a slow disk: the program is done long before the write
             time.sleep(0.5)
@@ -371,7 +371,7 @@ def _gated_writer(monkeypatch):
     """Makes background saves wait for the returned event before writing anything."""
     import threading
 
-    from toolkit import _checkpoint
+    from toolkit.checkpoint import store as _checkpoint
 
     go, write = threading.Event(), _checkpoint._write_arrays
 

@@ -175,7 +175,7 @@ def test_a_failed_sharded_write_fails_on_every_rank_and_leaves_no_temporary(tmp_
     assert str(out[1]).startswith(
         f"could not write the shards of checkpoint step 5 in {blocker / 'c'}: [Errno 20] ")
     # a disk that fills while the pieces are written
-    from toolkit import _checkpoint
+    from toolkit.checkpoint import store as _checkpoint
 
     def full_disk(fd):
         raise OSError(28, "No space left on device")

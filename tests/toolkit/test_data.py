@@ -6,7 +6,7 @@ import pytest
 
 import toolkit
 from toolkit import ArrayDataset, Dataset, TokenWindows, ToolkitError
-from toolkit._data import array_sha256, as_dataset
+from toolkit.data.dataset import array_sha256, as_dataset
 
 
 def slow_windows(tokens, context, stride):

@@ -3,7 +3,7 @@
 import pytest
 
 from toolkit import ToolkitError
-from toolkit._devices import Device, choose_device, one_gpu_per_task
+from toolkit.launch.devices import Device, choose_device, one_gpu_per_task
 
 NO_SLURM: dict = {}
 

@@ -7,7 +7,7 @@ import random
 import pytest
 
 from toolkit import LaunchEnv, ToolkitError, detect_launch_env, expand_nodelist
-from toolkit._env import _port_for
+from toolkit.launch.env import _port_for
 
 
 @pytest.mark.parametrize("nodelist, hosts", [

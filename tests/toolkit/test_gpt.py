@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 
 from toolkit import GPT, SGD, Adam, ToolkitError
-from toolkit._reference import reference_run
-from toolkit._resume import describe as _describe
-from toolkit._specs import ModelSpec, spec_from_dict
+from toolkit.checkpoint.resume import describe as _describe
+from toolkit.models.reference import reference_run
+from toolkit.models.specs import ModelSpec, spec_from_dict
 
 SMALL = {"vocab": 11, "context": 7, "width": 8, "layers": 2, "heads": 2}
 
@@ -310,7 +310,7 @@ def test_reference_run_trains_a_gpt():
     assert losses[-1] < losses[0] - 1.0  # a repeated sentence is easy to learn
     assert set(params) == set(spec.init(0)) and params["tok_emb"].dtype == np.float64
     # one SGD step is params - lr * grads of the first batch
-    from toolkit._sampler import GlobalBatchSampler
+    from toolkit.data.sampler import GlobalBatchSampler
 
     first = next(iter(GlobalBatchSampler(len(x), 16, seed=0)))
     _, grads = spec.loss_and_grads(spec.init(0, "float64"), x[first], y[first])

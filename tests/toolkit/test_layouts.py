@@ -7,11 +7,11 @@ import re
 import numpy as np
 import pytest
 
-from toolkit._errors import ToolkitError
-from toolkit._gpt import GPT
-from toolkit._layouts import DataParallel, DataShare, Pipeline, Sharded, parse_layout
-from toolkit._shards import FlatLayout, unit_layouts, units_of
-from toolkit._specs import MLP
+from toolkit.errors import ToolkitError
+from toolkit.models.gpt import GPT
+from toolkit.models.specs import MLP
+from toolkit.parallel.layouts import DataParallel, DataShare, Pipeline, Sharded, parse_layout
+from toolkit.parallel.shards import FlatLayout, unit_layouts, units_of
 
 
 def test_names_round_trip_through_parse_layout():
@@ -257,7 +257,7 @@ class _Able(_Plain):  # ... with sharded and pipeline layouts too
 
 
 def test_resolve_layout_reads_forms_and_refuses_what_a_backend_cannot_run():
-    from toolkit._layouts import resolve_layout
+    from toolkit.parallel.layouts import resolve_layout
 
     assert resolve_layout(None, _Plain()) == DataParallel()
     assert resolve_layout("sharded:2", _Able()) == Sharded(2)

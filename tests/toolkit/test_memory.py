@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 
 from toolkit import memory
-from toolkit._errors import ToolkitError
-from toolkit._gpt import GPT
-from toolkit._layouts import DataParallel, Pipeline, Sharded
-from toolkit._specs import MLP
+from toolkit.errors import ToolkitError
+from toolkit.models.gpt import GPT
+from toolkit.models.specs import MLP
+from toolkit.parallel.layouts import DataParallel, Pipeline, Sharded
 
 GB, GIB = 1e9, 2**30
 
@@ -90,7 +90,7 @@ def test_cli_mlp(capsys):
 
 
 def test_cli_cnn_counts_the_spec_arrays(capsys):
-    from toolkit._specs import CNN
+    from toolkit.models.specs import CNN
 
     memory.main(["--model", "cnn", "--channels", "8,16", "--batch", "2", "--layout", "sharded:1",
                  "--world-size", "2"])

@@ -8,17 +8,17 @@ import math
 import numpy as np
 import pytest
 
-from toolkit._errors import ToolkitError
-from toolkit._gpt import GPT
-from toolkit._layouts import Pipeline
-from toolkit._partition import (
+from toolkit.errors import ToolkitError
+from toolkit.models.gpt import GPT
+from toolkit.models.specs import CNN, MLP
+from toolkit.parallel.layouts import Pipeline
+from toolkit.parallel.pipeline.partition import (
     PipelineGrid,
     balanced_splits,
     micro_batch_size,
     partition_layers,
     partition_model,
 )
-from toolkit._specs import CNN, MLP
 
 
 def _largest(costs, splits):

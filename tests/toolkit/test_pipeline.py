@@ -6,18 +6,18 @@ import dataclasses
 
 import pytest
 
-from toolkit._errors import ToolkitError
-from toolkit._pipeline import (
-    peak_activations,
-    simulate_schedule,
-    validate_schedule,
-)
-from toolkit._schedules import (
+from toolkit.errors import ToolkitError
+from toolkit.parallel.pipeline.schedules import (
     Action,
     Schedule,
     _with_messages,
     bubble_formula,
     pipeline_schedule,
+)
+from toolkit.parallel.pipeline.simulation import (
+    peak_activations,
+    simulate_schedule,
+    validate_schedule,
 )
 
 GRID = [(s, m) for s in (1, 2, 3, 4, 8) for m in (1, 2, 3, 4, 8, 16)]

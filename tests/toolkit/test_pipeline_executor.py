@@ -13,9 +13,9 @@ import threading
 import numpy as np
 import pytest
 
-from toolkit._partition import partition_model
-from toolkit._schedules import pipeline_schedule
-from toolkit._specs import MLP, _loss_grad
+from toolkit.models.specs import MLP, _loss_grad
+from toolkit.parallel.pipeline.partition import partition_model
+from toolkit.parallel.pipeline.schedules import pipeline_schedule
 
 SPEC = MLP((6, 8, 8, 8, 3), activation="tanh")
 

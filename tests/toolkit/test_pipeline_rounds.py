@@ -7,18 +7,18 @@ import dataclasses
 
 import pytest
 
-from toolkit._errors import ToolkitError
-from toolkit._pipeline import (
+from toolkit.errors import ToolkitError
+from toolkit.parallel.pipeline.schedules import (
+    Action,
+    Schedule,
+    pipeline_schedule,
+)
+from toolkit.parallel.pipeline.simulation import (
     lockstep_idle_fraction,
     lockstep_rounds,
     peak_activations,
     simulate_schedule,
     validate_schedule,
-)
-from toolkit._schedules import (
-    Action,
-    Schedule,
-    pipeline_schedule,
 )
 
 

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from toolkit import StageRecorder, pipeline_schedule, read_timeline, simulate_schedule
-from toolkit._errors import ToolkitError
-from toolkit._timeline import (
+from toolkit.errors import ToolkitError
+from toolkit.parallel.pipeline.timeline import (
     action_seconds,
     idle_fraction,
     peak_in_flight,

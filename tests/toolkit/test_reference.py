@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from toolkit import SGD, Adam
-from toolkit._reference import apply_update, init_state
+from toolkit.models.reference import apply_update, init_state
 
 
 def run(spec, steps=3):
@@ -78,9 +78,9 @@ def test_the_state_holds_a_zero_array_per_slot_and_parameter(spec, slots):
 def test_reference_run_is_sequential_training_on_the_samplers_global_batches():
     """One process, one update per global batch of the sampler's documented order, the step's
     learning rate; runs across epochs until ``steps`` updates."""
-    from toolkit._reference import reference_run
-    from toolkit._sampler import GlobalBatchSampler
-    from toolkit._specs import MLP, WarmupCosine, learning_rate
+    from toolkit.data.sampler import GlobalBatchSampler
+    from toolkit.models.reference import reference_run
+    from toolkit.models.specs import MLP, WarmupCosine, learning_rate
 
     rng = np.random.default_rng(0)
     x, y = rng.normal(size=(20, 3)), rng.integers(0, 2, 20)
@@ -124,7 +124,7 @@ class _Recorder:
 
 
 def test_reference_run_casts_float_data_keeps_token_ids_and_passes_the_loss():
-    from toolkit._reference import reference_run
+    from toolkit.models.reference import reference_run
 
     for x, dtype, expected in [(np.ones((8, 2)), "float32", np.float32),
                                (np.ones((8, 2), np.float32), "float64", np.float64),
@@ -136,8 +136,8 @@ def test_reference_run_casts_float_data_keeps_token_ids_and_passes_the_loss():
 
 
 def test_reference_run_seeds_with_0_by_default():
-    from toolkit._reference import reference_run
-    from toolkit._specs import MLP
+    from toolkit.models.reference import reference_run
+    from toolkit.models.specs import MLP
 
     rng = np.random.default_rng(1)
     x, y = rng.normal(size=(16, 3)), rng.integers(0, 2, 16)

@@ -10,7 +10,7 @@ import pytest
 
 import adapters
 import toolkit
-from toolkit._settings import classify, differences, saved_settings
+from toolkit.checkpoint.settings import classify, differences, saved_settings
 from toolkit.datasets import load_digits
 
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from toolkit._errors import ToolkitError
-from toolkit._shards import FlatLayout
+from toolkit.errors import ToolkitError
+from toolkit.parallel.shards import FlatLayout
 
 _SHAPES = {"a": (2, 3), "b": (5,)}  # 11 elements over 3 ranks: shards of 4, 1 of padding
 

@@ -12,7 +12,7 @@ import pytest
 
 import toolkit
 from toolkit import GPT, MLP, SGD, ArrayDataset, CheckpointError, TokenWindows, ToolkitError
-from toolkit._reference import apply_update, init_state, reference_run
+from toolkit.models.reference import apply_update, init_state, reference_run
 
 MODEL = GPT(vocab=64, context=8, width=16, layers=1, heads=2)
 OPTIMIZER = SGD(lr=0.1, momentum=0.9)
@@ -165,8 +165,8 @@ class PlacingAdapter(NumpyAdapter):
 @pytest.mark.parametrize("prefetch", [True, False])
 def test_an_adapter_that_places_batches_gets_them_placed_in_the_prefetch_thread(data, prefetch):
     adapter = PlacingAdapter()
-    assert isinstance(adapter, toolkit._contract.PlacesBatches)
-    assert not isinstance(NumpyAdapter(), toolkit._contract.PlacesBatches)
+    assert isinstance(adapter, toolkit.contract.PlacesBatches)
+    assert not isinstance(NumpyAdapter(), toolkit.contract.PlacesBatches)
     history = make(adapter, max_steps=9, prefetch=prefetch).fit(data[0])
     expected = "toolkit-prefetch" if prefetch else threading.current_thread().name
     assert adapter.threads == [expected] * 9

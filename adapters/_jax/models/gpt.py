@@ -1,5 +1,5 @@
 """The decoder-only transformer of ``toolkit.GPT`` as a Flax (linen) module (see the contract in
-``toolkit/_gpt.py``: pre-LayerNorm blocks, tanh GELU, causal attention, optional tied head).
+``toolkit/models/gpt.py``: pre-LayerNorm blocks, tanh GELU, causal attention, optional tied head).
 
 Parameter tree (``{"params": tree}`` is what ``FlaxGPT(spec).apply`` takes)::
 

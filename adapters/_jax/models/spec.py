@@ -16,7 +16,7 @@ import inspect
 from typing import Any
 
 from toolkit import CNN, ToolkitError
-from toolkit._specs import ModelSpec
+from toolkit.models.specs import ModelSpec
 
 
 class JaxModel:
@@ -32,7 +32,7 @@ class JaxModel:
         self.state: dict[str, Any] = {}
         self.gpt = None
         if not self.native:
-            from toolkit._gpt import GPT
+            from toolkit.models.gpt import GPT
 
             if isinstance(model, GPT):
                 from adapters._jax.models import gpt as flax_gpt

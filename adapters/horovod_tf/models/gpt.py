@@ -1,5 +1,5 @@
 """The decoder-only transformer of ``toolkit.GPT`` in plain TensorFlow ops (see the contract in
-``toolkit/_gpt.py``: pre-LayerNorm blocks, tanh GELU, causal attention, optional tied head).
+``toolkit/models/gpt.py``: pre-LayerNorm blocks, tanh GELU, causal attention, optional tied head).
 
 Layout choice: the TF backend keeps its variables in a dict neutral name -> ``tf.Variable`` in
 the neutral layout (kernels (in, out), ``y = x @ kernel + bias``), so the forward pass reads them

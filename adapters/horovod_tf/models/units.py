@@ -1,5 +1,5 @@
 """The forward of each sharding unit of a spec model in TensorFlow: ``horovod_tf._forward``
-cut at the units of ``toolkit._shards.units_of`` (an MLP's layers, a CNN's convolutions, a
+cut at the units of ``toolkit.parallel.shards.units_of`` (an MLP's layers, a CNN's convolutions, a
 GPT's embeddings, blocks and head), used by the sharded layout (``_tf_sharded.py``) and by the
 pipeline's stages (``_tf_stages.py``)."""
 
@@ -13,9 +13,10 @@ from toolkit import CNN, GPT, MLP
 
 
 def unit_functions(tf, spec: Any, count: int) -> list[tuple[Callable, tuple[int, ...]]]:
-    """Per unit of ``toolkit._shards.units_of`` (``count`` of them): ``fn(params, h, x) -> h``
-    and the units whose parameters it reads (a tied GPT's last unit also reads the first
-    unit's ``tok_emb``). The first unit reads ``x``; the last returns the model's output."""
+    """Per unit of ``toolkit.parallel.shards.units_of`` (``count`` of them):
+    ``fn(params, h, x) -> h`` and the units whose parameters it reads (a tied GPT's last unit
+    also reads the first unit's ``tok_emb``). The first unit reads ``x``; the last returns the
+    model's output."""
     if isinstance(spec, GPT):
         return [(_gpt_unit(tf, spec, i), (i, 0) if spec.tied and 0 < i == count - 1 else (i,))
                 for i in range(count)]

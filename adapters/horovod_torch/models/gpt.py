@@ -1,5 +1,5 @@
 """The decoder-only transformer of ``toolkit.GPT`` as a torch module (see the contract in
-``toolkit/_gpt.py``: pre-LayerNorm blocks, tanh GELU, causal attention, optional tied head).
+``toolkit/models/gpt.py``: pre-LayerNorm blocks, tanh GELU, causal attention, optional tied head).
 
 Layout choice: every weight is a plain ``nn.Parameter`` in the neutral layout, kernels (in, out)
 used as ``x @ kernel + bias`` (through ``torch.addmm``, one BLAS call for the matmul and the bias),

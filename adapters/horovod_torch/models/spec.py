@@ -32,7 +32,7 @@ def to_host(t, from_torch) -> np.ndarray:
 def build_spec_model(torch, spec):
     """A torch module for a spec, and the (neutral name, parameter, to torch, from torch)
     layout that maps between the spec's arrays and torch's own layouts."""
-    from toolkit._gpt import GPT
+    from toolkit.models.gpt import GPT
 
     if isinstance(spec, GPT):
         from adapters.horovod_torch.models.gpt import build_gpt

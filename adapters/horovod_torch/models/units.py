@@ -1,5 +1,5 @@
 """horovod-torch's sharded layout, framework-light parts: the sharding units of a native
-module or a spec model, and ``toolkit._reference.apply_update`` in place on one flat shard."""
+module or a spec model, and ``toolkit.models.reference.apply_update`` in place on one flat shard."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 
 from toolkit import SGD, Adam, ToolkitError
-from toolkit._shards import unit_layouts
+from toolkit.parallel.shards import unit_layouts
 
 SHARDABLE = ("horovod-torch shards toolkit.MLP/CNN/GPT specs, and native nn.Modules whose "
              "trainable parameters are reached as module attributes (Linear, Conv, LayerNorm, "
@@ -42,13 +42,13 @@ def native_units(torch, net, optimizer: Any) -> dict[str, list[str]]:
 
 
 def spec_units(arrays: dict[str, np.ndarray]) -> dict[str, list[str]]:
-    """The units of a spec model (``toolkit._shards.units_of``: blocks, layers or convs)."""
+    """The units of a spec model (``toolkit.parallel.shards.units_of``: blocks, layers or convs)."""
     return {unit: list(fl.names)
             for unit, fl in unit_layouts({n: a.shape for n, a in arrays.items()}, 1).items()}
 
 
 def update_shard(spec, p, g, slots, lr: float, step_size: float, c2_sqrt: float) -> None:
-    """``toolkit._reference.apply_update`` in place on one flat shard."""
+    """``toolkit.models.reference.apply_update`` in place on one flat shard."""
     if isinstance(spec, SGD):
         if spec.weight_decay:
             g = g.add(p, alpha=spec.weight_decay)

@@ -21,7 +21,7 @@ from collections.abc import Iterable, Mapping
 
 import numpy as np
 
-from toolkit._errors import ToolkitError
+from toolkit.errors import ToolkitError
 
 
 @dataclasses.dataclass(frozen=True)

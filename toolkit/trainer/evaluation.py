@@ -7,12 +7,12 @@ from typing import Any
 
 import numpy as np
 
-from toolkit._contract import Adapter
-from toolkit._data import Dataset
-from toolkit._env import LaunchEnv
-from toolkit._errors import ToolkitError
-from toolkit._prefetch import load_batch
-from toolkit._sampler import shard_indices
+from toolkit.contract import Adapter
+from toolkit.data.dataset import Dataset
+from toolkit.data.prefetch import load_batch
+from toolkit.data.sampler import shard_indices
+from toolkit.errors import ToolkitError
+from toolkit.launch.env import LaunchEnv
 
 
 def evaluate(adapter: Adapter, env: LaunchEnv, layout: Any, dataset: Dataset,

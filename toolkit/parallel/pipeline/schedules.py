@@ -23,8 +23,8 @@ from __future__ import annotations
 import dataclasses
 import re
 
-from toolkit._errors import ToolkitError
-from toolkit._layouts import SCHEDULES, Pipeline
+from toolkit.errors import ToolkitError
+from toolkit.parallel.layouts import SCHEDULES, Pipeline
 
 KINDS = ("F", "B", "SEND_F", "RECV_F", "SEND_B", "RECV_B")
 _ACTION = re.compile(r"^(SEND_F|RECV_F|SEND_B|RECV_B|F|B)(\d+)(?:\.c(\d+))?$")

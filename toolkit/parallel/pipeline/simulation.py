@@ -15,8 +15,8 @@ import dataclasses
 import numbers
 from collections.abc import Sequence
 
-from toolkit._errors import ToolkitError
-from toolkit._schedules import KINDS, Action, Schedule
+from toolkit.errors import ToolkitError
+from toolkit.parallel.pipeline.schedules import KINDS, Action, Schedule
 
 _HINT = "generate schedules with toolkit.pipeline_schedule, or fix the stage's action list"
 _PAIR = {"SEND_F": "RECV_F", "RECV_F": "SEND_F", "SEND_B": "RECV_B", "RECV_B": "SEND_B"}
@@ -272,7 +272,7 @@ class Simulation:
 
     def records(self, replica: int = 0, step: int = 0) -> list[dict]:
         """The run as timeline records (the format ``StageRecorder`` writes)."""
-        from toolkit._timeline import record
+        from toolkit.parallel.pipeline.timeline import record
 
         return [record(s, replica, a, b, e, step)
                 for s, (acts, st, en) in enumerate(zip(self.schedule.actions, self.starts,

@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from toolkit._errors import ToolkitError
+from toolkit.errors import ToolkitError
 
 
 class GlobalBatchSampler:

@@ -21,8 +21,8 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
-from toolkit._errors import ToolkitError
-from toolkit._schedules import Action
+from toolkit.errors import ToolkitError
+from toolkit.parallel.pipeline.schedules import Action
 
 FIELDS = ("stage", "replica", "action", "micro_batch", "chunk", "start", "end")
 

@@ -13,7 +13,7 @@ import os
 import re
 from collections.abc import Mapping
 
-from toolkit._errors import ToolkitError
+from toolkit.errors import ToolkitError
 
 # Ports for JAX's coordinator are derived from the job's id so two jobs on one node do not collide.
 _PORT_BASE = 20000

@@ -11,7 +11,7 @@ import math
 
 import numpy as np
 
-from toolkit._specs import SGD, Adam, OptimizerSpec
+from toolkit.models.specs import SGD, Adam, OptimizerSpec
 
 
 def optimizer_slots(spec: OptimizerSpec) -> tuple[str, ...]:
@@ -72,8 +72,8 @@ def reference_run(model, optimizer: OptimizerSpec, loss: str, x: np.ndarray, y: 
     Returns:
         The loss of every step and the final parameters (neutral names, no prefix).
     """
-    from toolkit._sampler import GlobalBatchSampler
-    from toolkit._specs import learning_rate
+    from toolkit.data.sampler import GlobalBatchSampler
+    from toolkit.models.specs import learning_rate
 
     params = model.init(seed, dtype)
     state = init_state(optimizer, params)

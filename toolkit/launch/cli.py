@@ -10,9 +10,9 @@ import time
 import traceback
 from collections.abc import Callable
 
-from toolkit._errors import ToolkitError
-from toolkit._rank0 import current_env, eprint
-from toolkit._trainer import PREEMPTED_EXIT_CODE, TrainingPreempted
+from toolkit.errors import ToolkitError
+from toolkit.launch.rank0 import current_env, eprint
+from toolkit.trainer.trainer import PREEMPTED_EXIT_CODE, TrainingPreempted
 
 INTERRUPTED_EXIT_CODE = 130  # 128 + SIGINT, what a shell reports for Ctrl-C
 

@@ -31,8 +31,8 @@ from typing import Any
 
 import numpy as np
 
-from toolkit._errors import ToolkitError
-from toolkit._rank0 import atomic_open, eprint, fsync_dir
+from toolkit.errors import ToolkitError
+from toolkit.launch.rank0 import atomic_open, eprint, fsync_dir
 
 FORMAT = "hpc-toolkit-checkpoint"
 FORMAT_VERSION = 1

@@ -21,7 +21,7 @@ import math
 import numbers
 from collections.abc import Sequence
 
-from toolkit._errors import ToolkitError
+from toolkit.errors import ToolkitError
 
 
 def _count(what: str, value: object, example: str) -> int:
@@ -202,7 +202,7 @@ def partition_model(spec, stages: int, chunks: int = 1,
         >>> [list(r) for r in p.layers], p.shared
         ([[0, 1], [2, 3]], {'tok_emb': (0, 1)})
     """
-    from toolkit._shards import units_of
+    from toolkit.parallel.shards import units_of
 
     shapes = _shapes_of(spec)
     units = list(units_of(shapes).values())

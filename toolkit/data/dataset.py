@@ -14,7 +14,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
-from toolkit._errors import ToolkitError
+from toolkit.errors import ToolkitError
 
 
 @runtime_checkable

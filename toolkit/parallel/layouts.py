@@ -17,8 +17,8 @@ import dataclasses
 import numbers
 from typing import ClassVar
 
-from toolkit._errors import ToolkitError
-from toolkit._partition import PipelineGrid, micro_batch_size
+from toolkit.errors import ToolkitError
+from toolkit.parallel.pipeline.partition import PipelineGrid, micro_batch_size
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
 LAYOUT_FORMS = "data, sharded:1|2|3, pipeline:STAGES:MICRO_BATCHES[:gpipe|1f1b|interleaved-1f1b]"

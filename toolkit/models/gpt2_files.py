@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from toolkit._errors import ToolkitError
+from toolkit.errors import ToolkitError
 
 _DTYPES = {"F32": np.float32, "F64": np.float64, "F16": np.float16}
 _CODES = {np.dtype(v).name: k for k, v in _DTYPES.items()}
@@ -93,7 +93,7 @@ def load_pretrained(directory: str | os.PathLike,
         raise ToolkitError(f"{directory} holds a {cfg.get('model_type')!r} model with "
                            f"activation {cfg.get('activation_function')!r}",
                            "only GPT-2 (model_type 'gpt2', the tanh GELU) maps onto toolkit.GPT")
-    from toolkit._gpt import GPT
+    from toolkit.models.gpt import GPT
 
     spec = GPT(vocab=cfg["vocab_size"], context=cfg["n_positions"], width=cfg["n_embd"],
                layers=cfg["n_layer"], heads=cfg["n_head"],

@@ -12,21 +12,21 @@ from typing import Any
 
 import numpy as np
 
-from toolkit._checkpoint import CheckpointStore
-from toolkit._contract import Adapter, DrivesDevices, PlacesBatches
-from toolkit._data import ArrayDataset, Dataset, as_dataset
-from toolkit._env import LaunchEnv
-from toolkit._errors import ToolkitError
-from toolkit._evaluation import check_metrics, evaluate
-from toolkit._history import History, ProgressLine
-from toolkit._layouts import DataShare, resolve_layout
-from toolkit._preemption import PREEMPTED_EXIT_CODE, TrainingPreempted, noting_signals
-from toolkit._prefetch import BatchPrefetcher
-from toolkit._rank0 import current_env, print0
-from toolkit._sampler import GlobalBatchSampler
-from toolkit._specs import LOSSES, OptimizerSpec, check_choice, learning_rate, lr_scale
-from toolkit._summary import format_facts, start_facts
-from toolkit._trainer_checkpoints import Checkpointing
+from toolkit.checkpoint.store import CheckpointStore
+from toolkit.contract import Adapter, DrivesDevices, PlacesBatches
+from toolkit.data.dataset import ArrayDataset, Dataset, as_dataset
+from toolkit.data.prefetch import BatchPrefetcher
+from toolkit.data.sampler import GlobalBatchSampler
+from toolkit.errors import ToolkitError
+from toolkit.launch.env import LaunchEnv
+from toolkit.launch.rank0 import current_env, print0
+from toolkit.models.specs import LOSSES, OptimizerSpec, check_choice, learning_rate, lr_scale
+from toolkit.parallel.layouts import DataShare, resolve_layout
+from toolkit.trainer.checkpoints import Checkpointing
+from toolkit.trainer.evaluation import check_metrics, evaluate
+from toolkit.trainer.history import History, ProgressLine
+from toolkit.trainer.preemption import PREEMPTED_EXIT_CODE, TrainingPreempted, noting_signals
+from toolkit.trainer.summary import format_facts, start_facts
 
 __all__ = ["PREEMPTED_EXIT_CODE", "History", "Trainer", "TrainingPreempted"]
 

@@ -8,17 +8,17 @@ from pathlib import Path
 
 import numpy as np
 
-from toolkit._errors import ToolkitError
-from toolkit._rank0 import print0
-from toolkit._resume import describe as _describe
-from toolkit._resume import find_checkpoint, restore
-from toolkit._settings import (
+from toolkit.checkpoint.resume import describe as _describe
+from toolkit.checkpoint.resume import find_checkpoint, restore
+from toolkit.checkpoint.settings import (
     classify,
     describe_changes,
     refuse_changes,
     run_settings,
     saved_settings,
 )
+from toolkit.errors import ToolkitError
+from toolkit.launch.rank0 import print0
 
 
 class Checkpointing:

@@ -19,8 +19,8 @@ import dataclasses
 import os
 from collections.abc import Mapping
 
-from toolkit._errors import ToolkitError
-from toolkit._specs import check_choice
+from toolkit.errors import ToolkitError
+from toolkit.models.specs import check_choice
 
 DEVICES = ("auto", "cpu", "gpu")
 

@@ -29,7 +29,7 @@ import os
 
 import numpy as np
 
-from toolkit._errors import ToolkitError
+from toolkit.errors import ToolkitError
 
 LN_EPS = 1e-5
 _GELU_C = math.sqrt(2.0 / math.pi)
@@ -71,7 +71,7 @@ class GPT:
         ``GPT2LMHeadModel.save_pretrained`` or ``python -m adapters.export --format hf``
         write them): its ``init`` returns those weights, so any backend and layout fine-tunes
         them (tokens are the directory's vocabulary's ids)."""
-        from toolkit._gpt2_files import load_pretrained
+        from toolkit.models.gpt2_files import load_pretrained
 
         return load_pretrained(directory)[0]
 
@@ -124,11 +124,11 @@ class GPT:
         ``mlp.proj``); biases 0, LayerNorm scales 1. Draw order: ``tok_emb``, ``pos_emb``, per
         block ``qkv``, ``attn.proj``, ``mlp.fc``, ``mlp.proj``, then ``head`` if untied.
         """
-        from toolkit._specs import DTYPES, check_choice  # _specs imports this module
+        from toolkit.models.specs import DTYPES, check_choice  # specs imports this module
 
         check_choice("dtype", dtype, DTYPES)
         if self.init_from is not None:  # a pretrained GPT-2's weights, whatever the seed
-            from toolkit._gpt2_files import load_pretrained
+            from toolkit.models.gpt2_files import load_pretrained
 
             spec, params = load_pretrained(self.init_from, dtype)
             if dataclasses.replace(spec, init_from=self.init_from) != self:
@@ -167,7 +167,7 @@ class GPT:
         The mean is over every token of the batch (each sample has ``T`` tokens, so it is also
         the mean over samples of each sample's mean over its tokens).
         """
-        from toolkit._specs import LOSSES, check_choice
+        from toolkit.models.specs import LOSSES, check_choice
 
         check_choice("loss", loss, LOSSES)
         if loss != "cross_entropy":

@@ -11,9 +11,9 @@ from typing import Any
 
 import numpy as np
 
-from toolkit._data import Dataset
-from toolkit._errors import ToolkitError
-from toolkit._sampler import GlobalBatchSampler
+from toolkit.data.dataset import Dataset
+from toolkit.data.sampler import GlobalBatchSampler
+from toolkit.errors import ToolkitError
 
 
 class _Failure:

@@ -12,8 +12,8 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
-from toolkit._env import LaunchEnv
-from toolkit._specs import OptimizerSpec
+from toolkit.launch.env import LaunchEnv
+from toolkit.models.specs import OptimizerSpec
 
 
 @runtime_checkable
@@ -100,8 +100,9 @@ class ShardedAdapter(Protocol):
     of allreduce), stage 3 also the parameters (FSDP: gathered just before use, freed after).
 
     A parameter's shard is a slice of its unit's flat, padded buffer
-    (``toolkit._shards.FlatLayout``): rank r of N owns elements [r*L, (r+1)*L). ``state_dict``
-    and ``load_state_dict`` keep speaking full tensors (gathered on every rank), so any layout
+    (``toolkit.parallel.shards.FlatLayout``): rank r of N owns elements [r*L, (r+1)*L).
+    ``state_dict`` and ``load_state_dict`` keep speaking full tensors (gathered on every rank), so
+    any layout
     loads any checkpoint; checkpoints of a sharded run are written by every rank from
     :meth:`sharded_state`, never gathered onto rank 0.
     """

@@ -16,8 +16,8 @@ import math
 
 import numpy as np
 
-from toolkit._errors import ToolkitError
-from toolkit._gpt import GPT  # imports _specs only inside its functions: no cycle
+from toolkit.errors import ToolkitError
+from toolkit.models.gpt import GPT  # imports specs only inside its functions: no cycle
 
 ACTIVATIONS = ("relu", "tanh")
 LOSSES = ("cross_entropy", "mse")

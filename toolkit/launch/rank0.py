@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import IO, Any
 
-from toolkit._env import LaunchEnv, detect_launch_env
+from toolkit.launch.env import LaunchEnv, detect_launch_env
 
 _env: LaunchEnv | None = None
 

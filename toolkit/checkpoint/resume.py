@@ -8,9 +8,9 @@ import os
 from pathlib import Path
 from typing import Any
 
-from toolkit._checkpoint import Checkpoint, CheckpointError, CheckpointStore, read_checkpoint
-from toolkit._contract import Adapter
-from toolkit._sampler import GlobalBatchSampler
+from toolkit.checkpoint.store import Checkpoint, CheckpointError, CheckpointStore, read_checkpoint
+from toolkit.contract import Adapter
+from toolkit.data.sampler import GlobalBatchSampler
 
 
 def find_checkpoint(resume: str | os.PathLike, store: CheckpointStore | None

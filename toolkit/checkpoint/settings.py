@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from toolkit._errors import ToolkitError
+from toolkit.errors import ToolkitError
 
 # Where the run happens: a change is allowed and printed.
 PLACEMENT = ("backend", "layout", "world_size")
@@ -20,7 +20,7 @@ def run_settings(*, model: Any, optimizer: Any, global_batch_size: int, seed: in
                  shuffle: bool, drop_last: bool, lr_scaling: str, backend: str, layout: str,
                  world_size: int) -> dict[str, Any]:
     """The record of a run's defining settings (JSON values; ``model``/``optimizer`` as
-    described by ``toolkit._resume.describe``, None for native objects)."""
+    described by ``toolkit.checkpoint.resume.describe``, None for native objects)."""
     return {"model": model, "optimizer": optimizer, "global_batch_size": global_batch_size,
             "seed": seed, "shuffle": shuffle, "drop_last": drop_last, "lr_scaling": lr_scaling,
             "backend": backend, "layout": layout, "world_size": world_size}

@@ -1,0 +1,3 @@
+"""Data by sample index: the Dataset contract and in-memory datasets (``dataset.py``), the
+shared sampler that partitions each global batch as sequential training would see it
+(``sampler.py``), and the background loading of the next batch (``prefetch.py``)."""
