@@ -40,6 +40,11 @@ def main() -> None:
                          help="resume even if the schedule, batch, seed or optimizer differ")
     parser.add_argument("--metrics-log", default=None, help="JSON-lines file (rank 0)")
     parser.add_argument("--save-model", default=None, help="write final weights (.npz) here")
+    parser.add_argument("--divergence-factor", type=float, default=None,
+                        help="stop when the loss stays above this factor x its best (a "
+                             "non-finite loss always stops)")
+    parser.add_argument("--divergence-window", type=int, default=20,
+                        help="steps the loss must stay above --divergence-factor x its best")
     args = parser.parse_args()
 
     (x_train, y_train), validation = load_digits(seed=args.seed, dtype=args.dtype)
@@ -62,6 +67,8 @@ def main() -> None:
         resume=args.resume,
         allow_changes=args.allow_changes,
         metrics_log=args.metrics_log,
+        divergence_factor=args.divergence_factor,
+        divergence_window=args.divergence_window,
     )
     history = trainer.fit(x_train, y_train, validation)
 

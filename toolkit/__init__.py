@@ -32,18 +32,19 @@ from toolkit.parallel.pipeline.simulation import (
     validate_schedule,
 )
 from toolkit.parallel.pipeline.timeline import StageRecorder, read_timeline
+from toolkit.trainer.guard import DIVERGED_EXIT_CODE, TrainingDiverged
 from toolkit.trainer.trainer import PREEMPTED_EXIT_CODE, History, Trainer, TrainingPreempted
 
 __all__ = [
     "Action", "Adam", "Adapter", "ArgumentParser", "ArrayDataset", "CNN", "Checkpoint",
-    "CheckpointError", "CheckpointStore", "DataParallel", "Dataset", "GPT", "GlobalBatchSampler",
-    "History", "LaunchEnv", "LockstepRound", "MLP", "ModelPartition", "PREEMPTED_EXIT_CODE",
-    "Pipeline", "PipelineGrid", "SGD", "Schedule", "Sharded", "ShardedAdapter", "Simulation",
-    "StageRecorder", "TokenWindows", "ToolkitError", "Trainer", "TrainingPreempted", "UsageError",
-    "WarmupCosine", "atomic_open", "bubble_formula", "current_env", "detect_launch_env",
-    "expand_nodelist", "learning_rate", "lockstep_idle_fraction", "lockstep_rounds", "lr_scale",
-    "micro_batch_size", "parse_layout", "partition_layers", "partition_model", "pipeline_schedule",
-    "print0", "read_checkpoint", "read_timeline", "run", "save0", "shard_indices",
-    "simulate_schedule", "validate_schedule",
+    "CheckpointError", "CheckpointStore", "DIVERGED_EXIT_CODE", "DataParallel", "Dataset", "GPT",
+    "GlobalBatchSampler", "History", "LaunchEnv", "LockstepRound", "MLP", "ModelPartition",
+    "PREEMPTED_EXIT_CODE", "Pipeline", "PipelineGrid", "SGD", "Schedule", "Sharded",
+    "ShardedAdapter", "Simulation", "StageRecorder", "TokenWindows", "ToolkitError", "Trainer",
+    "TrainingDiverged", "TrainingPreempted", "UsageError", "WarmupCosine", "atomic_open",
+    "bubble_formula", "current_env", "detect_launch_env", "expand_nodelist", "learning_rate",
+    "lockstep_idle_fraction", "lockstep_rounds", "lr_scale", "micro_batch_size", "parse_layout",
+    "partition_layers", "partition_model", "pipeline_schedule", "print0", "read_checkpoint",
+    "read_timeline", "run", "save0", "shard_indices", "simulate_schedule", "validate_schedule",
 ]
 __version__ = "0.1.0"

@@ -2,6 +2,7 @@
 
 --kill-after N: once the checkpoint of step N is written and every rank has reached it, every
 rank SIGKILLs itself, as a node failure would. Rerun with --resume latest to continue.
+--nan-at K: one sample of step K's global batch is NaN (the divergence guard must stop there).
 """
 
 import argparse
@@ -31,6 +32,10 @@ def main() -> None:
     p.add_argument("--layout", default="data")
     p.add_argument("--batch-size", type=int, default=64, help="global")
     p.add_argument("--mlp", default="64,32,10", help="the digits MLP's widths")
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--nan-at", type=int, default=None, help="poison a sample of this step")
+    p.add_argument("--divergence-factor", type=float, default=None)
+    p.add_argument("--divergence-window", type=int, default=20)
     args = p.parse_args()
 
     if args.model == "gpt":  # the equivalence preset: 2 blocks, width 32, 16-byte windows
@@ -39,13 +44,19 @@ def main() -> None:
     else:
         (x, y), _ = load_digits()
         model = toolkit.MLP(tuple(int(w) for w in args.mlp.split(",")))
+    if args.nan_at is not None:  # the global batches do not depend on the world size
+        batches = toolkit.GlobalBatchSampler(len(x), args.batch_size, world_size=1, rank=0,
+                                             shuffle=True, seed=0)
+        x = np.array(x)
+        x[next(idx for k, idx in enumerate(batches, 1) if k == args.nan_at)[0]] = np.nan
     adapter = adapters.get(args.backend)
     trainer = toolkit.Trainer(
-        adapter, model, toolkit.Adam(lr=3e-3), global_batch_size=args.batch_size,
+        adapter, model, toolkit.Adam(lr=args.lr), global_batch_size=args.batch_size,
         layout=args.layout,
         max_steps=args.steps, checkpoint_dir=args.checkpoint_dir,
         checkpoint_every=args.checkpoint_every, resume=args.resume,
-        async_checkpoint=args.async_checkpoint, metrics_log=args.metrics_log, progress=False)
+        async_checkpoint=args.async_checkpoint, metrics_log=args.metrics_log, progress=False,
+        divergence_factor=args.divergence_factor, divergence_window=args.divergence_window)
     if args.kill_after is not None:
         real_save = trainer.save_checkpoint
 

@@ -12,6 +12,7 @@ from collections.abc import Callable
 
 from toolkit.errors import ToolkitError
 from toolkit.launch.rank0 import current_env, eprint
+from toolkit.trainer.guard import DIVERGED_EXIT_CODE, TrainingDiverged
 from toolkit.trainer.trainer import PREEMPTED_EXIT_CODE, TrainingPreempted
 
 INTERRUPTED_EXIT_CODE = 130  # 128 + SIGINT, what a shell reports for Ctrl-C
@@ -78,6 +79,8 @@ def run(main: Callable[[], object]) -> None:
     - :class:`TrainingPreempted` (a stop signal; the state is checkpointed) exits with
       status 75 (``PREEMPTED_EXIT_CODE``), which a requeueing batch script looks for; after
       Ctrl-C (SIGINT) with status 130, the user's own stop.
+    - :class:`TrainingDiverged` (a non-finite or runaway loss; nothing saved from that state)
+      prints its message once, on rank 0, and exits with status 3 (``DIVERGED_EXIT_CODE``).
     - Any other exception prints the traceback prefixed with the rank that failed and exits
       with status 1 at once, skipping interpreter shutdown: the framework's communicator could
       otherwise wait forever for the other ranks, and the launcher (horovodrun, mpirun, srun)
@@ -97,6 +100,10 @@ def run(main: Callable[[], object]) -> None:
         if env.rank == 0:
             eprint(f"{'interrupted' if interrupted else 'preempted'}: {stop}")
         _exit(INTERRUPTED_EXIT_CODE if interrupted else PREEMPTED_EXIT_CODE, env.is_distributed)
+    except TrainingDiverged as err:  # every rank holds the same losses and stops together
+        if env.rank == 0:
+            eprint(f"error: {err}")
+        _exit(DIVERGED_EXIT_CODE, env.is_distributed)
     except UsageError as err:
         if env.rank == 0:
             eprint(err.usage.rstrip() + "\n" + err.message)

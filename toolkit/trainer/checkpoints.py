@@ -19,6 +19,7 @@ from toolkit.checkpoint.settings import (
 )
 from toolkit.errors import ToolkitError
 from toolkit.launch.rank0 import print0
+from toolkit.trainer.guard import TrainingDiverged
 
 
 class Checkpointing:
@@ -80,6 +81,26 @@ class Checkpointing:
             return False
         return bool(self.adapter.allreduce(local, "sum")[0] > 0)
 
+    def _loss_settled(self) -> bool:
+        """False while the loss is above ``divergence_factor`` x its best: a scheduled
+        checkpoint waits, so that the newest one predates a divergence found later."""
+        self._flush()
+        return not self._guard.above
+
+    def _stop_diverged(self, step: int, loss: float, why: str) -> None:
+        """Every rank (each holds the same averaged losses) stops together, the newest
+        checkpoint left as the last good one."""
+        self._log_records([{"event": "diverged", "step": step, "loss": loss, "why": why}])
+        last = None
+        if self.store is not None:
+            self.store.wait()  # an asynchronous write of a good state completes
+            newest = self.store.checkpoints()
+            last = newest[-1] if newest else None
+        self._progress.clear()
+        self.adapter.barrier()
+        self.adapter.shutdown()
+        raise TrainingDiverged(step, loss, why, last)
+
     def _checkpoint_due(self, last_time: float) -> bool:
         if self.store is None:
             return False
@@ -93,9 +114,12 @@ class Checkpointing:
         return False
 
     def save_checkpoint(self) -> Path | None:
-        """Writes the current state (rank 0 writes replicated state; returns its path there)."""
+        """Writes the current state (rank 0 writes replicated state; returns its path there).
+        The steps since the last check pass the divergence guard first."""
         if self.store is None:
             raise ToolkitError("no checkpoint directory was given", "pass checkpoint_dir=...")
+        if getattr(self, "_pending", None):
+            self._flush()  # raises TrainingDiverged before a diverged state is saved
         meta = {
             "epoch": self.sampler.epoch,
             "sampler": self.sampler.state_dict(),

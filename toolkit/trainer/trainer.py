@@ -24,6 +24,7 @@ from toolkit.models.specs import LOSSES, OptimizerSpec, check_choice, learning_r
 from toolkit.parallel.layouts import DataShare, resolve_layout
 from toolkit.trainer.checkpoints import Checkpointing
 from toolkit.trainer.evaluation import check_metrics, evaluate
+from toolkit.trainer.guard import DivergenceGuard
 from toolkit.trainer.history import History, ProgressLine
 from toolkit.trainer.preemption import PREEMPTED_EXIT_CODE, TrainingPreempted, noting_signals
 from toolkit.trainer.summary import format_facts, start_facts
@@ -83,16 +84,18 @@ class Trainer(Checkpointing):
             ``srun --signal``, ``scancel --signal`` and a time limit send, and Ctrl-C) make
             every rank finish its current step, write a checkpoint and raise
             :class:`TrainingPreempted`. Pass ``()`` to install none.
-        stop_check_every: in multi-process jobs, ranks agree on stopping through one tiny
-            allreduce every this many steps (a signal may reach ranks at different steps), so
-            a job stops within that many steps of the signal. Every step costs one allreduce's
-            latency (measured 1.3-1.8x on a 7 ms step); the default of 10 costs a tenth of it.
+        stop_check_every: ranks agree on stopping (a signal may reach ranks at different
+            steps) and average their step losses every this many steps, one tiny allreduce
+            each, so a job stops within that many steps of a signal or a diverged loss.
+        divergence_factor, divergence_window: a non-finite step loss always stops the run
+            (:class:`toolkit.trainer.guard.TrainingDiverged`, exit status 3 under
+            ``toolkit.run``) before any checkpoint is written from that state; with a factor,
+            so does a loss above ``factor`` x its best for ``divergence_window`` steps.
         prefetch: ``True`` loads the next local batch (``dataset.batch``) in a background
             thread while the current step runs; ``False`` loads each batch when its step
             starts; ``"auto"`` (the default) uses the thread unless the data are numpy arrays
             in memory, whose batch is one copy that costs less than handing it between threads
-            (measured on a 9 ms MLP step: the thread made the step 0.8% slower on
-            horovod-torch, 3% on jax-pjit). The batches are the same either way.
+            (docs/benchmarks.md). The batches are the same either way.
             ``trainer.prefetch_stats`` (and the ``prefetch`` record of the metrics log) say
             whether the thread ran and how much of the loading time it hid.
         eval_batch_size: samples per ``adapter.evaluate`` call on each rank, so evaluating a
@@ -130,6 +133,8 @@ class Trainer(Checkpointing):
         progress: bool = True,
         stop_signals: tuple[str, ...] = ("SIGUSR1", "SIGTERM", "SIGINT"),
         stop_check_every: int = 10,
+        divergence_factor: float | None = None,
+        divergence_window: int = 20,
         prefetch: bool | str = "auto",
         eval_batch_size: int = 1024,
         env: LaunchEnv | None = None,
@@ -174,6 +179,7 @@ class Trainer(Checkpointing):
                                "the default of 1024 samples per call suits most models")
         self.stop_signals = tuple(stop_signals) if checkpoint_dir is not None else ()
         self.stop_check_every = stop_check_every
+        self._guard = DivergenceGuard(divergence_factor, divergence_window)
         self._stop_signal: str | None = None
         if prefetch not in (True, False, "auto"):
             raise ToolkitError(f"prefetch={prefetch!r} is not True, False or 'auto'",
@@ -302,6 +308,9 @@ class Trainer(Checkpointing):
             self._log_records({"event": "step", "step": first + i + 1, "loss": float(v)}
                               for i, v in enumerate(averaged))
             pending.clear()
+            diverged = self._guard.check(first, averaged)
+            if diverged is not None:
+                self._stop_diverged(*diverged)
 
     def _loop(self, loader: BatchPrefetcher, validation, total: int, scale: float) -> None:
         env, sampler, history, progress = self.env, self.sampler, self._history, self._progress
@@ -319,7 +328,9 @@ class Trainer(Checkpointing):
                 if self.log_every and self.global_step % self.log_every == 0:
                     self._flush()
                     print0(f"step {self.global_step}  loss {history.losses[-1]:.4f}", env=env)
-                if self._checkpoint_due(last_ckpt_time):
+                elif self.global_step % self.stop_check_every == 0:
+                    self._flush()  # the guard sees every loss within stop_check_every steps
+                if self._checkpoint_due(last_ckpt_time) and self._loss_settled():
                     self.save_checkpoint()
                     last_ckpt_time = time.monotonic()
                 if self.stop_signals and self._stop_agreed():

@@ -1,0 +1,127 @@
+"""The divergence guard in real jobs: a NaN sample at step K stops every rank at step K with
+exit status 3, names the step and the last good checkpoint, writes nothing from the bad state,
+and that checkpoint resumes bit for bit. Every backend x layout, two ranks under mpirun.
+
+The runs: tests/scripts/resumable.py, a 3-layer digits MLP, Adam, global batch 48,
+checkpoints every 2 steps, a NaN in one sample of step 5's global batch.
+
+TensorFlow on CPU fuses MatMul + BiasAdd + ReLU into one oneDNN kernel inside a tf.function, and
+that kernel turns a NaN into 0: a NaN *input* never reaches horovod-tf's loss there
+(``TF_ENABLE_ONEDNN_OPTS=0`` keeps it; a diverging run's own NaNs and infinities do reach the
+loss either way: the digits example at ``--lr 1e9`` stops on every backend). So the horovod-tf
+jobs here run without oneDNN's fusions.
+"""
+
+import numpy as np
+import pytest
+
+import toolkit
+from toolkit import read_checkpoint
+
+SCRIPT = "tests/scripts/resumable.py"
+NAN_AT, EVERY, STEPS = 5, 2, 8
+COMMON = ["--mlp", "64,32,32,10", "--batch-size", "48", "--checkpoint-every", str(EVERY)]
+LAYOUTS = ["data", "sharded:2", "pipeline:2:4:1f1b"]
+BACKENDS = ["horovod-torch", "horovod-tf", "jax-pmap", "jax-pjit"]
+
+
+def run(launch, tmp, name, backend, layout, extra=(), ckpt="ckpt"):
+    args = [SCRIPT, "--backend", backend, "--layout", layout, "--steps", str(STEPS),
+            "--checkpoint-dir", str(tmp / ckpt), "--save-model", str(tmp / f"{name}.npz"),
+            "--metrics-log", str(tmp / f"{name}.jsonl"), *COMMON, *extra]
+    env = {"TF_ENABLE_ONEDNN_OPTS": "0"} if backend == "horovod-tf" else None
+    return launch("any", 2, args, timeout=300, env=env)
+
+
+def stopped_at_the_nan(job, tmp) -> None:
+    """Every rank stopped at step NAN_AT, said so once, and saved nothing after step 4."""
+    assert job.returncode == toolkit.DIVERGED_EXIT_CODE == 3, job
+    good = tmp / "ckpt" / f"step_{NAN_AT - 1:09d}"
+    assert job.stderr.count(f"training diverged at step {NAN_AT}: the loss nan is not "
+                            f"finite") == 1, job
+    assert f"the last good checkpoint is {good}" in job.stderr, job
+    assert "Traceback" not in job.stderr, job
+    store = toolkit.CheckpointStore(tmp / "ckpt")
+    assert [p.name for p in store.checkpoints()] == [f"step_{s:09d}" for s in (2, 4)]
+    assert store.load("latest").step == NAN_AT - 1
+    assert not (tmp / "bad.npz").exists()  # fit never returned
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_nan_at_step_k_stops_every_rank_there_with_nothing_saved_after(
+        backend, layout, launch, tmp_path, read_metrics):
+    job = run(launch, tmp_path, "bad", backend, layout, ["--nan-at", str(NAN_AT)])
+    stopped_at_the_nan(job, tmp_path)
+    steps = read_metrics(tmp_path / "bad.jsonl")["steps"]
+    assert all(np.isfinite(steps[s]) for s in range(1, NAN_AT)) and np.isnan(steps[NAN_AT])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend, layout", [("horovod-torch", "data"),
+                                             ("jax-pjit", "pipeline:2:4:1f1b")])
+def test_the_last_good_checkpoint_resumes_bit_for_bit(backend, layout, launch, tmp_path):
+    stopped_at_the_nan(run(launch, tmp_path, "bad", backend, layout,
+                           ["--nan-at", str(NAN_AT)]), tmp_path)
+    resumed = run(launch, tmp_path, "resumed", backend, layout, ["--resume", "latest"])
+    assert resumed.returncode == 0, resumed
+    clean = run(launch, tmp_path, "clean", backend, layout, ckpt="clean-ckpt")
+    assert clean.returncode == 0, clean
+    with np.load(tmp_path / "resumed.npz") as got, np.load(tmp_path / "clean.npz") as ref:
+        assert sorted(got.files) == sorted(ref.files) and len(got.files) > 6
+        for k in ref.files:
+            assert np.array_equal(got[k], ref[k]), k
+
+
+@pytest.mark.slow
+def test_tensorflow_cpu_fusion_hides_a_nan_input_from_the_loss(launch, tmp_path):
+    """The reason the jobs above switch oneDNN off for horovod-tf: with its fusions on, the
+    poisoned step trains on with a finite loss. Should a TensorFlow release propagate the NaN,
+    this fails, and the switch can go."""
+    job = launch("python", 1, [SCRIPT, "--backend", "horovod-tf", "--steps", str(STEPS),
+                               "--checkpoint-dir", str(tmp_path / "ckpt"), "--save-model",
+                               str(tmp_path / "m.npz"), "--metrics-log", str(tmp_path / "m.jsonl"),
+                               "--nan-at", str(NAN_AT), *COMMON],
+                 timeout=300, env={"TF_ENABLE_ONEDNN_OPTS": "1"})
+    assert job.returncode == 0, job
+
+
+@pytest.mark.slow
+def test_a_loss_far_above_its_best_stops_and_the_newest_checkpoint_predates_the_rise(
+        launch, tmp_path, read_metrics):
+    """A learning rate of -0.02 climbs the loss (finite): with divergence_factor 4 over 3
+    steps the run stops, and a checkpoint scheduled while the loss was above 4x its best was
+    held back, so the newest one is from before the rise."""
+    job = launch("python", 1, [SCRIPT, "--steps", "40", "--checkpoint-dir",
+                               str(tmp_path / "ckpt"), "--save-model", str(tmp_path / "m.npz"),
+                               "--metrics-log", str(tmp_path / "m.jsonl"), "--lr", "-0.02",
+                               "--divergence-factor", "4", "--divergence-window", "3",
+                               *COMMON], timeout=300)
+    assert job.returncode == 3, job
+    steps = read_metrics(tmp_path / "m.jsonl")["steps"]
+    stop = max(steps)
+    assert 6 <= stop < 40 and all(np.isfinite(list(steps.values())))
+    best = min(steps[s] for s in range(1, stop - 2))
+    assert all(steps[s] > 4 * best for s in range(stop - 2, stop + 1)), steps
+    assert steps[stop - 3] <= 4 * min(steps[s] for s in range(1, stop - 3)), steps
+    assert f"training diverged at step {stop}: the loss" in job.stderr, job
+    assert "stayed above 4 x its best" in job.stderr and "for 3 steps" in job.stderr, job
+    newest = toolkit.CheckpointStore(tmp_path / "ckpt").checkpoints()[-1]
+    # the newest scheduled step not inside the rise (every EVERY steps)
+    assert read_checkpoint(newest).step == (stop - 3) // EVERY * EVERY
+    assert f"the last good checkpoint is {newest}" in job.stderr, job
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("launcher, nproc", [("python", 1), ("mpirun", 2)])
+def test_the_digits_example_at_lr_1e9_stops_with_the_guards_error(launcher, nproc, launch,
+                                                                  tmp_path):
+    job = launch(launcher, nproc, ["examples/train_digits.py", "--lr", "1e9", "--epochs", "2",
+                                   "--checkpoint-dir", str(tmp_path / "ckpt")], timeout=180)
+    assert job.returncode == 3, job
+    assert job.stderr.count("error: training diverged at step ") == 1, job
+    assert "is not finite; stopped with nothing saved from that state" in job.stderr, job
+    assert "HINT: resume from the last good checkpoint with a smaller learning rate" in job.stderr
+    assert "done:" not in job.stdout and "Traceback" not in job.stderr, job
+    assert not (tmp_path / "ckpt").exists() or not list((tmp_path / "ckpt").glob("step_*"))
