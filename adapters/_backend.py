@@ -130,7 +130,20 @@ class Backend:
 
     # ------------------------------------------------------------------ the strategy's
     def build(self, model: Any, optimizer: Any, loss: Any, **options: Any) -> None:
-        self._started().build(model, optimizer, loss, **options)
+        strategy = self._started()
+        if options.get("clip_grad_norm") is not None and not getattr(strategy, "clips", False):
+            raise ToolkitError(
+                f"{self.name} does not clip gradients under {self.layout.name} yet "
+                f"(clip_grad_norm={options['clip_grad_norm']})",
+                "drop clip_grad_norm, or use jax-pmap or jax-pjit, which clip under every "
+                "layout")
+        strategy.build(model, optimizer, loss, **options)
+
+    @property
+    def grad_norm(self) -> Any:
+        """The latest step's gradient norm before clipping (None where the strategy does not
+        compute it); a framework scalar until ``float()``."""
+        return getattr(self.strategy, "grad_norm", None)
 
     def train_step(self, x: Any, y: Any, lr: float | None) -> float:
         return self.strategy.train_step(x, y, lr)
@@ -180,6 +193,9 @@ class Backend:
 class StrategyBase:
     """What every strategy starts from: its runtime and layout, no layout check, and the
     position of a rank without stages."""
+
+    clips = False  # whether build takes clip_grad_norm (and train_step sets grad_norm)
+    grad_norm: Any = None
 
     def __init__(self, runtime: Any, layout: Any):
         self.runtime, self.layout, self.env = runtime, layout, runtime.env

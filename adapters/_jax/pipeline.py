@@ -79,6 +79,8 @@ class PipelineExecutor:
     the computes are the executor's own (``adapters._jax.programs.LocalComputes``).
     """
 
+    clips = True  # build takes clip_grad_norm
+
     @staticmethod
     def check_layout(layout: Pipeline) -> None:
         """Refused at ``build`` (the devices decide what fits)."""
@@ -98,12 +100,15 @@ class PipelineExecutor:
         self.plan = RoundPlan(self.schedule)
         self.step_index = 0
         self.recorders: dict[int, StageRecorder] = {}
+        self.clip: float | None = None  # clip_grad_norm of the build
+        self.grad_norm: Any = None  # the latest step's gradient norm before clipping
 
     # ------------------------------------------------------------------ build
     def build(self, model: Any, optimizer: Any, loss: Any, *, seed: int = 0,
               accumulation_steps: int = 1, sync_batchnorm: bool = False,
-              metrics: Any = None) -> None:
+              metrics: Any = None, clip_grad_norm: float | None = None) -> None:
         a, jax = self.host, self.host.jax
+        self.clip = clip_grad_norm
         name, S = a.name, self.layout.stages
         check_build(name, optimizer, accumulation_steps, sync_batchnorm)
         devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
@@ -157,7 +162,7 @@ class PipelineExecutor:
         progs = StagePrograms(jax, self.staged, self.loss_fn, self.tx, self._collectives(), M,
                               mb, 1.0 / n if gather else S / n, gather,
                               jax.ShapeDtypeStruct((mb,) + tuple(x_shape[1:]), x_dtype),
-                              self.host.dtype)
+                              self.host.dtype, clip=self.clip)
         self.local = LocalComputes(jax, progs)
         return progs
 
@@ -240,8 +245,9 @@ class PipelineExecutor:
         self._sliced = None
         scalars = self._scalars(a.optimizer_scalars(lr))
         a.count_step()
-        self.params, self.opt_state, self.grads, loss = self._update(
+        self.params, self.opt_state, self.grads, loss, norm = self._update(
             self.params, self.opt_state, self.grads, self.losses, scalars)
+        self.grad_norm = LocalMean([norm.addressable_data(0)])
         self._named_params()  # the next step's, queued behind the update (see there)
         self.step_index += 1
         folder = os.environ.get(TIMELINE_ENV)

@@ -26,7 +26,7 @@ from __future__ import annotations
 import numpy as np
 
 from adapters._jax.models.spec import per_sample_loss
-from adapters._jax.strategy import apply_optimizer
+from adapters._jax.strategy import apply_optimizer, clip_by_norm
 
 
 class StagePrograms:
@@ -38,13 +38,19 @@ class StagePrograms:
         inv_b: ``1 / global batch`` (each backward scales by it). gather: the replica's batch is
         its ``S`` devices' inputs gathered (``gather_replica``), else each device's own.
         x_struct: one micro-batch of inputs (``jax.ShapeDtypeStruct``). dtype: the parameters'.
+        clip: ``clip_grad_norm`` (None: none).
     """
 
     def __init__(self, jax, staged, loss_fn, tx, coll, micro_batches: int, mb: int,
-                 inv_b: float, gather: bool, x_struct, dtype):
+                 inv_b: float, gather: bool, x_struct, dtype, clip: float | None = None):
         self.jax, self.jnp, self.lax = jax, jax.numpy, jax.lax
         self.staged, self.loss_fn, self.tx, self.coll = staged, loss_fn, tx, coll
         self.M, self.mb, self.inv_b, self.gather = micro_batches, mb, inv_b, gather
+        self.clip = clip
+        # The tied parameter counts once in the norm: on the first stage holding it.
+        holders = sorted({s for stages in staged.shared.values() for s in stages})
+        self.repeats = np.asarray([1.0 if s in holders[1:] else 0.0
+                                   for s in range(staged.stages)])
         # Per-sample activation shapes at every cut, from the pieces themselves.
         self.shapes, h = [], x_struct
         for k in range(staged.pieces):
@@ -122,15 +128,21 @@ class StagePrograms:
         return run
 
     def update(self, p, opt, g, ls, scalars):
-        """``(params, opt, zeroed grads, the global batch's mean loss)``."""
+        """``(params, opt, zeroed grads, the global batch's mean loss, the gradient's norm
+        before clipping)``."""
         jnp, coll, shared = self.jnp, self.coll, self.staged.n_shared
         g = coll.replica_sum(g)
+        sq = jnp.sum(jnp.square(g))
         if shared:  # the tied embedding: first and last stage add their gradients
             holder = jnp.asarray(self.staged.holders_mask().astype(g.dtype))[coll.stage()]
             total = coll.holder_sum(g[:shared] * holder)
             g = g.at[:shared].set(jnp.where(holder > 0, total, g[:shared]))
+            repeat = jnp.asarray(self.repeats.astype(g.dtype))[coll.stage()]
+            sq = jnp.sum(jnp.square(g)) - repeat * jnp.sum(jnp.square(g[:shared]))
+        # over the stages of a replica (every replica holds the same stage gradients)
+        g, norm = clip_by_norm(jnp, g, coll.holder_sum(sq), self.clip)
         p, opt = apply_optimizer(self.tx, g, opt, p, scalars)
-        return p, opt, jnp.zeros_like(g), coll.total(jnp.sum(ls)) * self.inv_b
+        return p, opt, jnp.zeros_like(g), coll.total(jnp.sum(ls)) * self.inv_b, norm
 
 
 class LocalComputes:

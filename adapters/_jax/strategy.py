@@ -75,6 +75,25 @@ def apply_optimizer(tx, grads, opt_state, params, scalars):
     return optax.apply_updates(params, updates), opt_state
 
 
+def squares(jnp, tree) -> Any:
+    """The sum of the squares of every element of ``tree`` (a gradient, or a shard of it)."""
+    import jax
+
+    return sum(jnp.sum(jnp.square(g)) for g in jax.tree_util.tree_leaves(tree))
+
+
+def clip_by_norm(jnp, tree, sum_squares, clip: float | None):
+    """``(tree scaled by clip / max(norm, clip), norm)`` for the whole gradient's
+    ``sum_squares`` (``toolkit.models.reference.clip_scale``); ``clip`` None: unscaled."""
+    import jax
+
+    norm = jnp.sqrt(sum_squares)
+    if clip is None:
+        return tree, norm
+    scale = clip / jnp.maximum(norm, clip)
+    return jax.tree_util.tree_map(lambda g: g * scale.astype(g.dtype), tree), norm
+
+
 class LocalMean:
     """This process's mean loss of one step, fetched from the devices only when converted
     with ``float()``: until then the host is free to launch the next step (JAX dispatches
@@ -101,11 +120,15 @@ class JaxStrategy(StrategyBase):
     seed, the compiled step's first call, the accumulated gradient, evaluation sums, and the
     state under the checkpoint's names. The pipeline executors keep one as their host side."""
 
+    clips = True  # build takes clip_grad_norm
+
     def __init__(self, runtime, layout):
         super().__init__(runtime, layout)
         self.name = runtime.backend
         self.jax, self.jnp = runtime.jax, runtime.jnp
         self.dtype, self.dtype_name = runtime.dtype, runtime.dtype_name
+        self.clip: float | None = None  # clip_grad_norm of the build
+        self.grad_norm: Any = None  # the latest step's gradient norm before clipping
 
     def barrier(self) -> None:
         self.runtime.barrier()

@@ -7,7 +7,13 @@ from typing import Any
 import numpy as np
 
 from adapters._jax.flat_units import nbytes
-from adapters._jax.strategy import JaxStrategy, LocalMean, apply_optimizer
+from adapters._jax.strategy import (
+    JaxStrategy,
+    LocalMean,
+    apply_optimizer,
+    clip_by_norm,
+    squares,
+)
 from toolkit import ToolkitError
 
 
@@ -16,8 +22,9 @@ class PjitDataParallel(JaxStrategy):
 
     def build(self, model: Any, optimizer: Any, loss: Any, *, seed: int = 0,
               accumulation_steps: int = 1, sync_batchnorm: bool = False,
-              metrics: Any = None) -> None:
+              metrics: Any = None, clip_grad_norm: float | None = None) -> None:
         self._compiled_for = None  # the step compiles anew for this model
+        self.clip = clip_grad_norm
         self._build_layout(model, optimizer, loss, seed, accumulation_steps, metrics)
 
     def _build_layout(self, model, optimizer, loss, seed, accumulation_steps, metrics) -> None:
@@ -36,7 +43,8 @@ class PjitDataParallel(JaxStrategy):
         repl, batch = self.replicated, self.batch
         self._jstep = jax.jit(self._global_step,
                               in_shardings=(repl, repl, repl, batch, batch, repl, repl),
-                              out_shardings=(repl, repl, repl, batch), donate_argnums=(0, 1, 2))
+                              out_shardings=(repl, repl, repl, batch, repl),
+                              donate_argnums=(0, 1, 2))
         # Evaluation shares may be uneven across ranks, so each rank evaluates its own samples
         # on its first local device with the (replicated) parameters.
         self._jeval = jax.jit(self._eval_fn)
@@ -52,8 +60,9 @@ class PjitDataParallel(JaxStrategy):
         # (synchronised by construction) and dropout masks do not depend on the world size.
         key = self.jax.random.PRNGKey(seed)
         grads, losses, model_state = self._accumulated_grads(params, model_state, x, y, key)
+        grads, norm = clip_by_norm(self.jnp, grads, squares(self.jnp, grads), self.clip)
         params, opt_state = apply_optimizer(self.tx, grads, opt_state, params, scalars)
-        return params, opt_state, model_state, losses
+        return params, opt_state, model_state, losses, norm
 
     def _local_rows(self) -> int:
         """The data-axis coordinates among this process's devices (its data rows): all its
@@ -93,6 +102,7 @@ class PjitDataParallel(JaxStrategy):
         out = self._run_step(self._jstep, (self.params, self.opt_state, self.model_state, x, y,
                                            self.optimizer_scalars(lr), self._step_seed()))
         self.params, self.opt_state, self.model_state, losses = out[:4]
+        self.grad_norm = out[-1]  # replicated: float() reads this process's copy
         self._keep(out)
         # Per-sample losses stay sharded like the batch: this process's shards are its samples,
         # each once (a shard is on every device of its data row's ``model`` group).

@@ -116,14 +116,15 @@ class PjitPipeline(PipelineExecutor):
                                 in_specs=(sd, st), out_specs=sd), donate_argnums=(0,))
 
         def update(p, opt, g, ls, scalars):
-            p, opt, g, loss = progs.update(p[0], {s: v[0] for s, v in opt.items()}, g[0, 0],
-                                           ls[0, 0], scalars)
-            return p[None], {s: v[None] for s, v in opt.items()}, g[None, None], loss
+            p, opt, g, loss, norm = progs.update(p[0], {s: v[0] for s, v in opt.items()},
+                                                 g[0, 0], ls[0, 0], scalars)
+            return p[None], {s: v[None] for s, v in opt.items()}, g[None, None], loss, norm
 
         opt_specs = {s: st for s in self.slots}
         prep = jax.jit(smap(prepare, in_specs=spec(("stage", "data")), out_specs=sd))
         upd = jax.jit(smap(update, in_specs=(st, opt_specs, sd, sd, spec()),
-                           out_specs=(st, opt_specs, sd, spec())), donate_argnums=(0, 1, 2))
+                           out_specs=(st, opt_specs, sd, spec(), spec())),
+                      donate_argnums=(0, 1, 2))
         self.box = self._zeros(progs.box_shape(self.plan.slots))
         self.losses = self._zeros((self.layout.micro_batches, progs.mb))
         # Compile everything now (the first round's arguments stand for every round's).

@@ -38,7 +38,7 @@ from adapters._jax.flat_units import (
     nbytes,
     state_head,
 )
-from adapters._jax.strategy import apply_optimizer
+from adapters._jax.strategy import apply_optimizer, clip_by_norm, squares
 from adapters.jax_pjit.data_parallel import PjitDataParallel
 from toolkit.models.reference import optimizer_slots
 
@@ -82,7 +82,8 @@ class PjitSharding:
         self._jstep = jax.jit(
             self._sharded_step,
             in_shardings=(self.param_sharding, opt_sharding, repl, batch, batch, repl, repl),
-            out_shardings=(self.param_sharding, opt_sharding, repl, batch, self.grad_sharding),
+            out_shardings=(self.param_sharding, opt_sharding, repl, batch, self.grad_sharding,
+                           repl),
             donate_argnums=(0, 1, 2))
         self._jfull = jax.jit(self._named_full, out_shardings=repl)
         # Checkpoint pieces of split tensors: each tensor flattened and cut over all devices.
@@ -162,10 +163,12 @@ class PjitSharding:
         # stage 1: the full gradient (all-reduced) is kept; 2 and 3: only its shard
         # (reduce-scattered). Either way each device updates its own shard.
         grads = wsc(grads, self.grad_sharding)
+        # every element once: flat buffers (zero padding) and the split kernels' (k, M) views
+        grads, norm = clip_by_norm(self.jnp, grads, squares(self.jnp, grads), self.clip)
         shards = self._store_shardings(True)
         params, opt_state = apply_optimizer(self.tx, wsc(grads, shards), opt_state,
                                             wsc(params, shards), scalars)
-        return params, opt_state, model_state, losses, grads
+        return params, opt_state, model_state, losses, grads, norm
 
     # ------------------------------------------------------------------ host side
     def _host_named(self, store) -> dict[str, np.ndarray]:

@@ -7,7 +7,13 @@ from typing import Any
 import numpy as np
 
 from adapters._jax.flat_units import nbytes
-from adapters._jax.strategy import JaxStrategy, LocalMean, apply_optimizer
+from adapters._jax.strategy import (
+    JaxStrategy,
+    LocalMean,
+    apply_optimizer,
+    clip_by_norm,
+    squares,
+)
 from toolkit import ToolkitError
 
 
@@ -16,8 +22,9 @@ class PmapDataParallel(JaxStrategy):
 
     def build(self, model: Any, optimizer: Any, loss: Any, *, seed: int = 0,
               accumulation_steps: int = 1, sync_batchnorm: bool = False,
-              metrics: Any = None) -> None:
+              metrics: Any = None, clip_grad_norm: float | None = None) -> None:
         self._compiled_for = None  # the step compiles anew for this model
+        self.clip = clip_grad_norm
         jax = self.jax
         from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
@@ -45,12 +52,13 @@ class PmapDataParallel(JaxStrategy):
         grads, losses, model_state = self._accumulated_grads(params, model_state, x, y, key)
         total = self.jnp.mean(losses)
         grads = lax.pmean(grads, axis_name="batch")
+        grads, norm = clip_by_norm(self.jnp, grads, squares(self.jnp, grads), self.clip)
         # BatchNorm statistics are averaged over every device (of every process) each step, so
         # the replicas never drift apart (a module built with axis_name="batch" syncs them in
         # the forward pass already; then this changes nothing).
         model_state = lax.pmean(model_state, axis_name="batch")
         params, opt_state = apply_optimizer(self.tx, grads, opt_state, params, scalars)
-        return params, opt_state, model_state, total
+        return params, opt_state, model_state, total, norm
 
     def train_step(self, x: np.ndarray, y: np.ndarray, lr: float | None) -> float:
         # (No device_batch here, unlike jax-pjit: copying the batch to the devices in the
@@ -69,6 +77,7 @@ class PmapDataParallel(JaxStrategy):
                 self.optimizer_scalars(lr), self._step_seed())
         out = self._run_step(self._pstep, args, ahead=False)
         self.params, self.opt_state, self.model_state, losses = out[:4]
+        self.grad_norm = LocalMean([out[-1]])  # the same on every device
         self._keep(out)
         return LocalMean([losses])  # one mean per device, of equal shares
 

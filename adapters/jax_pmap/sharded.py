@@ -34,7 +34,7 @@ from adapters._jax.flat_units import (
     unit_forward,
     unit_named,
 )
-from adapters._jax.strategy import apply_optimizer
+from adapters._jax.strategy import apply_optimizer, clip_by_norm, squares
 from adapters.jax_pmap.data_parallel import PmapDataParallel
 from toolkit import ToolkitError
 from toolkit.models.reference import optimizer_slots
@@ -134,22 +134,28 @@ class PmapSharding:
             size = self.units.layouts[unit].shard_size
             return lax.dynamic_slice_in_dim(full, index * size, size)
 
+        jnp = self.jnp
         if stage == 3:  # the all-gathers' transposes summed every device's gradient
             grads = tmap(lambda g: g / n, grads)
+            grads, norm = clip_by_norm(jnp, grads, lax.psum(squares(jnp, grads), AXIS),
+                                       self.clip)
             params, opt_state = apply_optimizer(self.tx, grads, opt_state, params, scalars)
         else:
-            if stage == 1:
+            if stage == 1:  # the full gradient on every device
                 grads = lax.pmean(grads, AXIS)
+                grads, norm = clip_by_norm(jnp, grads, squares(jnp, grads), self.clip)
                 shard = {u: mine(g, u) for u, g in grads.items()}
-            else:
-                grads = shard = tmap(lambda g: lax.psum_scatter(g, AXIS, tiled=True) / n,
-                                     grads)
+            else:  # each device's shard (zero padding)
+                grads = tmap(lambda g: lax.psum_scatter(g, AXIS, tiled=True) / n, grads)
+                grads, norm = clip_by_norm(jnp, grads, lax.psum(squares(jnp, grads), AXIS),
+                                           self.clip)
+                shard = grads
             updated, opt_state = apply_optimizer(self.tx, shard, opt_state,
                                                  {u: mine(p, u) for u, p in params.items()},
                                                  scalars)
             params = tmap(lambda s: lax.all_gather(s, AXIS, tiled=True), updated)
         model_state = lax.pmean(model_state, AXIS)
-        return params, opt_state, model_state, self.jnp.mean(losses), grads
+        return params, opt_state, model_state, self.jnp.mean(losses), grads, norm
 
     # ------------------------------------------------------------------ host side
     def _gathered(self, flat: dict[str, Any], whole: bool) -> dict[str, np.ndarray]:

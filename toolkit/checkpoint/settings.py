@@ -2,8 +2,9 @@
 
 A resume continues the run the checkpoint belongs to. Settings that change the training
 trajectory (model, optimizer and its schedule, global batch, seed, shuffling, learning-rate
-scaling) must be the same, unless the user says the change is intended; where the run happens
-(backend, layout, world size) may change freely, since checkpoints are neutral, and is said.
+scaling, gradient clipping) must be the same, unless the user says the change is intended;
+where the run happens (backend, layout, world size) may change freely, since checkpoints are
+neutral, and is said.
 """
 
 from __future__ import annotations
@@ -18,12 +19,13 @@ PLACEMENT = ("backend", "layout", "world_size")
 
 def run_settings(*, model: Any, optimizer: Any, global_batch_size: int, seed: int,
                  shuffle: bool, drop_last: bool, lr_scaling: str, backend: str, layout: str,
-                 world_size: int) -> dict[str, Any]:
+                 world_size: int, clip_grad_norm: float | None = None) -> dict[str, Any]:
     """The record of a run's defining settings (JSON values; ``model``/``optimizer`` as
     described by ``toolkit.checkpoint.resume.describe``, None for native objects)."""
     return {"model": model, "optimizer": optimizer, "global_batch_size": global_batch_size,
             "seed": seed, "shuffle": shuffle, "drop_last": drop_last, "lr_scaling": lr_scaling,
-            "backend": backend, "layout": layout, "world_size": world_size}
+            "backend": backend, "layout": layout, "world_size": world_size,
+            "clip_grad_norm": clip_grad_norm}
 
 
 def saved_settings(meta: dict[str, Any]) -> dict[str, Any]:

@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from toolkit.data.dataset import Dataset
+from toolkit.data.dataset import ArrayDataset, Dataset
 from toolkit.data.sampler import GlobalBatchSampler
 from toolkit.errors import ToolkitError
 
@@ -172,3 +172,11 @@ def load_batch(dataset: Dataset, indices: np.ndarray) -> tuple[Any, Any]:
                            f"{type(batch).__name__}, not a pair (inputs, labels)",
                            "return a tuple (inputs, labels) of arrays with one row per index")
     return tuple(batch)
+
+
+def prefetches(data, setting: bool | str) -> bool:
+    """Whether ``fit`` loads ``data`` in the prefetch thread (``Trainer(prefetch=setting)``;
+    ``"auto"``: unless its arrays are in memory, since a memory map reads from disk)."""
+    if setting != "auto":
+        return bool(setting)
+    return not (type(data) is ArrayDataset and data.in_memory)

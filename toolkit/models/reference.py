@@ -64,10 +64,41 @@ def apply_update(spec: OptimizerSpec, params: dict[str, np.ndarray],
     return params, state
 
 
+def global_norm(grads: dict[str, np.ndarray]) -> float:
+    """The norm of the whole gradient: every element of every tensor, once."""
+    return math.sqrt(sum(float(np.sum(np.square(g, dtype=np.float64))) for g in grads.values()))
+
+
+def clip_scale(norm: float, max_norm: float) -> float:
+    """The factor clipping by global norm multiplies the gradient by: ``max_norm / max(norm,
+    max_norm)`` (1 when the norm is within the bound; optax's ``clip_by_global_norm``, which
+    adds no epsilon, unlike ``torch.nn.utils.clip_grad_norm_``'s ``max_norm / (norm + 1e-6)``).
+    Every backend computes this same factor."""
+    return max_norm / max(norm, max_norm)
+
+
+def check_clip(value) -> float | None:
+    """``clip_grad_norm`` as given (None: no clipping), refused unless a positive number."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float) \
+            or not math.isfinite(value) or value <= 0:
+        from toolkit.errors import ToolkitError
+
+        raise ToolkitError(f"clip_grad_norm={value!r} is not a positive number",
+                           "use e.g. 1.0 (the norm of the whole gradient after averaging), "
+                           "or None for no clipping")
+    return float(value)
+
+
 def reference_run(model, optimizer: OptimizerSpec, loss: str, x: np.ndarray, y: np.ndarray, *,
-                  global_batch_size: int, steps: int, seed: int = 0,
-                  dtype: str = "float64") -> tuple[list[float], dict[str, np.ndarray]]:
+                  global_batch_size: int, steps: int, seed: int = 0, dtype: str = "float64",
+                  clip_grad_norm: float | None = None,
+                  norms: list[float] | None = None) -> tuple[list[float], dict[str, np.ndarray]]:
     """Sequential training in numpy: one process, the global batch, the same sampler.
+
+    ``clip_grad_norm``: scale each step's gradient by :func:`clip_scale` of its
+    :func:`global_norm`; ``norms``, when given, receives every step's norm before clipping.
 
     Returns:
         The loss of every step and the final parameters (neutral names, no prefix).
@@ -85,6 +116,12 @@ def reference_run(model, optimizer: OptimizerSpec, loss: str, x: np.ndarray, y: 
     while len(losses) < steps:
         for idx in sampler:
             value, grads = model.loss_and_grads(params, x[idx], y[idx], loss)
+            norm = global_norm(grads)
+            if norms is not None:
+                norms.append(norm)
+            if clip_grad_norm is not None and norm > clip_grad_norm:
+                scale = clip_scale(norm, clip_grad_norm)
+                grads = {n: (g * scale).astype(g.dtype) for n, g in grads.items()}
             params, state = apply_update(optimizer, params, grads, state,
                                          learning_rate(optimizer, len(losses)))
             losses.append(value)

@@ -64,7 +64,8 @@ class Checkpointing:
             model=_describe(self.model), optimizer=_describe(self.optimizer),
             global_batch_size=self.global_batch_size, seed=self.seed, shuffle=self.shuffle,
             drop_last=self.drop_last, lr_scaling=self.lr_scaling, backend=self.adapter.name,
-            layout=self.layout.name, world_size=self.env.world_size)
+            layout=self.layout.name, world_size=self.env.world_size,
+            clip_grad_norm=self.clip_grad_norm)
 
     def _data_fingerprint(self) -> str | None:  # asked late: computing one may read a corpus
         return getattr(self._train_data, "fingerprint", None)

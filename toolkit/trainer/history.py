@@ -20,12 +20,14 @@ class History:
             ``seconds``.
         first_step: the global step the run started from (non-zero after a resume).
         world_size: how many ranks ran it.
+        grad_norms: with ``clip_grad_norm``, each step's gradient norm before clipping.
     """
 
     losses: list[float] = dataclasses.field(default_factory=list)
     epochs: list[dict[str, float]] = dataclasses.field(default_factory=list)
     first_step: int = 0
     world_size: int = 1
+    grad_norms: list[float] = dataclasses.field(default_factory=list)
 
     @property
     def final_loss(self) -> float:
@@ -52,3 +54,13 @@ class ProgressLine:
         if self.enabled:
             sys.stderr.write("\r\033[K")
             sys.stderr.flush()
+
+
+def epoch_line(record: dict, seconds: float) -> str:
+    """Rank 0's line at the end of an epoch."""
+    line = f"epoch {record['epoch'] + 1}  step {record['step']}  loss {record['loss']:.4f}"
+    if "val_loss" in record:
+        line += f"  val_loss {record['val_loss']:.4f}"
+        if "val_accuracy" in record:
+            line += f"  val_accuracy {record['val_accuracy']:.4f}"
+    return line + f"  ({seconds:.2f} s)"

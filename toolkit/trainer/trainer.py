@@ -14,18 +14,19 @@ import numpy as np
 
 from toolkit.checkpoint.store import CheckpointStore
 from toolkit.contract import Adapter, DrivesDevices, PlacesBatches
-from toolkit.data.dataset import ArrayDataset, Dataset, as_dataset
-from toolkit.data.prefetch import BatchPrefetcher
+from toolkit.data.dataset import Dataset, as_dataset
+from toolkit.data.prefetch import BatchPrefetcher, prefetches
 from toolkit.data.sampler import GlobalBatchSampler
 from toolkit.errors import ToolkitError
 from toolkit.launch.env import LaunchEnv
 from toolkit.launch.rank0 import current_env, print0
+from toolkit.models.reference import check_clip
 from toolkit.models.specs import LOSSES, OptimizerSpec, check_choice, learning_rate, lr_scale
 from toolkit.parallel.layouts import DataShare, resolve_layout
 from toolkit.trainer.checkpoints import Checkpointing
 from toolkit.trainer.evaluation import check_metrics, evaluate
 from toolkit.trainer.guard import DivergenceGuard
-from toolkit.trainer.history import History, ProgressLine
+from toolkit.trainer.history import History, ProgressLine, epoch_line
 from toolkit.trainer.preemption import PREEMPTED_EXIT_CODE, TrainingPreempted, noting_signals
 from toolkit.trainer.summary import format_facts, start_facts
 
@@ -66,6 +67,9 @@ class Trainer(Checkpointing):
             sqrt(N) for N ranks (for weak scaling, where the global batch grows with N).
         accumulation_steps: split each local batch into this many micro-batches and sum their
             gradients before the one allreduce of the step (same result, less memory).
+        clip_grad_norm: scale each step's averaged gradient by ``clip / max(norm, clip)``, its
+            norm over the whole model (every shard, stage and split part once); the norm before
+            clipping goes to the metrics log (``grad_norm``) and the interval line.
         checkpoint_dir: where checkpoints go (shared storage for multi-node jobs).
         checkpoint_every: checkpoint every this many steps (and at the end of training).
         checkpoint_every_seconds: or every this many seconds of training.
@@ -91,13 +95,11 @@ class Trainer(Checkpointing):
             (:class:`toolkit.trainer.guard.TrainingDiverged`, exit status 3 under
             ``toolkit.run``) before any checkpoint is written from that state; with a factor,
             so does a loss above ``factor`` x its best for ``divergence_window`` steps.
-        prefetch: ``True`` loads the next local batch (``dataset.batch``) in a background
-            thread while the current step runs; ``False`` loads each batch when its step
-            starts; ``"auto"`` (the default) uses the thread unless the data are numpy arrays
-            in memory, whose batch is one copy that costs less than handing it between threads
-            (docs/benchmarks.md). The batches are the same either way.
-            ``trainer.prefetch_stats`` (and the ``prefetch`` record of the metrics log) say
-            whether the thread ran and how much of the loading time it hid.
+        prefetch: ``True`` loads the next local batch in a background thread while the current
+            step runs; ``False`` when its step starts; ``"auto"`` (the default) uses the thread
+            unless the data are numpy arrays in memory (docs/benchmarks.md). The batches are
+            the same either way; ``trainer.prefetch_stats`` (and the metrics log's ``prefetch``
+            record) say whether the thread ran and how much loading time it hid.
         eval_batch_size: samples per ``adapter.evaluate`` call on each rank, so evaluating a
             large data set never builds one huge array.
         env: the launch environment; detected when omitted.
@@ -121,6 +123,7 @@ class Trainer(Checkpointing):
         drop_last: bool = True,
         lr_scaling: str = "none",
         accumulation_steps: int = 1,
+        clip_grad_norm: float | None = None,
         checkpoint_dir: str | os.PathLike | None = None,
         checkpoint_every: int | None = None,
         checkpoint_every_seconds: float | None = None,
@@ -159,6 +162,7 @@ class Trainer(Checkpointing):
         self.epochs, self.max_steps = epochs, max_steps
         self.seed, self.shuffle, self.drop_last = seed, shuffle, drop_last
         self.lr_scaling, self.accumulation_steps = lr_scaling, accumulation_steps
+        self.clip_grad_norm = check_clip(clip_grad_norm)
         self.checkpoint_dir = checkpoint_dir
         self.checkpoint_every = checkpoint_every
         self.checkpoint_every_seconds = checkpoint_every_seconds
@@ -215,7 +219,9 @@ class Trainer(Checkpointing):
                 "choose a global batch divisible by world size x accumulation steps")
         self.adapter.build(self.model, self.optimizer, self.loss, seed=self.seed,
                            accumulation_steps=self.accumulation_steps,
-                           sync_batchnorm=self.sync_batchnorm, metrics=self.metrics)
+                           sync_batchnorm=self.sync_batchnorm, metrics=self.metrics,
+                           **({} if self.clip_grad_norm is None
+                              else {"clip_grad_norm": self.clip_grad_norm}))
         self.store = (CheckpointStore(self.checkpoint_dir, keep=self.keep, rank=env.rank)
                       if self.checkpoint_dir is not None else None)
         if self.resume is not None:
@@ -269,10 +275,11 @@ class Trainer(Checkpointing):
         total = self.max_steps if self.max_steps is not None else self.epochs * len(sampler)
         self._history = History(first_step=self.global_step, world_size=env.world_size)
         self._pending: list[Any] = []  # local step losses not yet averaged across ranks
+        self._norms: list[Any] = []  # their gradient norms (the same on every rank)
         self._progress = ProgressLine(self.progress and env.rank == 0)
+        place = self.adapter.device_batch if isinstance(self.adapter, PlacesBatches) else None
         loader = BatchPrefetcher(train, sampler, max(0, total - self.global_step),
-                                 prefetch=self._prefetches(train), place=self.adapter.device_batch
-                                 if isinstance(self.adapter, PlacesBatches) else None)
+                                 prefetch=prefetches(train, self.prefetch), place=place)
         try:
             with loader, noting_signals(self.stop_signals, self._note_stop_signal):
                 self._loop(loader, validation, total,
@@ -286,13 +293,6 @@ class Trainer(Checkpointing):
             self.store.wait()
         return self._history
 
-    def _prefetches(self, data: Dataset) -> bool:
-        """Whether ``fit`` loads ``data`` in the prefetch thread (``prefetch="auto"``: unless
-        its arrays are in memory; a memory map reads from disk)."""
-        if self.prefetch != "auto":
-            return bool(self.prefetch)
-        return not (type(data) is ArrayDataset and data.in_memory)
-
     def _flush(self) -> None:
         """Averages the pending step losses across ranks (one allreduce) and logs them."""
         pending, history = self._pending, self._history
@@ -305,9 +305,13 @@ class Trainer(Checkpointing):
                 else local
             first = self.global_step - len(pending)
             history.losses.extend(float(v) for v in averaged)
-            self._log_records({"event": "step", "step": first + i + 1, "loss": float(v)}
+            norms = [float(v) for v in self._norms] if len(self._norms) == len(pending) else []
+            history.grad_norms.extend(norms)
+            self._log_records({"event": "step", "step": first + i + 1, "loss": float(v),
+                               **({"grad_norm": norms[i]} if norms else {})}
                               for i, v in enumerate(averaged))
             pending.clear()
+            self._norms.clear()
             diverged = self._guard.check(first, averaged)
             if diverged is not None:
                 self._stop_diverged(*diverged)
@@ -323,11 +327,16 @@ class Trainer(Checkpointing):
                     if not _is_native(self.optimizer) else None
                 loss = self.adapter.train_step(*loader.get(idx), lr)
                 self._pending.append(loss)
+                norm = getattr(self.adapter, "grad_norm", None)
+                if norm is not None:  # (a backend that computes it; the same on every rank)
+                    self._norms.append(norm)
                 self.global_step += 1
                 progress.update(epoch, sampler.step, len(sampler), loss)
                 if self.log_every and self.global_step % self.log_every == 0:
                     self._flush()
-                    print0(f"step {self.global_step}  loss {history.losses[-1]:.4f}", env=env)
+                    print0(f"step {self.global_step}  loss {history.losses[-1]:.4f}"
+                           + (f"  grad_norm {history.grad_norms[-1]:.4f}"
+                              if history.grad_norms else ""), env=env)
                 elif self.global_step % self.stop_check_every == 0:
                     self._flush()  # the guard sees every loss within stop_check_every steps
                 if self._checkpoint_due(last_ckpt_time) and self._loss_settled():
@@ -362,12 +371,7 @@ class Trainer(Checkpointing):
                                     "seconds": round(seconds, 4)}
         if validation is not None:
             record.update(self.evaluate(validation))
-        line = f"epoch {epoch + 1}  step {self.global_step}  loss {record['loss']:.4f}"
-        if validation is not None:
-            line += f"  val_loss {record['val_loss']:.4f}"
-            if "val_accuracy" in record:
-                line += f"  val_accuracy {record['val_accuracy']:.4f}"
-        print0(line + f"  ({seconds:.2f} s)", env=self.env)
+        print0(epoch_line(record, seconds), env=self.env)
         self._log_records([{"event": "epoch", **record}])
         return record
 
