@@ -107,14 +107,16 @@ def stdlib_bytes(n: int) -> np.ndarray:
     return np.frombuffer(b"".join(chunks)[:n], np.uint8)
 
 
-def reference(args) -> tuple[list[float], dict[str, np.ndarray]]:
+def reference(args, norms: list[float] | None = None
+              ) -> tuple[list[float], dict[str, np.ndarray]]:
     """The one-process float64 numpy run every backend is compared with."""
     from toolkit.models.reference import reference_run
 
     x, y = load_data(args.model, "float64")
     return reference_run(make_model(args.model), make_optimizer(args.optimizer, args.steps),
                          "cross_entropy", x, y, global_batch_size=args.batch_size,
-                         steps=args.steps, seed=args.seed, dtype="float64")
+                         steps=args.steps, seed=args.seed, dtype="float64",
+                         clip_grad_norm=args.clip_grad_norm, norms=norms)
 
 
 def pick_launcher(requested: str) -> str:
@@ -134,6 +136,8 @@ def worker_command(args, backend: str, world_size: int, launcher: str, out: Path
               "--model", args.model, "--optimizer", args.optimizer, "--steps", str(args.steps),
               "--batch-size", str(args.batch_size), "--dtype", args.dtype,
               "--seed", str(args.seed), "--layout", ",".join(args.layouts), "--out", str(out)]
+    if args.clip_grad_norm is not None:
+        worker += ["--clip-grad-norm", repr(args.clip_grad_norm)]
     if args.local_devices and backend.startswith("jax-"):
         worker += ["--local-devices", str(args.local_devices)]
     if world_size == 1 and launcher != "srun":  # (inside an allocation, a lone process
@@ -195,7 +199,10 @@ def _comparable(name: str, array: np.ndarray) -> np.ndarray:
     return array
 
 
-def compare(result: dict, ref_losses: list[float], ref_params: dict, dtype: str) -> dict:
+def compare(result: dict, ref_losses: list[float], ref_params: dict, dtype: str,
+            ref_norms: list[float] | None = None) -> dict:
+    """The run's deviations from the reference; with clipping, its gradient norms before
+    clipping are held to the loss bound too."""
     if result["status"] != "ok":
         return result
     losses, ref = np.asarray(result["losses"]), np.asarray(ref_losses)
@@ -206,6 +213,12 @@ def compare(result: dict, ref_losses: list[float], ref_params: dict, dtype: str)
     param_dev = max(float(np.max(np.abs(_comparable(k, params[k].astype(np.float64))
                                         - _comparable(k, v)))) for k, v in ref_params.items())
     passed = loss_dev <= LOSS_TOLERANCE[dtype] and param_dev <= PARAM_TOLERANCE[dtype]
+    if ref_norms is not None:
+        norms = np.asarray(result.get("grad_norms", []))
+        if norms.shape != np.shape(ref_norms):
+            return {**result, "status": "fail", "reason": "no gradient norm for every step"}
+        result["max_rel_norm_dev"] = float(np.max(np.abs(norms - ref_norms) / ref_norms))
+        passed = passed and result["max_rel_norm_dev"] <= LOSS_TOLERANCE[dtype]
     return {**result, "final_loss": float(losses[-1]), "max_rel_loss_dev": loss_dev,
             "max_abs_param_dev": param_dev, "status": "pass" if passed else "fail"}
 
@@ -279,6 +292,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--local-devices", type=int, default=None,
                    help="CPU devices per process for the JAX backends")
     p.add_argument("--timeout", type=float, default=600, help="seconds per run")
+    p.add_argument("--clip-grad-norm", type=float, default=None,
+                   help="clip each step's gradient to this global norm (every run and the "
+                        "reference); the norms before clipping are compared too")
     p.add_argument("--json", default=None, help="write all numbers to this file")
     p.add_argument("--plot", default=None, help="write the loss curves to this PNG")
     args = p.parse_args(argv)
@@ -307,13 +323,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     launcher = pick_launcher(args.launcher)
-    ref_losses, ref_params = reference(args)
+    ref_norms: list[float] = []
+    ref_losses, ref_params = reference(args, ref_norms)
+    clip = args.clip_grad_norm
     rows = []
     with tempfile.TemporaryDirectory(prefix="equivalence-") as tmp:
         for backend in args.backends:
             for world_size in args.world_sizes:
                 for result in run_one(args, backend, world_size, launcher, Path(tmp)):
-                    rows.append(compare(result, ref_losses, ref_params, args.dtype))
+                    rows.append(compare(result, ref_losses, ref_params, args.dtype,
+                                        ref_norms if clip is not None else None))
                     print(f"  ran {backend} x{world_size} {result['layout']}: "
                           f"{rows[-1]['status']}", file=sys.stderr, flush=True)
     baseline = {(r["world_size"], r["layout"]): r["step_seconds"] for r in rows
@@ -323,9 +342,15 @@ def main(argv: list[str] | None = None) -> int:
           f"{args.batch_size}, {args.dtype}, seed {args.seed}; reference: numpy float64, "
           f"1 process; bounds: loss {LOSS_TOLERANCE[args.dtype]:.0e} relative, params "
           f"{PARAM_TOLERANCE[args.dtype]:.0e} absolute")
+    if clip is not None:
+        clipped = sum(n > clip for n in ref_norms)
+        print(f"clip_grad_norm {clip:g}: the reference clipped {clipped} of {len(ref_norms)} "
+              f"steps ({clipped / len(ref_norms):.0%}); each run's norms before clipping are "
+              f"held to the loss bound")
     print(format_table(rows, baseline))
     if args.json:
         config = {k: v for k, v in vars(args).items() if k not in ("json", "plot")}
+        config["reference_grad_norms"] = ref_norms
         Path(args.json).write_text(json.dumps(
             {"config": {**config, "launcher": launcher},
              "tolerance": {"loss": LOSS_TOLERANCE[args.dtype],

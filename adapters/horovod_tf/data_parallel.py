@@ -30,12 +30,14 @@ from adapters._backend import StrategyBase
 from adapters._common import unwrapped_toolkit_errors
 from adapters.horovod_tf.models.keras_native import KerasNative
 from adapters.horovod_tf.models.spec import spec_forward
-from adapters.horovod_tf.ops import TFOps, TFState
+from adapters.horovod_tf.ops import TFOps, TFState, clip_by_norm, sum_squares
 from adapters.horovod_tf.update import apply_update
 
 
 class TFDataParallel(StrategyBase):
     """``toolkit.DataParallel`` for ``horovod-tf`` (see :class:`toolkit.Adapter`)."""
+
+    clips = True  # build takes clip_grad_norm; train_step sets grad_norm
 
     def __init__(self, runtime, layout):
         super().__init__(runtime, layout)
@@ -44,8 +46,9 @@ class TFDataParallel(StrategyBase):
     # -------------------------------------------------------------------------- build
     def build(self, model: Any, optimizer: Any, loss: Any, *, seed: int = 0,
               accumulation_steps: int = 1, sync_batchnorm: bool = False,
-              metrics: Any = None) -> None:
+              metrics: Any = None, clip_grad_norm: float | None = None) -> None:
         tf = self.tf
+        self.clip = clip_grad_norm
         self.ops = TFOps(self.runtime, model, loss, metrics)
         self.spec, self.native = model, self.ops.native
         self.accumulation_steps, self.seed = accumulation_steps, seed
@@ -107,12 +110,13 @@ class TFDataParallel(StrategyBase):
         grads, total = self.local_grads(x, y, variables)
         grads = [hvd.allreduce(g, op=hvd.Average, name=f"grad_{i}")
                  for i, g in enumerate(grads)]
+        grads, norm = clip_by_norm(self.tf, grads, sum_squares(self.tf, grads), self.clip)
         if state.keras_opt is not None:
             state.keras_opt.apply_gradients(zip(grads, variables, strict=True))
         else:
             apply_update(self.tf, state.opt_spec, state.vars, state.slots,
                          dict(zip(names, grads, strict=True)), lr, step_size, c2_sqrt)
-        return total
+        return total, norm
 
     def _eval_fn(self, x, y):
         return self.ops.eval_sums(self._forward(x, training=False), y)
@@ -124,7 +128,7 @@ class TFDataParallel(StrategyBase):
         seeds = (self.keras_model.seeds(self.seed, self.state.steps, self.env.rank)
                  if self.native else self._no_seeds)
         with unwrapped_toolkit_errors():
-            loss = self._step(*self.ops.inputs(x, y), scalars, seeds)
+            loss, self.grad_norm = self._step(*self.ops.inputs(x, y), scalars, seeds)
         self.state.steps += 1
         return loss  # a scalar tensor: the Trainer converts it when it averages losses
 

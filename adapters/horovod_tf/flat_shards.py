@@ -49,6 +49,7 @@ from typing import Any
 import numpy as np
 
 from adapters.horovod_tf.models.units import unit_functions
+from adapters.horovod_tf.ops import clip_by_norm, sum_squares
 from toolkit import GPT, SGD, Sharded
 from toolkit.models.reference import optimizer_slots
 from toolkit.parallel.shards import FlatLayout, unit_layouts
@@ -74,8 +75,10 @@ class ShardedTF:
     """
 
     def __init__(self, runtime: Any, layout: Sharded, spec: Any, optimizer: Any,
-                 init: dict[str, np.ndarray], local_grads: Callable):
+                 init: dict[str, np.ndarray], local_grads: Callable,
+                 clip: float | None = None):
         tf, hvd = runtime.tf, runtime.hvd
+        self.clip = clip
         self.tf, self.hvd, self.local_grads = tf, hvd, local_grads
         self.dtype, self.np_dtype = runtime.dtype, runtime.dtype_name
         self.stage, self.spec, self.opt = layout.stage, spec, optimizer
@@ -193,33 +196,37 @@ class ShardedTF:
 
     # ----------------------------------------------------------------------- the step
     def step_fn(self, x, y, scalars, seeds):
-        """One compiled step: local gradients, the stage's reduction, the sharded update."""
+        """One compiled step: local gradients, the stage's reduction, the gradient's norm (and
+        clipping), the sharded update. Returns the mean loss and the norm before clipping."""
         del seeds  # spec models draw no randomness
         lr, step_size, c2_sqrt = scalars[0], scalars[1], scalars[2]
         tf, hvd = self.tf, self.hvd
         if self.stage == 3:
             grads, total = self.local_grads(x, y, [self.params[u] for u in self.units])
-            for u, g in zip(self.units, grads, strict=True):
-                self.grads[u].assign(g)
-                new = self._update(u, tf.convert_to_tensor(self.params[u]),
-                                   tf.convert_to_tensor(self.grads[u]), lr, step_size, c2_sqrt)
-                self.params[u].assign(new)
-            return total
-        grads, total = self.local_grads(x, y, [self.vars[n] for n in self.names])
-        grads = dict(zip(self.names, grads, strict=True))
-        for u, lay in self.layouts.items():
-            flat = self._flatten(u, grads)
+        else:
+            full, total = self.local_grads(x, y, [self.vars[n] for n in self.names])
+            full = dict(zip(self.names, full, strict=True))
+            grads = [hvd.allreduce(self._flatten(u, full), op=hvd.Average) if self.stage == 1
+                     else self._reduce_scatter(u, self._flatten(u, full)) for u in self.units]
+        # stage 1: the whole gradient on every rank; 2 and 3: this rank's shards (zero
+        # padding), whose squares add up across ranks
+        sq = sum_squares(tf, grads)
+        if self.stage > 1:
+            sq = hvd.allreduce(tf.reshape(sq, [1]), op=hvd.Sum, name="zero.grad_norm")[0]
+        grads, norm = clip_by_norm(tf, grads, sq, self.clip)
+        for u, g in zip(self.units, grads, strict=True):
+            self.grads[u].assign(g)
+            if self.stage == 3:
+                self.params[u].assign(self._update(u, tf.convert_to_tensor(self.params[u]),
+                                                   g, lr, step_size, c2_sqrt))
+                continue
             if self.stage == 1:
-                self.grads[u].assign(hvd.allreduce(flat, op=hvd.Average))
-                lo = self.rank * lay.shard_size
-                g = tf.convert_to_tensor(self.grads[u])[lo:lo + lay.shard_size]
-            else:
-                self.grads[u].assign(self._reduce_scatter(u, flat))
-                g = tf.convert_to_tensor(self.grads[u])
+                lo = self.rank * self.layouts[u].shard_size
+                g = g[lo:lo + self.layouts[u].shard_size]
             new = self._update(u, self._owned(u, self.vars), g, lr, step_size, c2_sqrt)
             for n, t in self._unflatten(u, hvd.allgather(new)).items():
                 self.vars[n].assign(t)
-        return total
+        return total, norm
 
     def _update(self, unit, p, g, lr, step_size, c2_sqrt):
         """``toolkit.models.reference.apply_update`` on a flat shard (``horovod_tf._apply``'s TF

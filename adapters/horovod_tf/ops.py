@@ -179,3 +179,18 @@ class TFState:
         params = sum(to_host(v).nbytes for v in self.vars.values())
         return {"params": params, "grads": params,
                 "optimizer": sum(to_host(v).nbytes for v in self.slots.values())}
+
+
+def sum_squares(tf, grads: list) -> Any:
+    """The sum of the squares of every element of ``grads``."""
+    return tf.add_n([tf.reduce_sum(tf.square(g)) for g in grads])
+
+
+def clip_by_norm(tf, grads: list, sum_sq, clip: float | None):
+    """``(grads scaled by clip / max(norm, clip), norm)`` for the whole gradient's ``sum_sq``
+    (``toolkit.models.reference.clip_scale``); ``clip`` None: unscaled."""
+    norm = tf.sqrt(sum_sq)
+    if clip is None:
+        return grads, norm
+    scale = clip / tf.maximum(norm, clip)
+    return [g * tf.cast(scale, g.dtype) for g in grads], norm

@@ -48,7 +48,8 @@ class TFSharded(TFDataParallel):
     def _make_variables(self, model: Any, optimizer: Any, seed: int) -> None:
         """Rank 0's initial parameters, cut into this rank's shards (``ShardedTF``)."""
         self.shards = ShardedTF(self.runtime, self.layout, model, optimizer,
-                                model.init(seed, self.runtime.dtype_name), self.local_grads)
+                                model.init(seed, self.runtime.dtype_name), self.local_grads,
+                                clip=self.clip)
         self.state.vars = self.shards.vars  # stages 1/2: the full parameters; 3: none
         self.state.opt_spec = optimizer
 

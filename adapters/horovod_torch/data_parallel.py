@@ -27,7 +27,14 @@ from adapters._backend import StrategyBase
 from adapters._common import step_seed
 from adapters.horovod_torch.models.spec import build_spec_model, same, to_host
 from adapters.horovod_torch.models.sync_bn import convert_sync_batchnorm
-from adapters.horovod_torch.ops import NEUTRAL_SLOTS, TorchOps, make_optimizer, set_lr, zero_slots
+from adapters.horovod_torch.ops import (
+    NEUTRAL_SLOTS,
+    TorchOps,
+    clip_by_norm,
+    make_optimizer,
+    set_lr,
+    zero_slots,
+)
 from adapters.horovod_torch.scheduler import load_scheduler_state, scheduler_state, split_scheduler
 from toolkit import ToolkitError
 from toolkit.models.specs import ModelSpec
@@ -35,6 +42,8 @@ from toolkit.models.specs import ModelSpec
 
 class TorchDataParallel(StrategyBase):
     """``toolkit.DataParallel`` for ``horovod-torch`` (see :class:`toolkit.Adapter`)."""
+
+    clips = True  # build takes clip_grad_norm; train_step sets grad_norm
 
     scheduler = None  # a torch LR scheduler given with a native optimizer, after build
 
@@ -45,8 +54,9 @@ class TorchDataParallel(StrategyBase):
     # -------------------------------------------------------------------------- build
     def build(self, model: Any, optimizer: Any, loss: Any, *, seed: int = 0,
               accumulation_steps: int = 1, sync_batchnorm: bool = False,
-              metrics: Any = None) -> None:
+              metrics: Any = None, clip_grad_norm: float | None = None) -> None:
         torch = self.torch
+        self.clip = clip_grad_norm
         self.ops = TorchOps(self.runtime, loss, metrics)
         self.accumulation_steps, self.seed = accumulation_steps, seed
         self.native = not isinstance(model, ModelSpec)
@@ -101,9 +111,14 @@ class TorchDataParallel(StrategyBase):
         self.opt.zero_grad()
 
     def _apply(self, lr: float | None) -> None:
-        """(hook) The update with this step's learning rate."""
+        """(hook) The update with this step's learning rate: the averaged gradients, their
+        norm (and clipped), then the optimizer's step (Horovod's documented way to clip)."""
         set_lr(self.opt, lr)
-        self.opt.step()
+        self.opt.synchronize()
+        grads = [p.grad for p in self.net.parameters() if p.grad is not None]
+        self.grad_norm = clip_by_norm(self.torch, grads, self.clip)
+        with self.opt.skip_synchronize():
+            self.opt.step()
 
     # -------------------------------------------------------------------------- steps
     def train_step(self, x: np.ndarray, y: np.ndarray, lr: float | None) -> float:

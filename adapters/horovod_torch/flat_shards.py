@@ -250,11 +250,20 @@ class ShardedParameters:
         for g in self.grads:
             g.zero_()
 
-    def step(self, lr: float) -> None:
-        """Reduces (stage 1), updates this rank's shards, re-assembles (stages 1/2)."""
+    def step(self, lr: float, clip: float | None = None):
+        """Reduces (stage 1), clips by the global norm, updates this rank's shards,
+        re-assembles (stages 1/2). Returns the gradient's norm before clipping (a tensor)."""
         torch, hvd, spec = self.torch, self.hvd, self.spec
         if self.stage == 1:
             hvd.grouped_allreduce_(self.grads, op=hvd.Average, name="zero.grads")
+        # stage 1: every rank holds the whole gradient; 2 and 3: its shards (zero padding),
+        # whose squares add up across ranks
+        sq = torch.stack([g.square().sum() for g in self.grads]).sum().reshape(1)
+        if self.stage > 1:
+            sq = hvd.allreduce(sq, op=hvd.Sum, name="zero.grad_norm")
+        norm = sq.sqrt()[0]
+        if clip is not None:
+            torch._foreach_mul_(self.grads, clip / torch.clamp(norm, min=clip))
         step_size, c2_sqrt = 0.0, 1.0
         if isinstance(spec, Adam):
             self.count += 1
@@ -272,6 +281,7 @@ class ShardedParameters:
                     name="zero.params")
                 for source, full in zip(self.sources, gathered, strict=True):
                     source.copy_(full)
+        return norm
 
     # ---------------------------------------------------------------------- state
     def _full(self, unit: int, shard, what: str) -> np.ndarray:

@@ -49,7 +49,7 @@ class TorchSharded(TorchDataParallel):
         self.shards.zero_grad()
 
     def _apply(self, lr: float | None) -> None:
-        self.shards.step(lr)
+        self.grad_norm = self.shards.step(lr, self.clip)
 
     def memory_bytes(self) -> dict[str, int]:
         return self.shards.memory_bytes()
