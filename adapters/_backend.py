@@ -133,10 +133,10 @@ class Backend:
         strategy = self._started()
         if options.get("clip_grad_norm") is not None and not getattr(strategy, "clips", False):
             raise ToolkitError(
-                f"{self.name} does not clip gradients under {self.layout.name} yet "
+                f"{self.name} does not clip gradients under {self.layout.name} "
                 f"(clip_grad_norm={options['clip_grad_norm']})",
-                "drop clip_grad_norm, or use jax-pmap or jax-pjit, which clip under every "
-                "layout")
+                "drop clip_grad_norm, or give this strategy a clip_grad_norm build option "
+                "(docs/architecture.md)")
         strategy.build(model, optimizer, loss, **options)
 
     @property

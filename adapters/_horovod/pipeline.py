@@ -27,6 +27,7 @@ A subclass is a :class:`StageCompute`: the framework's part, written out below.
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from typing import Any, Protocol
@@ -35,6 +36,7 @@ import numpy as np
 
 from adapters._horovod.rounds import RoundMessages, unpack
 from toolkit import ToolkitError
+from toolkit.models.reference import clip_scale
 from toolkit.parallel.layouts import Pipeline
 from toolkit.parallel.pipeline.partition import PipelineGrid
 from toolkit.parallel.pipeline.schedules import pipeline_schedule
@@ -98,6 +100,9 @@ class HvdPipeline(RoundMessages):
     subclass is a :class:`StageCompute`."""
 
     metric_names: tuple[str, ...] = ()  # the build's metrics (their sums on idle ranks: 0)
+    clips = True  # build takes clip_grad_norm (then train_step sets grad_norm)
+    clip: float | None = None
+    grad_norm: float | None = None
 
     def __init__(self, runtime, layout: Pipeline):
         """``runtime``: the started Horovod runtime (``env``, ``dtype_name``, ``barrier``,
@@ -183,8 +188,11 @@ class HvdPipeline(RoundMessages):
                     self._compute(action)
             self._after_compute(index)
         self._await()
-        if self.reduce:
-            self._set_gradients(self._reduce_gradients(self._gradients()))
+        if self.reduce or self.clip is not None:
+            grads = self._gradients()
+            if self.reduce:
+                grads = self._reduce_gradients(grads)
+            self._set_gradients(grads if self.clip is None else self._clipped(grads))
         losses = self._allgather(np.asarray([self.loss], np.float64), "pipeline.loss")
         if self.timeline_dir:
             append_timeline(self.recorder.records[first:], self.timeline_dir, self.stage,
@@ -242,6 +250,18 @@ class HvdPipeline(RoundMessages):
             for n, part in zip(names, parts, strict=True):
                 out[n] = part.reshape(grads[n].shape)
         return {n: out[n] / self.grid.replicas for n in self.mine}
+
+    def _clipped(self, grads: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """``grads`` scaled by ``toolkit.models.reference.clip_scale`` of the whole model's
+        gradient norm: every stage's squares (a tied parameter's on the first stage only)
+        added over the world in one allreduce, each replica's stages counted once."""
+        counted = [n for n in self.mine if self.stage == 0 or n not in self.tied]
+        sq = sum(float(np.sum(np.square(grads[n], dtype=np.float64))) for n in counted)
+        total = self._allreduce_sum(np.asarray([sq]), self.hvd.global_process_set,
+                                    "pipeline.grad_norm")
+        self.grad_norm = math.sqrt(float(total[0]) / self.grid.replicas)
+        scale = clip_scale(self.grad_norm, self.clip)
+        return {n: (g * scale).astype(g.dtype) for n, g in grads.items()}
 
     # ------------------------------------------------------------------------------ evaluation
     def _eval_data(self, x: np.ndarray, y: np.ndarray):

@@ -126,7 +126,8 @@ class TFPipeline(HvdPipeline):
     # ------------------------------------------------------------------------------ build
     def build(self, model: Any, optimizer: Any, loss: Any, *, seed: int = 0,
               accumulation_steps: int = 1, sync_batchnorm: bool = False,
-              metrics: Any = None) -> None:
+              metrics: Any = None, clip_grad_norm: float | None = None) -> None:
+        self.clip = clip_grad_norm
         check_build("horovod-tf", optimizer, accumulation_steps, sync_batchnorm)
         self.ops = TFOps(self.runtime, model, loss, metrics)
         self.metric_names, self.seed = tuple(self.ops.metrics), seed

@@ -53,7 +53,8 @@ class TorchPipeline(HvdPipeline):
     # ------------------------------------------------------------------------------ build
     def build(self, model: Any, optimizer: Any, loss: Any, *, seed: int = 0,
               accumulation_steps: int = 1, sync_batchnorm: bool = False,
-              metrics: Any = None) -> None:
+              metrics: Any = None, clip_grad_norm: float | None = None) -> None:
+        self.clip = clip_grad_norm
         torch, hvd = self.torch, self.hvd
         check_build("horovod-torch", optimizer, accumulation_steps, sync_batchnorm)
         self.ops = TorchOps(self.runtime, loss, metrics)
