@@ -151,3 +151,44 @@ def test_inside_a_slurm_allocation_the_runs_launch_with_srun(sbatch, tmp_path):
     rows = {r["world_size"]: r for r in json.loads(out.read_text())["results"]}
     assert rows[2]["launcher"] == "srun" and rows[2]["status"] == "pass", rows
     assert rows[1]["launcher"] == "srun" and rows[1]["status"] == "pass", rows  # srun -n 1
+
+
+def check_clipped(job, report, clip, combos, tolerance):
+    """Every (backend, world, layout) ran, passed, had a norm per step equal to the
+    reference's, and most reference steps clipped."""
+    assert job.returncode == 0, job
+    ref_norms = np.asarray(report["config"]["reference_grad_norms"])
+    assert np.mean(ref_norms > clip) >= 0.5, ref_norms
+    assert f"clip_grad_norm {clip:g}: the reference clipped" in job.stdout, job
+    rows = report["results"]
+    assert sorted((r["backend"], r["world_size"], r["layout"]) for r in rows) == sorted(combos)
+    for r in rows:
+        assert r["status"] == "pass", r
+        assert r["max_rel_norm_dev"] <= tolerance and len(r["grad_norms"]) == len(ref_norms), r
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype, optimizer", [("float32", "sgd"), ("float64", "adamw")])
+def test_clipping_every_backend_data_parallel_and_sharded_at_1_and_2(launch, tmp_path, dtype,
+                                                                     optimizer):
+    layouts = ["data_parallel", "sharded:1", "sharded:3"]
+    job, report = run_equivalence(launch, tmp_path, "--world-sizes", "1,2", "--steps", "12",
+                                  "--dtype", dtype, "--optimizer", optimizer,
+                                  "--layout", ",".join(layouts), "--clip-grad-norm", "0.4")
+    check_clipped(job, report, 0.4, [(b, w, layout) for b in BACKENDS for w in (1, 2)
+                                      for layout in layouts], LOSS_TOLERANCE[dtype])
+
+
+@pytest.mark.slow
+def test_clipping_every_backend_in_pipelines_of_one_and_two_replicas(launch, tmp_path):
+    job, report = run_equivalence(launch, tmp_path, "--world-sizes", "2,4", "--steps", "10",
+                                  "--dtype", "float64", "--optimizer", "adamw",
+                                  "--layout", "pipeline:2:4:1f1b", "--clip-grad-norm", "0.4")
+    check_clipped(job, report, 0.4, [(b, w, "pipeline:2:4:1f1b") for b in BACKENDS
+                                      for w in (2, 4)], LOSS_TOLERANCE["float64"])
+
+
+def test_a_clip_bound_that_is_not_positive_is_refused():
+    for bad in ("0", "-1", "nan"):
+        with pytest.raises(ToolkitError, match="clip_grad_norm=.* is not a positive number"):
+            parse_args(["--clip-grad-norm", bad])

@@ -313,6 +313,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                                f"{args.batch_size}", "choose world sizes that divide --batch-size")
     make_model(args.model)
     make_optimizer(args.optimizer, args.steps)
+    from toolkit.models.reference import check_clip
+
+    check_clip(args.clip_grad_norm)
     from toolkit.parallel.layouts import parse_layout
 
     args.layouts = [parse_layout(name).name for name in args.layout.split(",")]
