@@ -59,6 +59,23 @@ def test_a_nan_at_step_k_stops_every_rank_there_with_nothing_saved_after(
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("backend, layout", [
+    *[(b, "data") for b in BACKENDS], ("horovod-tf", "sharded:2"), ("jax-pmap", "sharded:3"),
+    ("jax-pjit", "pipeline:2:4:1f1b")])
+def test_a_finite_loss_with_an_overflowing_gradient_stops_at_its_step(backend, layout, launch,
+                                                                      tmp_path):
+    """A sample of 1e30 keeps the loss finite (about 1e27) but squares past float32's range
+    in the gradient's norm, which every backend reports in these layouts."""
+    job = run(launch, tmp_path, "bad", backend, layout, ["--nan-at", str(NAN_AT),
+                                                         "--poison", "1e30"])
+    assert job.returncode == 3, job
+    assert job.stderr.count(f"training diverged at step {NAN_AT}: the loss ") == 1, job
+    assert "is finite but the gradient norm inf is not" in job.stderr, job
+    store = toolkit.CheckpointStore(tmp_path / "ckpt")
+    assert store.load("latest").step == NAN_AT - 1
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("backend, layout", [("horovod-torch", "data"),
                                              ("jax-pjit", "pipeline:2:4:1f1b")])
 def test_the_last_good_checkpoint_resumes_bit_for_bit(backend, layout, launch, tmp_path):

@@ -2,7 +2,8 @@
 
 --kill-after N: once the checkpoint of step N is written and every rank has reached it, every
 rank SIGKILLs itself, as a node failure would. Rerun with --resume latest to continue.
---nan-at K: one sample of step K's global batch is NaN (the divergence guard must stop there).
+--nan-at K: one sample of step K's global batch is NaN (or --poison V; the divergence guard
+must stop there).
 """
 
 import argparse
@@ -34,6 +35,7 @@ def main() -> None:
     p.add_argument("--mlp", default="64,32,10", help="the digits MLP's widths")
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--nan-at", type=int, default=None, help="poison a sample of this step")
+    p.add_argument("--poison", type=float, default=float("nan"), help="the poisoned value")
     p.add_argument("--divergence-factor", type=float, default=None)
     p.add_argument("--divergence-window", type=int, default=20)
     args = p.parse_args()
@@ -48,7 +50,7 @@ def main() -> None:
         batches = toolkit.GlobalBatchSampler(len(x), args.batch_size, world_size=1, rank=0,
                                              shuffle=True, seed=0)
         x = np.array(x)
-        x[next(idx for k, idx in enumerate(batches, 1) if k == args.nan_at)[0]] = np.nan
+        x[next(idx for k, idx in enumerate(batches, 1) if k == args.nan_at)[0]] = args.poison
     adapter = adapters.get(args.backend)
     trainer = toolkit.Trainer(
         adapter, model, toolkit.Adam(lr=args.lr), global_batch_size=args.batch_size,

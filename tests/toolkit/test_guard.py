@@ -22,6 +22,14 @@ def test_a_nan_is_named_with_its_step_and_value():
     assert step == 12 and math.isnan(loss) and why == "is not finite"
 
 
+def test_a_non_finite_gradient_norm_stops_a_finite_loss():
+    guard = DivergenceGuard()
+    assert guard.check(0, [2.0, 2.0], [1.0, 3.0]) is None
+    assert guard.check(2, [2.0, 1e27, 2.0], [1.0, math.inf, 1.0]) == (
+        4, 1e27, "is finite but the gradient norm inf is not")
+    assert guard.check(5, [2.0], []) is None  # a backend that reports no norms
+
+
 def test_without_a_factor_any_finite_loss_passes():
     guard = DivergenceGuard()
     assert guard.check(0, [1.0, 1e30, 1e35, 1e38]) is None

@@ -1,5 +1,5 @@
-"""The guard against divergence: a non-finite loss, or a loss that stays far above its best,
-stops the run before a checkpoint is written from the bad state.
+"""The guard against divergence: a non-finite loss or gradient norm, or a loss that stays far
+above its best, stops the run before a checkpoint is written from the bad state.
 
 The Trainer hands the guard every step's loss after averaging it across ranks, so every rank
 sees the same values and stops at the same step: none is left waiting in a collective.
@@ -57,13 +57,17 @@ class DivergenceGuard:
         self.best = math.inf
         self.above = 0  # consecutive steps above factor x best
 
-    def check(self, first_step: int, losses: Sequence[float]) -> tuple[int, float, str] | None:
+    def check(self, first_step: int, losses: Sequence[float],
+              norms: Sequence[float] = ()) -> tuple[int, float, str] | None:
         """``(step, loss, why)`` of the first diverged step among ``losses`` (the steps after
-        ``first_step``), or None."""
+        ``first_step``) and their gradient ``norms`` (where the backend reports them), or
+        None."""
         for i, loss in enumerate(losses):
             step, loss = first_step + i + 1, float(loss)
             if not math.isfinite(loss):
                 return step, loss, "is not finite"
+            if i < len(norms) and not math.isfinite(norms[i]):
+                return step, loss, f"is finite but the gradient norm {norms[i]} is not"
             if self.factor is None:
                 continue
             if self.best > 0 and loss > self.factor * self.best:

@@ -312,7 +312,7 @@ class Trainer(Checkpointing):
                               for i, v in enumerate(averaged))
             pending.clear()
             self._norms.clear()
-            diverged = self._guard.check(first, averaged)
+            diverged = self._guard.check(first, averaged, norms)
             if diverged is not None:
                 self._stop_diverged(*diverged)
 
