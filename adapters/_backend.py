@@ -38,8 +38,9 @@ class Runtime(Protocol):
     env: LaunchEnv
     dtype_name: str
 
-    def setup(self, env: LaunchEnv, layout: Any) -> None:
-        """Starts the framework for ``env``; ``layout`` may add to the start (Horovod
+    def setup(self, env: LaunchEnv, layout: Any, device: str = "auto") -> None:
+        """Starts the framework for ``env`` on the rank's ``device`` (``auto``, ``cpu``,
+        ``gpu``: ``adapters._common.place``); ``layout`` may add to the start (Horovod
         registers a pipeline's process sets then). Checks rank and size against ``env``."""
 
     def allreduce(self, values: np.ndarray, op: str = "mean") -> np.ndarray: ...
@@ -107,10 +108,10 @@ class Backend:
     def env(self) -> LaunchEnv:
         return self.runtime.env
 
-    def setup(self, env: LaunchEnv, layout: Any = None) -> None:
-        """Starts the runtime for ``env`` and ``layout`` (None: data parallel) and makes the
-        layout's strategy. Called again with another layout, the runtime stays and the
-        strategy is made anew."""
+    def setup(self, env: LaunchEnv, layout: Any = None, device: str = "auto") -> None:
+        """Starts the runtime for ``env``, ``layout`` (None: data parallel) and ``device``,
+        and makes the layout's strategy. Called again with another layout, the runtime stays
+        and the strategy is made anew."""
         layout = DataParallel() if layout is None else layout
         kind = getattr(layout, "kind", None)
         if kind not in self.strategies:
@@ -118,7 +119,7 @@ class Backend:
                                f"{self.name} runs: {', '.join(self.strategies)}")
         strategy_class = load(self.strategies[kind])
         strategy_class.check_layout(layout)  # refused before any communicator starts
-        self.runtime.setup(env, layout)
+        self.runtime.setup(env, layout, device)
         self.strategy, self.layout = strategy_class(self.runtime, layout), layout
 
     def _started(self) -> Any:

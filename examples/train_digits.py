@@ -40,6 +40,8 @@ def main() -> None:
                          help="resume even if the schedule, batch, seed or optimizer differ")
     parser.add_argument("--metrics-log", default=None, help="JSON-lines file (rank 0)")
     parser.add_argument("--save-model", default=None, help="write final weights (.npz) here")
+    parser.add_argument("--device", choices=("auto", "cpu", "gpu"), default="auto",
+                        help="auto: the rank's GPU when the framework sees one, else the CPU")
     parser.add_argument("--clip-grad-norm", type=float, default=None,
                         help="clip each step's gradient to this global norm")
     parser.add_argument("--divergence-factor", type=float, default=None,
@@ -69,7 +71,7 @@ def main() -> None:
         resume=args.resume,
         allow_changes=args.allow_changes,
         metrics_log=args.metrics_log,
-        clip_grad_norm=args.clip_grad_norm,
+        clip_grad_norm=args.clip_grad_norm, device=args.device,
         divergence_factor=args.divergence_factor,
         divergence_window=args.divergence_window,
     )

@@ -50,6 +50,8 @@ def main() -> None:
                     help="resume even if the schedule, batch, seed or optimizer differ")
     p.add_argument("--metrics-log", default=None, help="JSON-lines file (rank 0)")
     p.add_argument("--sample-bytes", type=int, default=200)
+    p.add_argument("--device", choices=("auto", "cpu", "gpu"), default="auto",
+                   help="auto: the rank's GPU when the framework sees one, else the CPU")
     p.add_argument("--clip-grad-norm", type=float, default=None,
                    help="clip each step's gradient to this global norm (GPT recipes use 1.0)")
     p.add_argument("--divergence-factor", type=float, default=None,
@@ -75,7 +77,7 @@ def main() -> None:
         global_batch_size=args.batch_size, max_steps=0, seed=args.seed, layout=args.layout,
         checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
         keep=args.keep, resume=args.resume, allow_changes=args.allow_changes,
-        metrics_log=args.metrics_log, clip_grad_norm=args.clip_grad_norm,
+        metrics_log=args.metrics_log, clip_grad_norm=args.clip_grad_norm, device=args.device,
         divergence_factor=args.divergence_factor,
         divergence_window=args.divergence_window)
     toolkit.print0(f"GPT {model.num_params:,} parameters; corpus {corpus.files} files, "

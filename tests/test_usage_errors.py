@@ -41,3 +41,26 @@ def test_help_is_printed_once_per_job(launch):
     assert job.returncode == 0, job
     assert job.stdout.count("usage: train_gpt.py") == 1, job
     assert "--steps STEPS" in job.stdout and "(default: 1500)" in job.stdout, job
+
+
+def _torch_sees_a_gpu() -> bool:
+    import importlib.util
+
+    if importlib.util.find_spec("torch") is None:
+        return False
+    import torch
+
+    return torch.cuda.is_available()
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(_torch_sees_a_gpu(), reason="this node has a GPU: --device gpu finds it")
+@pytest.mark.parametrize("backend", ["horovod-torch", "horovod-tf", "jax-pmap", "jax-pjit"])
+def test_device_gpu_without_a_gpu_is_a_clear_error(launch, backend):
+    job = launch("python", 1, ["examples/train_digits.py", "--backend", backend, "--steps", "2",
+                               "--device", "gpu"], timeout=120)
+    assert job.returncode == 2, job
+    assert job.stderr.count("error: device 'gpu' was asked for, but local rank 0 sees no "
+                            "GPU") == 1, job
+    assert "HINT: run on a node with GPUs" in job.stderr and "Traceback" not in job.stderr
+    assert "done:" not in job.stdout

@@ -29,11 +29,12 @@ class Adapter(Protocol):
 
     name: str
 
-    def setup(self, env: LaunchEnv, layout: Any = None) -> None:
+    def setup(self, env: LaunchEnv, layout: Any = None, device: str = "auto") -> None:
         """Initialises the framework's communicator for ``env`` and ``layout`` (a
         ``toolkit.DataParallel``, ``Sharded`` or ``Pipeline``; None is data parallel: what
-        ``build`` then creates is laid out as it says); checks the communicator agrees with
-        ``env``."""
+        ``build`` then creates is laid out as it says) on ``device`` (``auto``, ``cpu``,
+        ``gpu``: ``toolkit.launch.devices.choose_device``); checks the communicator agrees
+        with ``env``."""
 
     def build(self, model: Any, optimizer: OptimizerSpec | Any, loss: Any, *,
               seed: int = 0, accumulation_steps: int = 1, sync_batchnorm: bool = False,

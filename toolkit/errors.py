@@ -15,3 +15,9 @@ class ToolkitError(RuntimeError):
         self.message = message
         self.hint = hint
         super().__init__(message if hint is None else f"{message}\nHINT: {hint}")
+
+
+def at_least_one(name: str, value: int, hint: str) -> None:
+    """A ToolkitError naming ``name=value`` unless it is at least 1."""
+    if value < 1:
+        raise ToolkitError(f"{name}={value} must be >= 1", hint)

@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from adapters._common import check_world, missing_framework
+from adapters._common import check_world, missing_framework, place
 from toolkit import ToolkitError
 from toolkit.models.specs import DTYPES, check_choice
 from toolkit.parallel.layouts import Pipeline
@@ -68,17 +68,22 @@ class HorovodRuntime:
         self.dtype_name = dtype
         self.process_sets: dict[tuple[int, ...], Any] = {}
 
-    def setup(self, env, layout: Any) -> None:
-        """Imports the framework (``connect``), starts Horovod with ``layout``'s process sets
-        and checks it agrees with ``env``."""
+    def setup(self, env, layout: Any, device: str = "auto") -> None:
+        """Imports the framework (``connect``), chooses the rank's device, starts Horovod with
+        ``layout``'s process sets and checks it agrees with ``env``."""
         if self.hvd is None:
             self.hvd = self.connect(env)
         self.env = env
+        self.device = place(self.backend, device, self.visible_gpus(), env)
         self.process_sets = init_horovod(self.hvd, layout, env.world_size)
         check_world(self.backend, env, self.hvd.size(), self.hvd.rank())
 
     def connect(self, env) -> Any:
         """Imports the framework and its Horovod module (returned); sets thread counts."""
+        raise NotImplementedError
+
+    def visible_gpus(self) -> int:
+        """GPUs the framework sees on this node (``CUDA_VISIBLE_DEVICES`` applied)."""
         raise NotImplementedError
 
     def missing(self, what: str, err: ImportError) -> ToolkitError:

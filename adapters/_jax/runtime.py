@@ -10,12 +10,13 @@ from typing import Any
 
 import numpy as np
 
-from adapters._common import check_world, missing_framework
+from adapters._common import check_world, missing_framework, place
 from toolkit import LaunchEnv, ToolkitError
 from toolkit.models.specs import DTYPES, check_choice
 
 
-def import_jax(backend: str, env: LaunchEnv, dtype: str, local_devices: int | None):
+def import_jax(backend: str, env: LaunchEnv, dtype: str, local_devices: int | None,
+               cpu_only: bool = False):
     """Imports and configures JAX for ``env``: CPU devices, x64, and the distributed runtime.
 
     The coordinator comes from the launch environment (horovodrun, srun or mpirun), so the
@@ -26,6 +27,8 @@ def import_jax(backend: str, env: LaunchEnv, dtype: str, local_devices: int | No
     except ImportError as err:
         raise missing_framework(backend, "JAX (jax, jaxlib, flax, optax)", err) from err
     try:
+        if cpu_only:  # a GPU node's GPUs stay out of the run
+            jax.config.update("jax_platforms", "cpu")
         if local_devices:
             jax.config.update("jax_num_cpu_devices", int(local_devices))
         if dtype == "float64":
@@ -81,14 +84,17 @@ class JaxRuntime:
                                "pass the number of CPU devices per process, e.g. 2")
         self.dtype_name, self.local_devices = dtype, local_devices
 
-    def setup(self, env: LaunchEnv, layout: Any = None) -> None:
-        """Configures JAX for ``env`` (once: set up again, e.g. after a Flax init, it keeps
-        what it has)."""
+    def setup(self, env: LaunchEnv, layout: Any = None, device: str = "auto") -> None:
+        """Configures JAX for ``env`` and ``device`` (once: set up again, e.g. after a Flax
+        init, it keeps what it has)."""
         if self.env == env:
             return
         os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
         self.env = env
-        self.jax = import_jax(self.backend, env, self.dtype_name, self.local_devices)
+        self.jax = import_jax(self.backend, env, self.dtype_name, self.local_devices,
+                              cpu_only=device == "cpu")
+        gpus = sum(d.platform == "gpu" for d in self.jax.local_devices())
+        self.device = place(self.backend, device, gpus, env)
         import jax.numpy as jnp
 
         self.jnp = jnp

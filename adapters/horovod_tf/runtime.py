@@ -37,6 +37,9 @@ class TFRuntime(HorovodRuntime):
         self.dtype = {"float32": tf.float32, "float64": tf.float64}[self.dtype_name]
         return hvd
 
+    def visible_gpus(self) -> int:
+        return len(self.tf.config.list_physical_devices("GPU"))
+
     def tensor(self, values: np.ndarray) -> Any:
         return self.tf.constant(values)
 

@@ -31,5 +31,8 @@ class TorchRuntime(HorovodRuntime):
         self.dtype = {"float32": torch.float32, "float64": torch.float64}[self.dtype_name]
         return hvd
 
+    def visible_gpus(self) -> int:
+        return self.torch.cuda.device_count()
+
     def tensor(self, values: np.ndarray) -> Any:
         return self.torch.as_tensor(values)

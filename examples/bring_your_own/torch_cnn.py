@@ -30,6 +30,8 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=10)
     parser.add_argument("--batch-size", type=int, default=64, help="global batch (all ranks)")
     parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--device", choices=("auto", "cpu", "gpu"), default="auto",
+                        help="auto: the rank's GPU when the framework sees one, else the CPU")
     parser.add_argument("--clip-grad-norm", type=float, default=None,
                         help="clip each step's gradient to this global norm")
     parser.add_argument("--seed", type=int, default=0)
@@ -54,7 +56,7 @@ def main() -> None:
         sync_batchnorm=args.sync_batchnorm, global_batch_size=args.batch_size,
         epochs=args.epochs, seed=args.seed, checkpoint_dir=args.checkpoint_dir,
         checkpoint_every=args.checkpoint_every, resume=args.resume,
-        clip_grad_norm=args.clip_grad_norm)
+        clip_grad_norm=args.clip_grad_norm, device=args.device)
     trainer.fit(x, y, (val_x, val_y))
     final = trainer.evaluate(val_x, val_y)
     toolkit.print0(f"done: world_size {trainer.env.world_size}  steps {trainer.global_step}  "

@@ -2,7 +2,7 @@
 
 import pytest
 
-from toolkit import ToolkitError
+from toolkit import LaunchEnv, ToolkitError
 from toolkit.launch.devices import Device, choose_device, one_gpu_per_task
 
 NO_SLURM: dict = {}
@@ -68,3 +68,28 @@ def test_the_mapping_takes_a_gpu_torch_sees():
     assert device == Device("gpu", 0)
     x = torch.arange(4.0, device=f"cuda:{device.index}")
     assert x.device.type == "cuda" and float((x * 2).sum().cpu()) == 12.0
+
+
+def test_a_backend_refuses_a_gpu_it_would_not_use():
+    """Until a backend places its tensors on the GPU, choosing one is an error (a CPU run on
+    a GPU node must not pass for a GPU run); the CPU is chosen as before."""
+    from adapters._common import place
+
+    env = LaunchEnv(rank=1, world_size=2, local_rank=1, local_size=2, launcher="mpirun")
+    with pytest.raises(ToolkitError, match=r"horovod-torch does not place its model and "
+                                           r"batches on GPUs yet: local rank 1 sees 2 GPU\(s\) "
+                                           r"and device 'auto' chose gpu:1") as err:
+        place("horovod-torch", "auto", 2, env)
+    assert "--device cpu" in err.value.hint
+    assert place("jax-pjit", "cpu", 2, env) == Device("cpu")
+    assert place("jax-pjit", "auto", 0, env) == Device("cpu")
+
+
+def test_the_trainer_checks_the_device_option():
+    import adapters
+    import toolkit
+
+    with pytest.raises(ToolkitError, match="unknown device 'cuda'") as err:
+        toolkit.Trainer(adapters.get("jax-pjit"), toolkit.MLP((4, 2)), toolkit.SGD(lr=0.1),
+                        global_batch_size=4, device="cuda")
+    assert err.value.hint == "use one of: auto, cpu, gpu"

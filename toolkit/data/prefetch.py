@@ -180,3 +180,12 @@ def prefetches(data, setting: bool | str) -> bool:
     if setting != "auto":
         return bool(setting)
     return not (type(data) is ArrayDataset and data.in_memory)
+
+
+def check_prefetch(setting: bool | str) -> bool | str:
+    """``Trainer(prefetch=setting)`` as given, or a ToolkitError."""
+    if setting not in (True, False, "auto"):
+        raise ToolkitError(f"prefetch={setting!r} is not True, False or 'auto'",
+                           "'auto' (the default) loads in a thread unless the data are "
+                           "in memory")
+    return setting

@@ -49,3 +49,13 @@ def noting_signals(names: tuple[str, ...], note: Callable[[str], None]) -> Itera
             if name in noted and old in (signal.SIG_DFL, signal.default_int_handler):
                 old = signal.SIG_IGN
             signal.signal(getattr(signal, name), old)
+
+
+def check_signals(names) -> None:
+    """A ToolkitError for a name in ``names`` that is not a signal."""
+    from toolkit.errors import ToolkitError
+
+    for name in names:
+        if not isinstance(getattr(signal, str(name), None), signal.Signals):
+            raise ToolkitError(f"unknown signal {name!r} in stop_signals",
+                               "use names such as 'SIGUSR1' and 'SIGTERM'")

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import signal
 import time
 from pathlib import Path
 from typing import Any
@@ -15,9 +14,10 @@ import numpy as np
 from toolkit.checkpoint.store import CheckpointStore
 from toolkit.contract import Adapter, DrivesDevices, PlacesBatches
 from toolkit.data.dataset import Dataset, as_dataset
-from toolkit.data.prefetch import BatchPrefetcher, prefetches
+from toolkit.data.prefetch import BatchPrefetcher, check_prefetch, prefetches
 from toolkit.data.sampler import GlobalBatchSampler
-from toolkit.errors import ToolkitError
+from toolkit.errors import ToolkitError, at_least_one
+from toolkit.launch.devices import DEVICES
 from toolkit.launch.env import LaunchEnv
 from toolkit.launch.rank0 import current_env, print0
 from toolkit.models.reference import check_clip
@@ -27,7 +27,12 @@ from toolkit.trainer.checkpoints import Checkpointing
 from toolkit.trainer.evaluation import check_metrics, evaluate
 from toolkit.trainer.guard import DivergenceGuard
 from toolkit.trainer.history import History, ProgressLine, epoch_line
-from toolkit.trainer.preemption import PREEMPTED_EXIT_CODE, TrainingPreempted, noting_signals
+from toolkit.trainer.preemption import (
+    PREEMPTED_EXIT_CODE,
+    TrainingPreempted,
+    check_signals,
+    noting_signals,
+)
 from toolkit.trainer.summary import format_facts, start_facts
 
 __all__ = ["PREEMPTED_EXIT_CODE", "History", "Trainer", "TrainingPreempted"]
@@ -67,6 +72,8 @@ class Trainer(Checkpointing):
             sqrt(N) for N ranks (for weak scaling, where the global batch grows with N).
         accumulation_steps: split each local batch into this many micro-batches and sum their
             gradients before the one allreduce of the step (same result, less memory).
+        device: ``auto`` (a GPU when the framework sees one, else the CPU), ``cpu`` or ``gpu``;
+            each rank takes the GPU of its local rank (``toolkit.launch.devices``).
         clip_grad_norm: scale each step's averaged gradient by ``clip / max(norm, clip)``, its
             norm over the whole model (every shard, stage and split part once); the norm before
             clipping goes to the metrics log (``grad_norm``) and the interval line.
@@ -124,6 +131,7 @@ class Trainer(Checkpointing):
         lr_scaling: str = "none",
         accumulation_steps: int = 1,
         clip_grad_norm: float | None = None,
+        device: str = "auto",
         checkpoint_dir: str | os.PathLike | None = None,
         checkpoint_every: int | None = None,
         checkpoint_every_seconds: float | None = None,
@@ -147,9 +155,7 @@ class Trainer(Checkpointing):
         if not isinstance(adapter, Adapter):
             raise ToolkitError(f"{adapter!r} is not a backend adapter",
                                "pass adapters.get('horovod-torch') (or another backend name)")
-        if accumulation_steps < 1:
-            raise ToolkitError(f"accumulation_steps={accumulation_steps} must be >= 1",
-                               "use 1 for no gradient accumulation")
+        at_least_one("accumulation_steps", accumulation_steps, "use 1 for no gradient accumulation")
         if resume is not None and checkpoint_dir is None and str(resume) == "latest":
             raise ToolkitError("resume='latest' needs a checkpoint directory",
                                "pass --checkpoint-dir DIR together with --resume latest")
@@ -163,6 +169,8 @@ class Trainer(Checkpointing):
         self.seed, self.shuffle, self.drop_last = seed, shuffle, drop_last
         self.lr_scaling, self.accumulation_steps = lr_scaling, accumulation_steps
         self.clip_grad_norm = check_clip(clip_grad_norm)
+        check_choice("device", device, DEVICES)
+        self.device = device
         self.checkpoint_dir = checkpoint_dir
         self.checkpoint_every = checkpoint_every
         self.checkpoint_every_seconds = checkpoint_every_seconds
@@ -171,25 +179,15 @@ class Trainer(Checkpointing):
         self._changes: list[dict] = []  # settings changed on purpose at resumes
         self.metrics_log = Path(metrics_log) if metrics_log else None
         self.log_every, self.progress = log_every, progress
-        for name in stop_signals:
-            if not isinstance(getattr(signal, str(name), None), signal.Signals):
-                raise ToolkitError(f"unknown signal {name!r} in stop_signals",
-                                   "use names such as 'SIGUSR1' and 'SIGTERM'")
-        if stop_check_every < 1:
-            raise ToolkitError(f"stop_check_every={stop_check_every} must be >= 1",
-                               "use 1 to agree after every step")
-        if eval_batch_size < 1:
-            raise ToolkitError(f"eval_batch_size={eval_batch_size} must be >= 1",
-                               "the default of 1024 samples per call suits most models")
+        check_signals(stop_signals)
+        at_least_one("stop_check_every", stop_check_every, "use 1 to agree after every step")
+        at_least_one("eval_batch_size", eval_batch_size,
+                     "the default of 1024 samples per call suits most models")
         self.stop_signals = tuple(stop_signals) if checkpoint_dir is not None else ()
         self.stop_check_every = stop_check_every
         self._guard = DivergenceGuard(divergence_factor, divergence_window)
         self._stop_signal: str | None = None
-        if prefetch not in (True, False, "auto"):
-            raise ToolkitError(f"prefetch={prefetch!r} is not True, False or 'auto'",
-                               "'auto' (the default) loads in a thread unless the data are "
-                               "in memory")
-        self.prefetch, self.eval_batch_size = prefetch, eval_batch_size
+        self.prefetch, self.eval_batch_size = check_prefetch(prefetch), eval_batch_size
         self.prefetch_stats: dict[str, Any] | None = None  # of the latest fit
         self._train_data: Dataset | None = None  # its fingerprint, if any, is checkpointed
         self.env = env or current_env()
@@ -202,7 +200,9 @@ class Trainer(Checkpointing):
     # ------------------------------------------------------------------------ set-up
     def _setup(self, num_samples: int) -> None:
         env = self.env
-        self.adapter.setup(env, self.layout)
+        # (custom adapters need not know the option while it is the default)
+        self.adapter.setup(env, self.layout, **({} if self.device == "auto"
+                                                 else {"device": self.device}))
         # The layout says which share of each global batch this process loads: its own under
         # data parallelism, its replica's under a pipeline or a tensor-parallel group that
         # spans processes (those processes compute one replica and must see the same samples).
@@ -378,12 +378,8 @@ class Trainer(Checkpointing):
     def evaluate(self, data: Dataset | np.ndarray,
                  y: np.ndarray | None = None) -> dict[str, float]:
         """Loss (and accuracy for classification) over all of ``data`` (``x`` with labels
-        ``y``, or a data set), split across ranks.
-
-        Each rank evaluates its strided share in chunks of at most ``eval_batch_size`` samples;
-        sums are added across ranks, so the result is exactly that of one process evaluating
-        everything.
-        """
+        ``y``, or a data set): each rank's strided share in chunks of ``eval_batch_size``, sums
+        added across ranks (exactly one process evaluating everything)."""
         return evaluate(self.adapter, self.env, self.layout, as_dataset(
             data, y, what="the evaluation data"), self.eval_batch_size, self.metrics,
             with_accuracy=self.loss == "cross_entropy")
