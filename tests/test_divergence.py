@@ -7,9 +7,9 @@ checkpoints every 2 steps, a NaN in one sample of step 5's global batch.
 
 TensorFlow on CPU fuses MatMul + BiasAdd + ReLU into one oneDNN kernel inside a tf.function, and
 that kernel turns a NaN into 0: a NaN *input* never reaches horovod-tf's loss there
-(``TF_ENABLE_ONEDNN_OPTS=0`` keeps it), though it does reach the gradient, whose norm stops the
-run at the same step. So that every backend stops on the loss here, the horovod-tf jobs run
-without oneDNN's fusions; the test after them runs with them.
+(``TF_ENABLE_ONEDNN_OPTS=0`` keeps it), though it does reach the gradient, whose norm (computed
+when clipping) stops the run at the same step. So that every backend stops on the loss here,
+the horovod-tf jobs run without oneDNN's fusions; the test after them runs with them.
 """
 
 import numpy as np
@@ -65,9 +65,11 @@ def test_a_nan_at_step_k_stops_every_rank_there_with_nothing_saved_after(
 def test_a_finite_loss_with_an_overflowing_gradient_stops_at_its_step(backend, layout, launch,
                                                                       tmp_path):
     """A sample of 1e30 keeps the loss finite (about 1e27) but squares past float32's range
-    in the gradient's norm, which every backend reports in these layouts."""
+    in the gradient's norm, which every backend computes when it clips (here at a bound no
+    step reaches)."""
     job = run(launch, tmp_path, "bad", backend, layout, ["--nan-at", str(NAN_AT),
-                                                         "--poison", "1e30"])
+                                                         "--poison", "1e30",
+                                                         "--clip-grad-norm", "1e9"])
     assert job.returncode == 3, job
     assert job.stderr.count(f"training diverged at step {NAN_AT}: the loss ") == 1, job
     assert "is finite but the gradient norm inf is not" in job.stderr, job
@@ -94,13 +96,13 @@ def test_the_last_good_checkpoint_resumes_bit_for_bit(backend, layout, launch, t
 @pytest.mark.slow
 def test_tensorflow_cpu_fusion_hides_a_nan_input_from_the_loss_not_from_the_norm(launch,
                                                                                  tmp_path):
-    """With oneDNN's fusions on, the poisoned step's loss is finite; its gradient norm is not,
-    and the guard stops there all the same. Should a TensorFlow release propagate the NaN to
-    the loss, this fails, and the jobs above can keep oneDNN on."""
+    """With oneDNN's fusions on, the poisoned step's loss is finite; its gradient norm (computed
+    when clipping) is not, and the guard stops there all the same. Should a TensorFlow release
+    propagate the NaN to the loss, this fails, and the jobs above can keep oneDNN on."""
     job = launch("python", 1, [SCRIPT, "--backend", "horovod-tf", "--steps", str(STEPS),
                                "--checkpoint-dir", str(tmp_path / "ckpt"), "--save-model",
                                str(tmp_path / "m.npz"), "--metrics-log", str(tmp_path / "m.jsonl"),
-                               "--nan-at", str(NAN_AT), *COMMON],
+                               "--nan-at", str(NAN_AT), "--clip-grad-norm", "1e9", *COMMON],
                  timeout=300, env={"TF_ENABLE_ONEDNN_OPTS": "1"})
     assert job.returncode == 3, job
     assert f"training diverged at step {NAN_AT}: the loss " in job.stderr, job

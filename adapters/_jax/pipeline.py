@@ -247,7 +247,7 @@ class PipelineExecutor:
         a.count_step()
         self.params, self.opt_state, self.grads, loss, norm = self._update(
             self.params, self.opt_state, self.grads, self.losses, scalars)
-        self.grad_norm = LocalMean([norm.addressable_data(0)])
+        self.grad_norm = None if self.clip is None else LocalMean([norm.addressable_data(0)])
         self._named_params()  # the next step's, queued behind the update (see there)
         self.step_index += 1
         folder = os.environ.get(TIMELINE_ENV)

@@ -132,15 +132,19 @@ class StagePrograms:
         before clipping)``."""
         jnp, coll, shared = self.jnp, self.coll, self.staged.n_shared
         g = coll.replica_sum(g)
-        sq = jnp.sum(jnp.square(g))
         if shared:  # the tied embedding: first and last stage add their gradients
             holder = jnp.asarray(self.staged.holders_mask().astype(g.dtype))[coll.stage()]
             total = coll.holder_sum(g[:shared] * holder)
             g = g.at[:shared].set(jnp.where(holder > 0, total, g[:shared]))
-            repeat = jnp.asarray(self.repeats.astype(g.dtype))[coll.stage()]
-            sq = jnp.sum(jnp.square(g)) - repeat * jnp.sum(jnp.square(g[:shared]))
-        # over the stages of a replica (every replica holds the same stage gradients)
-        g, norm = clip_by_norm(jnp, g, coll.holder_sum(sq), self.clip)
+
+        def squares():  # over the stages of a replica (every replica holds the same)
+            sq = jnp.sum(jnp.square(g))
+            if shared:  # the tied embedding once: on the first stage holding it
+                repeat = jnp.asarray(self.repeats.astype(g.dtype))[coll.stage()]
+                sq = sq - repeat * jnp.sum(jnp.square(g[:shared]))
+            return coll.holder_sum(sq)
+
+        g, norm = clip_by_norm(jnp, g, squares, self.clip)
         p, opt = apply_optimizer(self.tx, g, opt, p, scalars)
         return p, opt, jnp.zeros_like(g), coll.total(jnp.sum(ls)) * self.inv_b, norm
 

@@ -110,7 +110,7 @@ class TFDataParallel(StrategyBase):
         grads, total = self.local_grads(x, y, variables)
         grads = [hvd.allreduce(g, op=hvd.Average, name=f"grad_{i}")
                  for i, g in enumerate(grads)]
-        grads, norm = clip_by_norm(self.tf, grads, sum_squares(self.tf, grads), self.clip)
+        grads, norm = clip_by_norm(self.tf, grads, lambda: sum_squares(self.tf, grads), self.clip)
         if state.keras_opt is not None:
             state.keras_opt.apply_gradients(zip(grads, variables, strict=True))
         else:
@@ -128,7 +128,8 @@ class TFDataParallel(StrategyBase):
         seeds = (self.keras_model.seeds(self.seed, self.state.steps, self.env.rank)
                  if self.native else self._no_seeds)
         with unwrapped_toolkit_errors():
-            loss, self.grad_norm = self._step(*self.ops.inputs(x, y), scalars, seeds)
+            loss, norm = self._step(*self.ops.inputs(x, y), scalars, seeds)
+        self.grad_norm = None if self.clip is None else norm  # (computed when clipping)
         self.state.steps += 1
         return loss  # a scalar tensor: the Trainer converts it when it averages losses
 

@@ -210,10 +210,13 @@ class ShardedTF:
                      else self._reduce_scatter(u, self._flatten(u, full)) for u in self.units]
         # stage 1: the whole gradient on every rank; 2 and 3: this rank's shards (zero
         # padding), whose squares add up across ranks
-        sq = sum_squares(tf, grads)
-        if self.stage > 1:
-            sq = hvd.allreduce(tf.reshape(sq, [1]), op=hvd.Sum, name="zero.grad_norm")[0]
-        grads, norm = clip_by_norm(tf, grads, sq, self.clip)
+        def squares():
+            sq = sum_squares(tf, grads)
+            if self.stage > 1:
+                sq = hvd.allreduce(tf.reshape(sq, [1]), op=hvd.Sum, name="zero.grad_norm")[0]
+            return sq
+
+        grads, norm = clip_by_norm(tf, grads, squares, self.clip)
         for u, g in zip(self.units, grads, strict=True):
             self.grads[u].assign(g)
             if self.stage == 3:

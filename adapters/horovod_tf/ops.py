@@ -4,6 +4,7 @@ their state under the checkpoint's neutral names (``TFState``)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -186,11 +187,12 @@ def sum_squares(tf, grads: list) -> Any:
     return tf.add_n([tf.reduce_sum(tf.square(g)) for g in grads])
 
 
-def clip_by_norm(tf, grads: list, sum_sq, clip: float | None):
-    """``(grads scaled by clip / max(norm, clip), norm)`` for the whole gradient's ``sum_sq``
-    (``toolkit.models.reference.clip_scale``); ``clip`` None: unscaled."""
-    norm = tf.sqrt(sum_sq)
+def clip_by_norm(tf, grads: list, sum_sq: Callable[[], Any], clip: float | None):
+    """``(grads scaled by clip / max(norm, clip), norm)`` for the whole gradient's
+    ``sum_sq()`` (``toolkit.models.reference.clip_scale``); ``clip`` None: ``grads`` as they
+    are and a zero for the norm, which is not computed."""
     if clip is None:
-        return grads, norm
+        return grads, tf.zeros(())
+    norm = tf.sqrt(sum_sq())
     scale = clip / tf.maximum(norm, clip)
     return [g * tf.cast(scale, g.dtype) for g in grads], norm

@@ -111,9 +111,12 @@ class TorchDataParallel(StrategyBase):
         self.opt.zero_grad()
 
     def _apply(self, lr: float | None) -> None:
-        """(hook) The update with this step's learning rate: the averaged gradients, their
-        norm (and clipped), then the optimizer's step (Horovod's documented way to clip)."""
+        """(hook) The update with this step's learning rate; when clipping, the averaged
+        gradients are clipped by their norm first (Horovod's documented way to clip)."""
         set_lr(self.opt, lr)
+        if self.clip is None:  # (the norm costs 4-7% of a small CPU step: only when clipping)
+            self.opt.step()
+            return
         self.opt.synchronize()
         grads = [p.grad for p in self.net.parameters() if p.grad is not None]
         self.grad_norm = clip_by_norm(self.torch, grads, self.clip)

@@ -128,14 +128,13 @@ def set_lr(opt, lr: float | None) -> None:
             group["lr"] = lr
 
 
-def clip_by_norm(torch, grads: list, clip: float | None):
-    """The norm of ``grads`` (every element once, in their dtype) and, with ``clip``, the
-    gradients scaled in place by ``clip / max(norm, clip)`` (``toolkit.models.reference``'s
-    rule; ``torch.nn.utils.clip_grad_norm_`` divides by ``norm + 1e-6`` instead). The norm is
-    returned as a tensor: read on the host only when the Trainer logs it."""
+def clip_by_norm(torch, grads: list, clip: float):
+    """The norm of ``grads`` (every element once, in their dtype), the gradients scaled in
+    place by ``clip / max(norm, clip)`` (``toolkit.models.reference``'s rule;
+    ``torch.nn.utils.clip_grad_norm_`` divides by ``norm + 1e-6`` instead). The norm is
+    returned as a tensor, read on the host only when the Trainer logs it."""
     if not grads:
         return None
-    norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
-    if clip is not None:
-        torch._foreach_mul_(grads, clip / torch.clamp(norm, min=clip))
+    norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)))
+    torch._foreach_mul_(grads, clip / torch.clamp(norm, min=clip))
     return norm

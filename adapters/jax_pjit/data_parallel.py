@@ -60,7 +60,7 @@ class PjitDataParallel(JaxStrategy):
         # (synchronised by construction) and dropout masks do not depend on the world size.
         key = self.jax.random.PRNGKey(seed)
         grads, losses, model_state = self._accumulated_grads(params, model_state, x, y, key)
-        grads, norm = clip_by_norm(self.jnp, grads, squares(self.jnp, grads), self.clip)
+        grads, norm = clip_by_norm(self.jnp, grads, lambda: squares(self.jnp, grads), self.clip)
         params, opt_state = apply_optimizer(self.tx, grads, opt_state, params, scalars)
         return params, opt_state, model_state, losses, norm
 
@@ -102,7 +102,8 @@ class PjitDataParallel(JaxStrategy):
         out = self._run_step(self._jstep, (self.params, self.opt_state, self.model_state, x, y,
                                            self.optimizer_scalars(lr), self._step_seed()))
         self.params, self.opt_state, self.model_state, losses = out[:4]
-        self.grad_norm = out[-1]  # replicated: float() reads this process's copy
+        # (computed when clipping) replicated: float() reads this process's copy
+        self.grad_norm = None if self.clip is None else out[-1]
         self._keep(out)
         # Per-sample losses stay sharded like the batch: this process's shards are its samples,
         # each once (a shard is on every device of its data row's ``model`` group).

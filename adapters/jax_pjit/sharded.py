@@ -164,7 +164,7 @@ class PjitSharding:
         # (reduce-scattered). Either way each device updates its own shard.
         grads = wsc(grads, self.grad_sharding)
         # every element once: flat buffers (zero padding) and the split kernels' (k, M) views
-        grads, norm = clip_by_norm(self.jnp, grads, squares(self.jnp, grads), self.clip)
+        grads, norm = clip_by_norm(self.jnp, grads, lambda: squares(self.jnp, grads), self.clip)
         shards = self._store_shardings(True)
         params, opt_state = apply_optimizer(self.tx, wsc(grads, shards), opt_state,
                                             wsc(params, shards), scalars)

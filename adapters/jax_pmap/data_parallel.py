@@ -52,7 +52,7 @@ class PmapDataParallel(JaxStrategy):
         grads, losses, model_state = self._accumulated_grads(params, model_state, x, y, key)
         total = self.jnp.mean(losses)
         grads = lax.pmean(grads, axis_name="batch")
-        grads, norm = clip_by_norm(self.jnp, grads, squares(self.jnp, grads), self.clip)
+        grads, norm = clip_by_norm(self.jnp, grads, lambda: squares(self.jnp, grads), self.clip)
         # BatchNorm statistics are averaged over every device (of every process) each step, so
         # the replicas never drift apart (a module built with axis_name="batch" syncs them in
         # the forward pass already; then this changes nothing).
@@ -77,7 +77,8 @@ class PmapDataParallel(JaxStrategy):
                 self.optimizer_scalars(lr), self._step_seed())
         out = self._run_step(self._pstep, args, ahead=False)
         self.params, self.opt_state, self.model_state, losses = out[:4]
-        self.grad_norm = LocalMean([out[-1]])  # the same on every device
+        # (computed when clipping) the same on every device
+        self.grad_norm = None if self.clip is None else LocalMean([out[-1]])
         self._keep(out)
         return LocalMean([losses])  # one mean per device, of equal shares
 

@@ -137,17 +137,17 @@ class PmapSharding:
         jnp = self.jnp
         if stage == 3:  # the all-gathers' transposes summed every device's gradient
             grads = tmap(lambda g: g / n, grads)
-            grads, norm = clip_by_norm(jnp, grads, lax.psum(squares(jnp, grads), AXIS),
+            grads, norm = clip_by_norm(jnp, grads, lambda: lax.psum(squares(jnp, grads), AXIS),
                                        self.clip)
             params, opt_state = apply_optimizer(self.tx, grads, opt_state, params, scalars)
         else:
             if stage == 1:  # the full gradient on every device
                 grads = lax.pmean(grads, AXIS)
-                grads, norm = clip_by_norm(jnp, grads, squares(jnp, grads), self.clip)
+                grads, norm = clip_by_norm(jnp, grads, lambda: squares(jnp, grads), self.clip)
                 shard = {u: mine(g, u) for u, g in grads.items()}
             else:  # each device's shard (zero padding)
                 grads = tmap(lambda g: lax.psum_scatter(g, AXIS, tiled=True) / n, grads)
-                grads, norm = clip_by_norm(jnp, grads, lax.psum(squares(jnp, grads), AXIS),
+                grads, norm = clip_by_norm(jnp, grads, lambda: lax.psum(squares(jnp, grads), AXIS),
                                            self.clip)
                 shard = grads
             updated, opt_state = apply_optimizer(self.tx, shard, opt_state,

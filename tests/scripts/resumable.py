@@ -37,6 +37,7 @@ def main() -> None:
     p.add_argument("--nan-at", type=int, default=None, help="poison a sample of this step")
     p.add_argument("--poison", type=float, default=float("nan"), help="the poisoned value")
     p.add_argument("--divergence-factor", type=float, default=None)
+    p.add_argument("--clip-grad-norm", type=float, default=None)
     p.add_argument("--divergence-window", type=int, default=20)
     args = p.parse_args()
 
@@ -58,7 +59,8 @@ def main() -> None:
         max_steps=args.steps, checkpoint_dir=args.checkpoint_dir,
         checkpoint_every=args.checkpoint_every, resume=args.resume,
         async_checkpoint=args.async_checkpoint, metrics_log=args.metrics_log, progress=False,
-        divergence_factor=args.divergence_factor, divergence_window=args.divergence_window)
+        divergence_factor=args.divergence_factor, divergence_window=args.divergence_window,
+        clip_grad_norm=args.clip_grad_norm)
     if args.kill_after is not None:
         real_save = trainer.save_checkpoint
 
