@@ -46,7 +46,8 @@ TESTS = {
     "toolkit/parallel/pipeline/simulation.py": ["tests/toolkit/test_pipeline.py",
                              "tests/toolkit/test_pipeline_rounds.py"],
     "toolkit/checkpoint/store.py": ["tests/toolkit/test_checkpoint.py",
-                               "tests/toolkit/test_checkpoint_pieces.py"],
+                                    "tests/toolkit/test_checkpoint_pieces.py",
+                                    "tests/toolkit/test_checkpoint_cleanup.py"],
     # The Pipeline spec's splits are checked in test_partition.py. (describe() is checked in
     # test_start_summary.py and resolve_layout() through the Trainer, whose tests start
     # Horovod: seconds per mutant, so left out; their mutants count as "no tests".)
