@@ -1,144 +1,149 @@
-"""The Trainer's checkpoints and stop signals: saving, resuming, and stopping every rank at
-the same step (a mixin of :class:`toolkit.Trainer`, which holds the attributes these read)."""
+"""A run's checkpoints: where they go, when one is due, what goes into one, and what a resume
+restores or refuses. The Trainer holds one :class:`RunCheckpoints` and tells it, at set-up,
+the adapter, sampler and launch environment it works with and how to describe the run."""
 
 from __future__ import annotations
 
+import os
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
-from toolkit.checkpoint.resume import describe as _describe
 from toolkit.checkpoint.resume import find_checkpoint, restore
 from toolkit.checkpoint.settings import (
     classify,
     describe_changes,
     refuse_changes,
-    run_settings,
     saved_settings,
 )
+from toolkit.checkpoint.store import CheckpointStore
 from toolkit.errors import ToolkitError
 from toolkit.launch.rank0 import print0
-from toolkit.trainer.guard import TrainingDiverged
 
 
-class Checkpointing:
-    """``save_checkpoint``, resuming at set-up, the checkpoint schedule and the stop-signal
-    agreement of the Trainer."""
+class RunCheckpoints:
+    """The checkpoint side of one training run.
 
-    def _restore(self) -> None:
+    Args:
+        directory: where checkpoints go (``None``: no checkpoints).
+        every: a checkpoint every this many steps; every_seconds: or this many seconds.
+        keep: how many to keep; resume: ``"latest"`` or a checkpoint's path.
+        async_write: write in a background thread.
+        allow_changes: resume even when the settings that define the trajectory differ.
+    """
+
+    def __init__(self, directory: str | os.PathLike | None, *, every: int | None = None,
+                 every_seconds: float | None = None, keep: int = 3,
+                 resume: str | os.PathLike | None = None, async_write: bool = False,
+                 allow_changes: bool = False):
+        if resume is not None and directory is None and str(resume) == "latest":
+            raise ToolkitError("resume='latest' needs a checkpoint directory",
+                               "pass --checkpoint-dir DIR together with --resume latest")
+        self.directory, self.every, self.every_seconds = directory, every, every_seconds
+        self.keep, self.resume, self.async_write = keep, resume, async_write
+        self.allow_changes = allow_changes
+        self.store: CheckpointStore | None = None
+        self.changes: list[dict] = []  # settings changed on purpose at resumes
+        self.resumed_from: Path | None = None  # the checkpoint this run continues, if any
+        self.last_saved = -1  # the step of the newest checkpoint this run wrote
+        self._clock = time.monotonic()
+
+    def open(self, adapter: Any, sampler: Any, env: Any, layout: Any,
+             describe_run: Callable[[], dict]) -> None:
+        """Binds the run's parts; ``describe_run()`` gives what a checkpoint records of the
+        run besides them (model and optimizer, ``settings``, ``data_fingerprint``, ...)."""
+        self.adapter, self.sampler, self.env, self.layout = adapter, sampler, env, layout
+        self._describe_run = describe_run
+        if self.directory is not None:
+            self.store = CheckpointStore(self.directory, keep=self.keep, rank=env.rank)
+
+    # ------------------------------------------------------------------------ resuming
+    def restore(self, log_records: Callable[[list[dict]], None]) -> int | None:
+        """Loads the checkpoint ``resume`` names into the adapter and the sampler, refusing
+        changed settings unless allowed; returns its step (``None``: a fresh start)."""
         ckpt = find_checkpoint(self.resume, self.store)
+        env = self.env
         if ckpt is None:  # (created on the first save: a mistyped parent shows here)
-            if not Path(self.checkpoint_dir).exists():
-                print0(f"{self.checkpoint_dir} does not exist: starting a new run there",
-                       env=self.env)
+            if not Path(self.directory).exists():
+                print0(f"{self.directory} does not exist: starting a new run there", env=env)
             else:
-                print0(f"no checkpoint in {self.checkpoint_dir} yet: starting from step 0",
-                       env=self.env)
-            return
-        trajectory, placement = classify(saved_settings(ckpt.meta), self._settings())
+                print0(f"no checkpoint in {self.directory} yet: starting from step 0", env=env)
+            return None
+        run = self._describe_run()
+        trajectory, placement = classify(saved_settings(ckpt.meta), run["settings"])
         # The checkpoint's structure first (another model's tensors: which ones do not fit),
         # then its settings; either error leaves every checkpoint as it was.
-        restore(ckpt, self.adapter, self.sampler, self._data_fingerprint(),
+        restore(ckpt, self.adapter, self.sampler, run["data_fingerprint"],
                 allow_changes=bool(trajectory))
         if not self.allow_changes:
             refuse_changes(ckpt.path, trajectory)
-        self.global_step = self._last_saved = ckpt.step  # that step is saved already
-        self._resumed_from = ckpt.path
+        self.last_saved = ckpt.step  # that step is saved already
+        self.resumed_from = ckpt.path
         print0(f"resumed from {ckpt.path} (step {ckpt.step}, written by "
-               f"{ckpt.meta.get('backend')} on {ckpt.meta.get('world_size')} ranks)",
-               env=self.env)
-        self._changes = list(ckpt.meta.get("changes", []))
+               f"{ckpt.meta.get('backend')} on {ckpt.meta.get('world_size')} ranks)", env=env)
+        self.changes = list(ckpt.meta.get("changes", []))
         if placement:
-            print0(f"resumed on another placement: {describe_changes(placement)}",
-                   env=self.env)
+            print0(f"resumed on another placement: {describe_changes(placement)}", env=env)
         if trajectory:  # allowed: said, and recorded in every later checkpoint and the log
             print0(f"resumed with changed settings (allowed): {describe_changes(trajectory)}",
-                   env=self.env)
+                   env=env)
             record = {"step": ckpt.step, "changes": [list(c) for c in trajectory]}
-            self._changes.append(record)
-            self._log_records([{"event": "changes", **record}])
+            self.changes.append(record)
+            log_records([{"event": "changes", **record}])
+        return ckpt.step
 
-    def _settings(self) -> dict:
-        return run_settings(
-            model=_describe(self.model), optimizer=_describe(self.optimizer),
-            global_batch_size=self.global_batch_size, seed=self.seed, shuffle=self.shuffle,
-            drop_last=self.drop_last, lr_scaling=self.lr_scaling, backend=self.adapter.name,
-            layout=self.layout.name, world_size=self.env.world_size,
-            clip_grad_norm=self.clip_grad_norm)
+    # ------------------------------------------------------------------------ saving
+    def start_clock(self) -> None:
+        self._clock = time.monotonic()
 
-    def _data_fingerprint(self) -> str | None:  # asked late: computing one may read a corpus
-        return getattr(self._train_data, "fingerprint", None)
-
-    def _note_stop_signal(self, signame: str) -> None:  # the step in flight finishes first
-        self._stop_signal = signame
-
-    def _stop_agreed(self) -> bool:
-        """True on every rank as soon as any rank has received a stop signal."""
-        local = np.asarray([1.0 if self._stop_signal else 0.0])
-        if not self.env.is_distributed:
-            return bool(local[0])
-        if self.global_step % self.stop_check_every:  # the same steps on every rank
-            return False
-        return bool(self.adapter.allreduce(local, "sum")[0] > 0)
-
-    def _loss_settled(self) -> bool:
-        """False while the loss is above ``divergence_factor`` x its best: a scheduled
-        checkpoint waits, so that the newest one predates a divergence found later."""
-        self._flush()
-        return not self._guard.above
-
-    def _stop_diverged(self, step: int, loss: float, why: str) -> None:
-        """Every rank (each holds the same averaged losses) stops together, the newest
-        checkpoint left as the last good one."""
-        self._log_records([{"event": "diverged", "step": step, "loss": loss, "why": why}])
-        last = None
-        if self.store is not None:
-            self.store.wait()  # an asynchronous write of a good state completes
-            newest = self.store.checkpoints()
-            last = newest[-1] if newest else None
-        self._progress.clear()
-        self.adapter.barrier()
-        self.adapter.shutdown()
-        raise TrainingDiverged(step, loss, why, last)
-
-    def _checkpoint_due(self, last_time: float) -> bool:
+    def due(self, step: int) -> bool:
+        """Whether the schedule asks for a checkpoint after ``step`` (the same on every rank)."""
         if self.store is None:
             return False
-        if self.checkpoint_every and self.global_step % self.checkpoint_every == 0:
+        if self.every and step % self.every == 0:
             return True
-        if self.checkpoint_every_seconds is not None:
+        if self.every_seconds is not None:
             # Every rank must agree, or rank 0 would save while others move on: rank 0's clock
             # decides, and the decision is broadcast only on the steps that ask.
-            due = float(time.monotonic() - last_time >= self.checkpoint_every_seconds)
+            due = float(time.monotonic() - self._clock >= self.every_seconds)
             return bool(self.adapter.broadcast(np.asarray([due]), 0)[0])
         return False
 
-    def save_checkpoint(self) -> Path | None:
-        """Writes the current state (rank 0 writes replicated state; returns its path there).
-        The steps since the last check pass the divergence guard first."""
+    def unsaved(self, step: int) -> bool:
+        """Whether the state at ``step`` still needs writing at the end of training."""
+        return self.store is not None and (not self.store.checkpoints()
+                                           or self.last_saved != step)
+
+    def save(self, step: int) -> Path | None:
+        """Writes the state at ``step`` (rank 0 writes replicated state; its path there)."""
         if self.store is None:
             raise ToolkitError("no checkpoint directory was given", "pass checkpoint_dir=...")
-        if getattr(self, "_pending", None):
-            self._flush()  # raises TrainingDiverged before a diverged state is saved
-        meta = {
-            "epoch": self.sampler.epoch,
-            "sampler": self.sampler.state_dict(),
-            "world_size": self.env.world_size,
-            "backend": self.adapter.name,
-            "layout": self.layout.name,
-            "rng": {"seed": self.seed},  # all randomness (init, shuffling) derives from it
-            "model": _describe(self.model),
-            "optimizer": _describe(self.optimizer),
-            "data_fingerprint": self._data_fingerprint(),  # resuming on other data fails
-            "settings": self._settings(),  # compared on resume
-            "changes": self._changes,  # settings changed on purpose at earlier resumes
-        }
-        self._last_saved = self.global_step
+        meta = {"epoch": self.sampler.epoch, "sampler": self.sampler.state_dict(),
+                "world_size": self.env.world_size, "backend": self.adapter.name,
+                "layout": self.layout.name, **self._describe_run(),
+                "changes": self.changes}  # settings changed on purpose at earlier resumes
+        self.last_saved = step
+        self._clock = time.monotonic()
         self.adapter.sync_state()
         if self.layout.collective_forward:  # every rank writes its own pieces
             replicated, pieces = self.adapter.sharded_state()
-            return self.store.save(self.global_step, replicated, meta, shards=pieces,
+            return self.store.save(step, replicated, meta, shards=pieces,
                                    barrier=self.adapter.barrier)
-        return self.store.save(self.global_step, self.adapter.state_dict(), meta,
-                               blocking=not self.async_checkpoint)
+        return self.store.save(step, self.adapter.state_dict(), meta,
+                               blocking=not self.async_write)
+
+    def wait(self) -> None:
+        """Until an asynchronous write has completed."""
+        if self.store is not None:
+            self.store.wait()
+
+    def newest(self) -> Path | None:
+        """The newest complete checkpoint on disk, after any write in flight."""
+        if self.store is None:
+            return None
+        self.store.wait()
+        found = self.store.checkpoints()
+        return found[-1] if found else None

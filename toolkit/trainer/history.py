@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
+import os
 import sys
 import time
+from collections.abc import Iterable
+from pathlib import Path
 from typing import Any
 
 
@@ -32,6 +36,22 @@ class History:
     @property
     def final_loss(self) -> float:
         return self.losses[-1] if self.losses else math.nan
+
+
+class MetricsLog:
+    """The JSON-lines file rank 0 appends the run's records to (``None``: no file), each with
+    the time it was written."""
+
+    def __init__(self, path: str | os.PathLike | None, rank: int):
+        self.path = Path(path) if path and rank == 0 else None
+
+    def write(self, records: Iterable[dict]) -> None:
+        if self.path is None:
+            return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.path, "a") as f:
+            for record in records:
+                f.write(json.dumps({"time": round(time.time(), 3), **record}) + "\n")
 
 
 class ProgressLine:

@@ -6,6 +6,9 @@ import contextlib
 import signal
 import threading
 from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
 
 PREEMPTED_EXIT_CODE = 75  # EX_TEMPFAIL: "try again later", what a requeued job should do
 
@@ -21,6 +24,27 @@ class TrainingPreempted(Exception):
         self.signame, self.step, self.path = signame, step, path
         super().__init__(f"stopped by {signame} after step {step}; checkpoint {path}; "
                          "rerun with --resume latest (a requeued job does so by itself)")
+
+
+class StopAgreement:
+    """Ranks agreeing to stop: a signal may reach ranks at different steps, so every
+    ``check_every`` steps one tiny allreduce tells all of them whether any rank got one."""
+
+    def __init__(self, check_every: int):
+        self.check_every = check_every
+        self.signal: str | None = None  # the signal this rank received, if any
+
+    def note(self, signame: str) -> None:  # from the handler: the step in flight finishes first
+        self.signal = signame
+
+    def agreed(self, step: int, adapter: Any, distributed: bool) -> bool:
+        """True on every rank as soon as any rank has received a stop signal."""
+        local = np.asarray([1.0 if self.signal else 0.0])
+        if not distributed:
+            return bool(local[0])
+        if step % self.check_every:  # the same steps on every rank
+            return False
+        return bool(adapter.allreduce(local, "sum")[0] > 0)
 
 
 @contextlib.contextmanager

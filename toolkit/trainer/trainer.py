@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import time
@@ -11,7 +10,8 @@ from typing import Any
 
 import numpy as np
 
-from toolkit.checkpoint.store import CheckpointStore
+from toolkit.checkpoint.resume import describe as _describe
+from toolkit.checkpoint.settings import run_settings
 from toolkit.contract import Adapter, DrivesDevices, PlacesBatches
 from toolkit.data.dataset import Dataset, as_dataset
 from toolkit.data.prefetch import BatchPrefetcher, check_prefetch, prefetches
@@ -23,12 +23,14 @@ from toolkit.launch.rank0 import current_env, print0
 from toolkit.models.reference import check_clip
 from toolkit.models.specs import LOSSES, OptimizerSpec, check_choice, learning_rate, lr_scale
 from toolkit.parallel.layouts import DataShare, resolve_layout
-from toolkit.trainer.checkpoints import Checkpointing
+from toolkit.trainer.checkpoints import RunCheckpoints
 from toolkit.trainer.evaluation import check_metrics, evaluate
-from toolkit.trainer.guard import DivergenceGuard
-from toolkit.trainer.history import History, ProgressLine, epoch_line
+from toolkit.trainer.guard import DivergenceGuard, TrainingDiverged
+from toolkit.trainer.history import History, MetricsLog, ProgressLine, epoch_line
+from toolkit.trainer.losses import StepLosses
 from toolkit.trainer.preemption import (
     PREEMPTED_EXIT_CODE,
+    StopAgreement,
     TrainingPreempted,
     check_signals,
     noting_signals,
@@ -38,12 +40,10 @@ from toolkit.trainer.summary import format_facts, start_facts
 __all__ = ["PREEMPTED_EXIT_CODE", "History", "Trainer", "TrainingPreempted"]
 
 
-class Trainer(Checkpointing):
-    """Data-parallel training with any backend adapter, the same loop for all of them.
-
-    The global batch is split by a :class:`GlobalBatchSampler`; the adapter averages gradients
-    across ranks; step losses are averaged across ranks before anyone prints them, and only
-    global rank 0 prints and writes files.
+class Trainer:
+    """The one training loop of every backend and layout: a :class:`GlobalBatchSampler`
+    splits each global batch, the adapter's strategy for the layout steps, step losses are
+    averaged across ranks before anyone prints them, and only global rank 0 prints and writes.
 
     Args:
         adapter: a backend, from ``adapters.get(name)``.
@@ -54,7 +54,7 @@ class Trainer(Checkpointing):
             ``loss(outputs, labels) -> per-sample losses`` of shape ``(batch,)``; the Trainer
             averages them over the batch and across ranks exactly as the built-in losses.
         layout: ``toolkit.DataParallel()`` (the default), ``toolkit.Sharded(stage=1|2|3)``
-            (ZeRO/FSDP, for backends with that ability) or its text form (``"sharded:3"``).
+            (ZeRO/FSDP), ``toolkit.Pipeline`` or their text forms (``"sharded:3"``).
         metrics: evaluation metrics, ``name -> fn(outputs, labels) -> per-sample values`` in
             the backend's framework; evaluation reports ``val_<name>``, the mean over every
             sample (summed per rank, added across ranks: exact at any world size).
@@ -77,10 +77,9 @@ class Trainer(Checkpointing):
         clip_grad_norm: scale each step's averaged gradient by ``clip / max(norm, clip)``, its
             norm over the whole model (every shard, stage and split part once); the norm before
             clipping goes to the metrics log (``grad_norm``) and the interval line.
-        checkpoint_dir: where checkpoints go (shared storage for multi-node jobs).
-        checkpoint_every: checkpoint every this many steps (and at the end of training).
-        checkpoint_every_seconds: or every this many seconds of training.
-        keep: how many checkpoints to keep.
+        checkpoint_dir: where checkpoints go (shared storage for multi-node jobs);
+            checkpoint_every: every this many steps (and at the end), checkpoint_every_seconds:
+            or seconds of training; keep: how many to keep.
         resume: ``"latest"`` (newest intact checkpoint in ``checkpoint_dir``, or a fresh start
             when there is none yet) or the path of a checkpoint directory.
         async_checkpoint: write checkpoints in a background thread.
@@ -102,11 +101,9 @@ class Trainer(Checkpointing):
             (:class:`toolkit.trainer.guard.TrainingDiverged`, exit status 3 under
             ``toolkit.run``) before any checkpoint is written from that state; with a factor,
             so does a loss above ``factor`` x its best for ``divergence_window`` steps.
-        prefetch: ``True`` loads the next local batch in a background thread while the current
-            step runs; ``False`` when its step starts; ``"auto"`` (the default) uses the thread
-            unless the data are numpy arrays in memory (docs/benchmarks.md). The batches are
-            the same either way; ``trainer.prefetch_stats`` (and the metrics log's ``prefetch``
-            record) say whether the thread ran and how much loading time it hid.
+        prefetch: ``True`` loads the next local batch in a background thread during the step,
+            ``False`` when its step starts, ``"auto"`` the thread unless the data are numpy
+            arrays in memory; ``trainer.prefetch_stats`` says how much loading time it hid.
         eval_batch_size: samples per ``adapter.evaluate`` call on each rank, so evaluating a
             large data set never builds one huge array.
         env: the launch environment; detected when omitted.
@@ -156,9 +153,9 @@ class Trainer(Checkpointing):
             raise ToolkitError(f"{adapter!r} is not a backend adapter",
                                "pass adapters.get('horovod-torch') (or another backend name)")
         at_least_one("accumulation_steps", accumulation_steps, "use 1 for no gradient accumulation")
-        if resume is not None and checkpoint_dir is None and str(resume) == "latest":
-            raise ToolkitError("resume='latest' needs a checkpoint directory",
-                               "pass --checkpoint-dir DIR together with --resume latest")
+        self.checkpoints = RunCheckpoints(
+            checkpoint_dir, every=checkpoint_every, every_seconds=checkpoint_every_seconds,
+            keep=keep, resume=resume, async_write=async_checkpoint, allow_changes=allow_changes)
         self.adapter = adapter
         self.model, self.optimizer, self.loss = model, optimizer, loss
         self.sync_batchnorm = sync_batchnorm
@@ -171,12 +168,6 @@ class Trainer(Checkpointing):
         self.clip_grad_norm = check_clip(clip_grad_norm)
         check_choice("device", device, DEVICES)
         self.device = device
-        self.checkpoint_dir = checkpoint_dir
-        self.checkpoint_every = checkpoint_every
-        self.checkpoint_every_seconds = checkpoint_every_seconds
-        self.keep, self.resume, self.async_checkpoint = keep, resume, async_checkpoint
-        self.allow_changes = allow_changes
-        self._changes: list[dict] = []  # settings changed on purpose at resumes
         self.metrics_log = Path(metrics_log) if metrics_log else None
         self.log_every, self.progress = log_every, progress
         check_signals(stop_signals)
@@ -184,18 +175,21 @@ class Trainer(Checkpointing):
         at_least_one("eval_batch_size", eval_batch_size,
                      "the default of 1024 samples per call suits most models")
         self.stop_signals = tuple(stop_signals) if checkpoint_dir is not None else ()
-        self.stop_check_every = stop_check_every
+        self._stop = StopAgreement(stop_check_every)
         self._guard = DivergenceGuard(divergence_factor, divergence_window)
-        self._stop_signal: str | None = None
         self.prefetch, self.eval_batch_size = check_prefetch(prefetch), eval_batch_size
         self.prefetch_stats: dict[str, Any] | None = None  # of the latest fit
         self._train_data: Dataset | None = None  # its fingerprint, if any, is checkpointed
         self.env = env or current_env()
+        self._log = MetricsLog(self.metrics_log, self.env.rank)
         lr_scale(lr_scaling, 1)  # validates the name before any process group exists
         self.global_step = 0
-        self._resumed_from = None  # the checkpoint this run continues, if any
-        self._last_saved = -1  # the step of the newest checkpoint this run wrote
         self._setup_done = False
+
+    @property
+    def store(self):
+        """The :class:`toolkit.CheckpointStore` of this run (``None`` without checkpoints)."""
+        return self.checkpoints.store
 
     # ------------------------------------------------------------------------ set-up
     def _setup(self, num_samples: int) -> None:
@@ -222,11 +216,26 @@ class Trainer(Checkpointing):
                            sync_batchnorm=self.sync_batchnorm, metrics=self.metrics,
                            **({} if self.clip_grad_norm is None
                               else {"clip_grad_norm": self.clip_grad_norm}))
-        self.store = (CheckpointStore(self.checkpoint_dir, keep=self.keep, rank=env.rank)
-                      if self.checkpoint_dir is not None else None)
-        if self.resume is not None:
-            self._restore()
+        self.checkpoints.open(self.adapter, self.sampler, env, self.layout, self._describe_run)
+        if self.checkpoints.resume is not None:
+            self.global_step = self.checkpoints.restore(self._log.write) or 0
         self._setup_done = True
+
+    def _describe_run(self) -> dict:
+        """What a checkpoint records besides the tensors and the sampler's position; its
+        ``settings`` are compared on resume."""
+        model, optimizer = _describe(self.model), _describe(self.optimizer)
+        return {
+            "rng": {"seed": self.seed},  # all randomness (init, shuffling) derives from it
+            "model": model, "optimizer": optimizer,
+            # resuming on other data fails (asked late: computing one may read a corpus)
+            "data_fingerprint": getattr(self._train_data, "fingerprint", None),
+            "settings": run_settings(
+                model=model, optimizer=optimizer, global_batch_size=self.global_batch_size,
+                seed=self.seed, shuffle=self.shuffle, drop_last=self.drop_last,
+                lr_scaling=self.lr_scaling, backend=self.adapter.name, layout=self.layout.name,
+                world_size=self.env.world_size, clip_grad_norm=self.clip_grad_norm),
+        }
 
     def _say_what_runs(self, samples: int) -> None:
         """The start-up block on rank 0, and the metrics log's first record."""
@@ -238,10 +247,10 @@ class Trainer(Checkpointing):
             dtype=self.adapter.dtype_name if drives else None,
             global_batch=self.global_batch_size, local_batch=self.sampler.local_batch_size,
             accumulation_steps=self.accumulation_steps, model=self.model, samples=samples,
-            steps_per_epoch=len(self.sampler), checkpoint_dir=self.checkpoint_dir,
-            resumed_from=self._resumed_from, resumed_step=self.global_step)
+            steps_per_epoch=len(self.sampler), checkpoint_dir=self.checkpoints.directory,
+            resumed_from=self.checkpoints.resumed_from, resumed_step=self.global_step)
         print0(format_facts(facts), env=self.env)
-        self._log_records([{"event": "start", **facts}])
+        self._log.write([{"event": "start", **facts}])
 
     def _data_share(self) -> DataShare:
         """This process's share of each global batch, as the layout places it on the devices
@@ -274,62 +283,60 @@ class Trainer(Checkpointing):
         env, sampler = self.env, self.sampler
         total = self.max_steps if self.max_steps is not None else self.epochs * len(sampler)
         self._history = History(first_step=self.global_step, world_size=env.world_size)
-        self._pending: list[Any] = []  # local step losses not yet averaged across ranks
-        self._norms: list[Any] = []  # their gradient norms (the same on every rank)
+        self._losses = StepLosses(self._history, self._guard, self._log)
         self._progress = ProgressLine(self.progress and env.rank == 0)
         place = self.adapter.device_batch if isinstance(self.adapter, PlacesBatches) else None
         loader = BatchPrefetcher(train, sampler, max(0, total - self.global_step),
                                  prefetch=prefetches(train, self.prefetch), place=place)
         try:
-            with loader, noting_signals(self.stop_signals, self._note_stop_signal):
+            with loader, noting_signals(self.stop_signals, self._stop.note):
                 self._loop(loader, validation, total,
                            lr_scale(self.lr_scaling, sampler.world_size))
         finally:  # the thread is joined by now, whatever happened
             self.prefetch_stats = loader.stats()
-        self._log_records([{"event": "prefetch", **self.prefetch_stats}])
-        if self.store is not None:
-            if not self.store.checkpoints() or self._last_saved != self.global_step:
-                self.save_checkpoint()
-            self.store.wait()
+        self._log.write([{"event": "prefetch", **self.prefetch_stats}])
+        if self.checkpoints.unsaved(self.global_step):
+            self.save_checkpoint()
+        self.checkpoints.wait()
         return self._history
 
+    def save_checkpoint(self) -> Path | None:
+        """Writes the current state (rank 0 writes replicated state; returns its path there).
+        The steps since the last check pass the divergence guard first."""
+        if self.checkpoints.store is not None and len(getattr(self, "_losses", ())):
+            self._flush()  # raises TrainingDiverged before a diverged state is saved
+        return self.checkpoints.save(self.global_step)
+
+    def _stop_diverged(self, step: int, loss: float, why: str) -> None:
+        """Every rank (each holds the same averaged losses) stops together, the newest
+        checkpoint left as the last good one."""
+        self._log.write([{"event": "diverged", "step": step, "loss": loss, "why": why}])
+        last = self.checkpoints.newest()  # an asynchronous write of a good state completes
+        self._progress.clear()
+        self.adapter.barrier()
+        self.adapter.shutdown()
+        raise TrainingDiverged(step, loss, why, last)
+
     def _flush(self) -> None:
-        """Averages the pending step losses across ranks (one allreduce) and logs them."""
-        pending, history = self._pending, self._history
-        if pending:
-            # float() only here: train_step may return a framework scalar still in flight.
-            local = np.asarray([float(v) for v in pending], np.float64)
-            # (one process: the mean over one rank is its own; Horovod's allreduce would
-            # still wait out a cycle of its background thread, about 1 ms)
-            averaged = self.adapter.allreduce(local, "mean") if self.env.is_distributed \
-                else local
-            first = self.global_step - len(pending)
-            history.losses.extend(float(v) for v in averaged)
-            norms = [float(v) for v in self._norms] if len(self._norms) == len(pending) else []
-            history.grad_norms.extend(norms)
-            self._log_records({"event": "step", "step": first + i + 1, "loss": float(v),
-                               **({"grad_norm": norms[i]} if norms else {})}
-                              for i, v in enumerate(averaged))
-            pending.clear()
-            self._norms.clear()
-            diverged = self._guard.check(first, averaged, norms)
-            if diverged is not None:
-                self._stop_diverged(*diverged)
+        """Averages the pending step losses across ranks (one allreduce), logs them, and
+        stops every rank together when the guard finds one diverged."""
+        diverged = self._losses.flush(
+            self.global_step, self.adapter.allreduce if self.env.is_distributed else None)
+        if diverged is not None:
+            self._stop_diverged(*diverged)
 
     def _loop(self, loader: BatchPrefetcher, validation, total: int, scale: float) -> None:
         env, sampler, history, progress = self.env, self.sampler, self._history, self._progress
-        last_ckpt_time = time.monotonic()
+        self.checkpoints.start_clock()
         while self.global_step < total:
             epoch, epoch_start = sampler.epoch, time.monotonic()
-            first_in_epoch = len(history.losses) + len(self._pending)
+            first_in_epoch = len(history.losses) + len(self._losses)
             for idx in sampler:
                 lr = learning_rate(self.optimizer, self.global_step) * scale \
                     if not _is_native(self.optimizer) else None
                 loss = self.adapter.train_step(*loader.get(idx), lr)
-                self._pending.append(loss)
-                norm = getattr(self.adapter, "grad_norm", None)
-                if norm is not None:  # (a backend that computes it; the same on every rank)
-                    self._norms.append(norm)
+                # (the norm where a backend computes it; the same on every rank)
+                self._losses.add(loss, getattr(self.adapter, "grad_norm", None))
                 self.global_step += 1
                 progress.update(epoch, sampler.step, len(sampler), loss)
                 if self.log_every and self.global_step % self.log_every == 0:
@@ -337,25 +344,25 @@ class Trainer(Checkpointing):
                     print0(f"step {self.global_step}  loss {history.losses[-1]:.4f}"
                            + (f"  grad_norm {history.grad_norms[-1]:.4f}"
                               if history.grad_norms else ""), env=env)
-                elif self.global_step % self.stop_check_every == 0:
+                elif self.global_step % self._stop.check_every == 0:
                     self._flush()  # the guard sees every loss within stop_check_every steps
-                if self._checkpoint_due(last_ckpt_time) and self._loss_settled():
+                if self.checkpoints.due(self.global_step) and self._loss_settled():
                     self.save_checkpoint()
-                    last_ckpt_time = time.monotonic()
-                if self.stop_signals and self._stop_agreed():
+                if self.stop_signals and self._stop.agreed(self.global_step, self.adapter,
+                                                           env.is_distributed):
                     self._flush()
                     progress.clear()
                     self.prefetch_stats = loader.stats()
-                    self._log_records([{"event": "prefetch", **self.prefetch_stats}])
+                    self._log.write([{"event": "prefetch", **self.prefetch_stats}])
                     path = self.save_checkpoint()
-                    self.store.wait()
+                    self.checkpoints.wait()
                     # Every rank leaves together, its communicator shut down in order: a rank
                     # that exits while another's still runs makes that one report a broken
                     # connection (Horovod's background loop does).
                     self.adapter.barrier()
                     self.adapter.shutdown()
-                    raise TrainingPreempted(self._stop_signal or "a signal on another rank",
-                                            self.global_step, path or self.checkpoint_dir)
+                    raise TrainingPreempted(self._stop.signal or "a signal on another rank",
+                                            self.global_step, path or self.checkpoints.directory)
                 if self.global_step >= total:
                     break
             self._flush()
@@ -365,6 +372,12 @@ class Trainer(Checkpointing):
                                          time.monotonic() - epoch_start)
                 history.epochs.append(record)
 
+    def _loss_settled(self) -> bool:
+        """False while the loss is above ``divergence_factor`` x its best: a scheduled
+        checkpoint waits, so that the newest one predates a divergence found later."""
+        self._flush()
+        return not self._guard.above
+
     def _end_epoch(self, epoch: int, losses: list[float], validation, seconds: float) -> dict:
         record: dict[str, float] = {"epoch": epoch, "step": self.global_step,
                                     "loss": float(np.mean(losses)) if losses else math.nan,
@@ -372,7 +385,7 @@ class Trainer(Checkpointing):
         if validation is not None:
             record.update(self.evaluate(validation))
         print0(epoch_line(record, seconds), env=self.env)
-        self._log_records([{"event": "epoch", **record}])
+        self._log.write([{"event": "epoch", **record}])
         return record
 
     def evaluate(self, data: Dataset | np.ndarray,
@@ -383,14 +396,6 @@ class Trainer(Checkpointing):
         return evaluate(self.adapter, self.env, self.layout, as_dataset(
             data, y, what="the evaluation data"), self.eval_batch_size, self.metrics,
             with_accuracy=self.loss == "cross_entropy")
-
-    def _log_records(self, records) -> None:
-        if self.metrics_log is None or self.env.rank != 0:
-            return
-        self.metrics_log.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.metrics_log, "a") as f:
-            for record in records:
-                f.write(json.dumps({"time": round(time.time(), 3), **record}) + "\n")
 
 
 def _is_native(optimizer: Any) -> bool:

@@ -1,0 +1,53 @@
+"""Each step's loss on its way to the History: kept local (a framework scalar may still be in
+flight) until the ranks average a batch of them in one allreduce, then logged and checked by
+the divergence guard, in step order, with the same values on every rank."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from toolkit.trainer.guard import DivergenceGuard
+from toolkit.trainer.history import History, MetricsLog
+
+
+class StepLosses:
+    """The step losses (and gradient norms) of one ``fit`` not yet averaged across ranks."""
+
+    def __init__(self, history: History, guard: DivergenceGuard, log: MetricsLog):
+        self.history, self.guard, self.log = history, guard, log
+        self.pending: list[Any] = []  # local step losses not yet averaged across ranks
+        self.norms: list[Any] = []  # their gradient norms (the same on every rank)
+
+    def add(self, loss: Any, norm: Any = None) -> None:
+        self.pending.append(loss)
+        if norm is not None:
+            self.norms.append(norm)
+
+    def __len__(self) -> int:
+        return len(self.pending)
+
+    def flush(self, step: int, allreduce: Callable | None) -> tuple[int, float, str] | None:
+        """Averages the losses of the steps up to ``step`` across ranks (``allreduce``; None
+        for one process), adds them to the History and the metrics log, and returns the
+        guard's ``(step, loss, why)`` when one of them diverged."""
+        pending, history = self.pending, self.history
+        if not pending:
+            return None
+        # float() only here: train_step may return a framework scalar still in flight.
+        local = np.asarray([float(v) for v in pending], np.float64)
+        # (one process: the mean over one rank is its own; Horovod's allreduce would still wait
+        # out a cycle of its background thread, about 1 ms)
+        averaged = allreduce(local, "mean") if allreduce is not None else local
+        first = step - len(pending)
+        history.losses.extend(float(v) for v in averaged)
+        norms = [float(v) for v in self.norms] if len(self.norms) == len(pending) else []
+        history.grad_norms.extend(norms)
+        self.log.write({"event": "step", "step": first + i + 1, "loss": float(v),
+                        **({"grad_norm": norms[i]} if norms else {})}
+                       for i, v in enumerate(averaged))
+        pending.clear()
+        self.norms.clear()
+        return self.guard.check(first, averaged, norms)
