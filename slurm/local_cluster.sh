@@ -41,6 +41,7 @@ SelectTypeParameters=CR_Core
 SlurmdParameters=config_overrides
 ReturnToService=2
 MpiDefault=none
+MpiParams=ports=12000-12999
 SchedulerType=sched/backfill
 AccountingStorageType=accounting_storage/none
 JobAcctGatherType=jobacct_gather/none

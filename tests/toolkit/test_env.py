@@ -167,6 +167,42 @@ def test_jobs_1000_ids_apart_get_different_ports():
     assert srun_port(4242) != srun_port(5242)
 
 
+def test_the_port_slurm_reserved_for_the_step_wins_over_the_derived_one():
+    # srun --resv-ports (with MpiParams=ports=... in slurm.conf): Slurm gives no two steps on
+    # a node the same ports, whatever their job ids; tests/test_slurm_ports.py runs it.
+    for ports, expected in (("12000-12003", 12000), ("12007", 12007), (" 12010-12011", 12010)):
+        environ = {**SRUN_2_NODES, "SLURM_STEP_RESV_PORTS": ports}
+        assert detect_launch_env(environ).coordinator_port == expected
+    for unset in ("", "none"):
+        environ = {**SRUN_2_NODES, "SLURM_STEP_RESV_PORTS": unset}
+        assert detect_launch_env(environ).coordinator_port == srun_port(4242)
+
+
+@pytest.mark.parametrize("launcher", ["srun two nodes", "mpirun", "horovodrun gloo",
+                                      "single process"])
+def test_the_port_variable_names_the_port_under_every_launcher(launcher):
+    environ = {**CASES[launcher][0], "SLURM_STEP_RESV_PORTS": "12000-12001",
+               "TOOLKIT_COORDINATOR_PORT": "23456"}
+    found = detect_launch_env(environ)
+    assert found.coordinator_port == 23456
+    assert dataclasses.replace(found, coordinator_port=0) == dataclasses.replace(
+        detect_launch_env(CASES[launcher][0]), coordinator_port=0)
+
+
+@pytest.mark.parametrize("bad", ["0", "80", "65536", "2x", "-3", "  "])
+def test_a_bad_port_variable_is_a_clear_error(bad):
+    environ = {**SRUN_2_NODES, "TOOLKIT_COORDINATOR_PORT": bad}
+    if not bad.strip():  # empty: unset
+        assert detect_launch_env(environ).coordinator_port == srun_port(4242)
+        return
+    with pytest.raises(ToolkitError) as err:
+        detect_launch_env(environ)
+    assert str(err.value) == (
+        f"TOOLKIT_COORDINATOR_PORT={bad!r} is not a port between 1024 and 65535\nHINT: name a "
+        "free port on rank 0's node, the same for every rank, or unset it to let the toolkit "
+        "choose")
+
+
 def test_the_steps_of_one_job_get_different_ports():
     assert len({srun_port(4242, step) for step in range(10)}) == 10
 

@@ -15,8 +15,11 @@ from collections.abc import Mapping
 
 from toolkit.errors import ToolkitError
 
-# Ports for JAX's coordinator are derived from the job's id so two jobs on one node do not collide.
+# Ports for JAX's coordinator: the one Slurm reserved for the step (--resv-ports), the one
+# TOOLKIT_COORDINATOR_PORT names, or one derived from the job's id (concurrent jobs whose ids
+# are less than 1000 apart get different ones).
 _PORT_BASE = 20000
+PORT_VARIABLE = "TOOLKIT_COORDINATOR_PORT"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -171,10 +174,18 @@ def _from_slurm(env: Mapping[str, str]) -> LaunchEnv:
         local_size=_slurm_local_size(env),
         node_rank=_int(env, "SLURM_NODEID", 0),
         coordinator_address=expand_nodelist(nodelist)[0],
-        coordinator_port=_port_for(env.get("SLURM_JOB_ID", "0"),
-                                   env.get("SLURM_STEP_ID", env.get("SLURM_STEPID", "0"))),
+        coordinator_port=_reserved_port(env) or _port_for(
+            env.get("SLURM_JOB_ID", "0"), env.get("SLURM_STEP_ID", env.get("SLURM_STEPID", "0"))),
         launcher="srun",
     )
+
+
+def _reserved_port(env: Mapping[str, str]) -> int | None:
+    """The first port Slurm reserved for this step (``srun --resv-ports`` with
+    ``MpiParams=ports=...`` in slurm.conf): no other step on the node holds it."""
+    spec = env.get("SLURM_STEP_RESV_PORTS", "")
+    match = re.match(r"\s*(\d+)", spec)
+    return int(match.group(1)) if match else None
 
 
 def _slurm_local_size(env: Mapping[str, str]) -> int:
@@ -237,6 +248,22 @@ def detect_launch_env(environ: Mapping[str, str] | None = None) -> LaunchEnv:
             of one would silently give a different result.
     """
     env = os.environ if environ is None else environ
+    found = _detect(env)
+    if env.get(PORT_VARIABLE, "").strip():  # (set but empty: unset)
+        return dataclasses.replace(found, coordinator_port=_port_variable(env))
+    return found
+
+
+def _port_variable(env: Mapping[str, str]) -> int:
+    value = env[PORT_VARIABLE]
+    if not value.strip().isdigit() or not 1024 <= int(value) <= 65535:
+        raise ToolkitError(f"{PORT_VARIABLE}={value!r} is not a port between 1024 and 65535",
+                           "name a free port on rank 0's node, the same for every rank, or "
+                           "unset it to let the toolkit choose")
+    return int(value)
+
+
+def _detect(env: Mapping[str, str]) -> LaunchEnv:
     if "HOROVOD_RANK" in env and "HOROVOD_SIZE" in env:
         return _from_horovodrun(env)
     if "OMPI_COMM_WORLD_SIZE" in env:
