@@ -138,6 +138,12 @@ class Backend:
                 f"(clip_grad_norm={options['clip_grad_norm']})",
                 "drop clip_grad_norm, or give this strategy a clip_grad_norm build option "
                 "(docs/architecture.md)")
+        if options.get("skip_nonfinite") and not getattr(strategy, "skips", False):
+            raise ToolkitError(
+                f"{self.name} cannot skip a step under {self.layout.name} "
+                "(on_nonfinite='skip')",
+                "use on_nonfinite='stop', or give this strategy a skip_nonfinite build option "
+                "(docs/architecture.md)")
         strategy.build(model, optimizer, loss, **options)
 
     @property
@@ -145,6 +151,12 @@ class Backend:
         """The latest step's gradient norm before clipping (None where the strategy does not
         compute it); a framework scalar until ``float()``."""
         return getattr(self.strategy, "grad_norm", None)
+
+    @property
+    def skipped(self) -> bool:
+        """Whether the latest step was skipped: built with ``skip_nonfinite``, a step whose
+        gradient norm is not finite changes no parameter, optimizer slot or count."""
+        return bool(getattr(self.strategy, "skipped", False))
 
     def train_step(self, x: Any, y: Any, lr: float | None) -> float:
         return self.strategy.train_step(x, y, lr)
@@ -196,7 +208,9 @@ class StrategyBase:
     position of a rank without stages."""
 
     clips = False  # whether build takes clip_grad_norm (and train_step sets grad_norm)
+    skips = False  # whether build takes skip_nonfinite (and train_step sets skipped)
     grad_norm: Any = None
+    skipped = False
 
     def __init__(self, runtime: Any, layout: Any):
         self.runtime, self.layout, self.env = runtime, layout, runtime.env

@@ -49,6 +49,11 @@ def main() -> None:
                              "non-finite loss always stops)")
     parser.add_argument("--divergence-window", type=int, default=20,
                         help="steps the loss must stay above --divergence-factor x its best")
+    parser.add_argument("--on-nonfinite", choices=("stop", "skip"), default="stop",
+                        help="a step whose gradient norm is not finite: stop the run, or skip "
+                             "the step (no update)")
+    parser.add_argument("--max-consecutive-skips", type=int, default=5,
+                        help="with --on-nonfinite skip: more skipped steps in a row stop")
     args = parser.parse_args()
 
     (x_train, y_train), validation = load_digits(seed=args.seed, dtype=args.dtype)
@@ -74,6 +79,7 @@ def main() -> None:
         clip_grad_norm=args.clip_grad_norm, device=args.device,
         divergence_factor=args.divergence_factor,
         divergence_window=args.divergence_window,
+        on_nonfinite=args.on_nonfinite, max_consecutive_skips=args.max_consecutive_skips,
     )
     history = trainer.fit(x_train, y_train, validation)
 

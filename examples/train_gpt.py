@@ -59,6 +59,11 @@ def main() -> None:
                         "loss always stops)")
     p.add_argument("--divergence-window", type=int, default=20,
                    help="steps the loss must stay above --divergence-factor x its best")
+    p.add_argument("--on-nonfinite", choices=("stop", "skip"), default="stop",
+                   help="a step whose gradient norm is not finite: stop the run, or skip the "
+                        "step (no update)")
+    p.add_argument("--max-consecutive-skips", type=int, default=5,
+                   help="with --on-nonfinite skip: more skipped steps in a row stop")
     args = p.parse_args()
 
     corpus = load_text()
@@ -79,7 +84,8 @@ def main() -> None:
         keep=args.keep, resume=args.resume, allow_changes=args.allow_changes,
         metrics_log=args.metrics_log, clip_grad_norm=args.clip_grad_norm, device=args.device,
         divergence_factor=args.divergence_factor,
-        divergence_window=args.divergence_window)
+        divergence_window=args.divergence_window, on_nonfinite=args.on_nonfinite,
+        max_consecutive_skips=args.max_consecutive_skips)
     toolkit.print0(f"GPT {model.num_params:,} parameters; corpus {corpus.files} files, "
                    f"{len(corpus.train):,} training bytes; validation unigram entropy "
                    f"{entropy:.3f} nats/byte")

@@ -12,6 +12,8 @@ when clipping) stops the run at the same step. So that every backend stops on th
 the horovod-tf jobs run without oneDNN's fusions; the test after them runs with them.
 """
 
+import json
+
 import numpy as np
 import pytest
 
@@ -147,3 +149,57 @@ def test_the_digits_example_at_lr_1e9_stops_with_the_guards_error(launcher, npro
     assert "HINT: resume from the last good checkpoint with a smaller learning rate" in job.stderr
     assert "done:" not in job.stdout and "Traceback" not in job.stderr, job
     assert not (tmp_path / "ckpt").exists() or not list((tmp_path / "ckpt").glob("step_*"))
+
+
+# --------------------------------------------------------------------- on_nonfinite="skip"
+# make test: every pipeline and a sharded run on two ranks (tests/adapters/test_skipping.py runs
+# every backend's data parallel and ZeRO-3 in one process); make test-long: the rest.
+SKIP_COVERING = [("horovod-torch", "pipeline:2:4:1f1b"), ("horovod-tf", "sharded:2"),
+                 ("jax-pmap", "pipeline:2:4:1f1b"), ("jax-pjit", "pipeline:2:4:1f1b")]
+SKIP_REST = [pytest.param(b, layout, marks=pytest.mark.long) for b in BACKENDS
+             for layout in LAYOUTS if (b, layout) not in SKIP_COVERING]
+
+
+def same_state(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend, layout", [*SKIP_COVERING, *SKIP_REST])
+def test_skip_mode_skips_the_nan_step_and_trains_on(backend, layout, launch, tmp_path,
+                                                    read_metrics):
+    """With --on-nonfinite skip, step K's update is skipped on every rank: the checkpoint
+    after it holds the very state of the one before (parameters, optimizer slots and count),
+    the metrics log marks it, and the run trains on to the end with finite state."""
+    job = run(launch, tmp_path, "skip", backend, layout,
+              ["--nan-at", str(NAN_AT), "--on-nonfinite", "skip", "--checkpoint-every", "1"])
+    assert job.returncode == 0, job
+    assert "diverged" not in job.stderr and "Traceback" not in job.stderr, job
+    ckpt = tmp_path / "ckpt"
+    before, at, after = (read_checkpoint(ckpt / f"step_{s:09d}").tensors
+                         for s in (NAN_AT - 1, NAN_AT, NAN_AT + 1))
+    assert same_state(before, at), "the skipped step changed the state"
+    assert not same_state(at, after), "the step after the skipped one updated nothing"
+    if "opt/count" in at:
+        assert int(at["opt/count"]) == NAN_AT - 1 and int(after["opt/count"]) == NAN_AT
+    final = read_checkpoint(ckpt / f"step_{STEPS:09d}").tensors
+    assert all(np.isfinite(v).all() for v in final.values() if v.dtype.kind == "f")
+    records = [r for r in map(json.loads, (tmp_path / "skip.jsonl").read_text().splitlines())
+               if r["event"] == "step"]
+    assert [r["step"] for r in records if r.get("skipped")] == [NAN_AT], records
+    assert all(np.isfinite(r["grad_norm"]) for r in records if r["step"] != NAN_AT)
+    steps = read_metrics(tmp_path / "skip.jsonl")["steps"]
+    assert sorted(steps) == list(range(1, STEPS + 1))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend, layout", [("jax-pjit", "data"),
+                                             ("horovod-tf", "pipeline:2:4:1f1b")])
+def test_more_consecutive_skips_than_allowed_stop_the_run(backend, layout, launch, tmp_path):
+    job = run(launch, tmp_path, "skips", backend, layout,
+              ["--nan-at", "4,5,6", "--on-nonfinite", "skip", "--max-consecutive-skips", "2"])
+    assert job.returncode == 3, job
+    assert job.stderr.count("training diverged at step 6: the loss nan is not finite, and 3 "
+                            "consecutive steps were skipped (max_consecutive_skips=2)") == 1, job
+    assert "Traceback" not in job.stderr, job
+    assert toolkit.CheckpointStore(tmp_path / "ckpt").load("latest").step == 4

@@ -101,8 +101,11 @@ class HvdPipeline(RoundMessages):
 
     metric_names: tuple[str, ...] = ()  # the build's metrics (their sums on idle ranks: 0)
     clips = True  # build takes clip_grad_norm (then train_step sets grad_norm)
+    skips = True  # build takes skip_nonfinite (then train_step sets skipped)
     clip: float | None = None
+    skip_nonfinite = False
     grad_norm: float | None = None
+    skipped = False  # the latest step's update was skipped (its gradient norm not finite)
 
     def __init__(self, runtime, layout: Pipeline):
         """``runtime``: the started Horovod runtime (``env``, ``dtype_name``, ``barrier``,
@@ -188,11 +191,17 @@ class HvdPipeline(RoundMessages):
                     self._compute(action)
             self._after_compute(index)
         self._await()
-        if self.reduce or self.clip is not None:
+        if self.reduce or self.clip is not None or self.skip_nonfinite:
             grads = self._gradients()
             if self.reduce:
                 grads = self._reduce_gradients(grads)
-            self._set_gradients(grads if self.clip is None else self._clipped(grads))
+            if self.clip is not None or self.skip_nonfinite:
+                self.grad_norm = self._global_norm(grads)
+                self.skipped = self.skip_nonfinite and not math.isfinite(self.grad_norm)
+                if self.clip is not None and not self.skipped:
+                    scale = clip_scale(self.grad_norm, self.clip)
+                    grads = {n: (g * scale).astype(g.dtype) for n, g in grads.items()}
+            self._set_gradients(grads)
         losses = self._allgather(np.asarray([self.loss], np.float64), "pipeline.loss")
         if self.timeline_dir:
             append_timeline(self.recorder.records[first:], self.timeline_dir, self.stage,
@@ -251,17 +260,15 @@ class HvdPipeline(RoundMessages):
                 out[n] = part.reshape(grads[n].shape)
         return {n: out[n] / self.grid.replicas for n in self.mine}
 
-    def _clipped(self, grads: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        """``grads`` scaled by ``toolkit.models.reference.clip_scale`` of the whole model's
-        gradient norm: every stage's squares (a tied parameter's on the first stage only)
-        added over the world in one allreduce, each replica's stages counted once."""
+    def _global_norm(self, grads: dict[str, np.ndarray]) -> float:
+        """The whole model's gradient norm (the same on every rank): every stage's squares (a
+        tied parameter's on the first stage only) added over the world in one allreduce, each
+        replica's stages counted once."""
         counted = [n for n in self.mine if self.stage == 0 or n not in self.tied]
         sq = sum(float(np.sum(np.square(grads[n], dtype=np.float64))) for n in counted)
         total = self._allreduce_sum(np.asarray([sq]), self.hvd.global_process_set,
                                     "pipeline.grad_norm")
-        self.grad_norm = math.sqrt(float(total[0]) / self.grid.replicas)
-        scale = clip_scale(self.grad_norm, self.clip)
-        return {n: (g * scale).astype(g.dtype) for n, g in grads.items()}
+        return math.sqrt(float(total[0]) / self.grid.replicas)
 
     # ------------------------------------------------------------------------------ evaluation
     def _eval_data(self, x: np.ndarray, y: np.ndarray):

@@ -80,6 +80,7 @@ class PipelineExecutor:
     """
 
     clips = True  # build takes clip_grad_norm
+    skips = True  # build takes skip_nonfinite; train_step then sets skipped
 
     @staticmethod
     def check_layout(layout: Pipeline) -> None:
@@ -102,13 +103,16 @@ class PipelineExecutor:
         self.recorders: dict[int, StageRecorder] = {}
         self.clip: float | None = None  # clip_grad_norm of the build
         self.grad_norm: Any = None  # the latest step's gradient norm before clipping
+        self.skipped = False  # whether the latest step was skipped (skip_nonfinite)
 
     # ------------------------------------------------------------------ build
     def build(self, model: Any, optimizer: Any, loss: Any, *, seed: int = 0,
               accumulation_steps: int = 1, sync_batchnorm: bool = False,
-              metrics: Any = None, clip_grad_norm: float | None = None) -> None:
+              metrics: Any = None, clip_grad_norm: float | None = None,
+              skip_nonfinite: bool = False) -> None:
         a, jax = self.host, self.host.jax
-        self.clip = clip_grad_norm
+        self.clip = a.clip = clip_grad_norm
+        a.skip_nonfinite = skip_nonfinite
         name, S = a.name, self.layout.stages
         check_build(name, optimizer, accumulation_steps, sync_batchnorm)
         devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
@@ -162,7 +166,7 @@ class PipelineExecutor:
         progs = StagePrograms(jax, self.staged, self.loss_fn, self.tx, self._collectives(), M,
                               mb, 1.0 / n if gather else S / n, gather,
                               jax.ShapeDtypeStruct((mb,) + tuple(x_shape[1:]), x_dtype),
-                              self.host.dtype, clip=self.clip)
+                              self.host.dtype, clip=self.clip, skip=self.host.skip_nonfinite)
         self.local = LocalComputes(jax, progs)
         return progs
 
@@ -247,7 +251,8 @@ class PipelineExecutor:
         a.count_step()
         self.params, self.opt_state, self.grads, loss, norm = self._update(
             self.params, self.opt_state, self.grads, self.losses, scalars)
-        self.grad_norm = None if self.clip is None else LocalMean([norm.addressable_data(0)])
+        a.note_norm(LocalMean([norm.addressable_data(0)]))
+        self.grad_norm, self.skipped = a.grad_norm, a.skipped
         self._named_params()  # the next step's, queued behind the update (see there)
         self.step_index += 1
         folder = os.environ.get(TIMELINE_ENV)

@@ -3,6 +3,7 @@ host side and state naming (``JaxStrategy``). The runtime is ``adapters/_jax/run
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -83,18 +84,30 @@ def squares(jnp, tree) -> Any:
     return sum(jnp.sum(jnp.square(g)) for g in jax.tree_util.tree_leaves(tree))
 
 
-def clip_by_norm(jnp, tree, sum_squares: Callable[[], Any], clip: float | None):
+def clip_by_norm(jnp, tree, sum_squares: Callable[[], Any], clip: float | None,
+                 need_norm: bool = False):
     """``(tree scaled by clip / max(norm, clip), norm)`` for the whole gradient's
     ``sum_squares()`` (``toolkit.models.reference.clip_scale``); ``clip`` None: ``tree`` as it
-    is and a zero in place of the norm, which is not computed (a reduction over every gradient
-    costs 4-7% of a small step on a CPU)."""
+    is, and the norm only with ``need_norm`` (skipping non-finite steps), else a zero in its
+    place (a reduction over every gradient costs 4-7% of a small step on a CPU)."""
     import jax
 
-    if clip is None:
+    if clip is None and not need_norm:
         return tree, jnp.zeros(())
     norm = jnp.sqrt(sum_squares())
+    if clip is None:
+        return tree, norm
     scale = clip / jnp.maximum(norm, clip)
     return jax.tree_util.tree_map(lambda g: g * scale.astype(g.dtype), tree), norm
+
+
+def keep_if_finite(jnp, norm, new, old):
+    """``new`` where the gradient ``norm`` (the same on every device) is finite, else ``old``:
+    a skipped step (``on_nonfinite="skip"``) changes no parameter, slot or statistic."""
+    import jax
+
+    ok = jnp.isfinite(norm)
+    return jax.tree_util.tree_map(lambda n, o: jnp.where(ok, n, o), new, old)
 
 
 class LocalMean:
@@ -124,6 +137,7 @@ class JaxStrategy(StrategyBase):
     state under the checkpoint's names. The pipeline executors keep one as their host side."""
 
     clips = True  # build takes clip_grad_norm
+    skips = True  # build takes skip_nonfinite; train_step then sets skipped
 
     def __init__(self, runtime, layout):
         super().__init__(runtime, layout)
@@ -132,6 +146,8 @@ class JaxStrategy(StrategyBase):
         self.dtype, self.dtype_name = runtime.dtype, runtime.dtype_name
         self.clip: float | None = None  # clip_grad_norm of the build
         self.grad_norm: Any = None  # the latest step's gradient norm before clipping
+        self.skip_nonfinite = False  # skip_nonfinite of the build
+        self.skipped = False  # whether the latest step was skipped (skip_nonfinite)
 
     def barrier(self) -> None:
         self.runtime.barrier()
@@ -139,6 +155,21 @@ class JaxStrategy(StrategyBase):
     def sync_state(self) -> None:
         """Nothing to do: every device holds the same BatchNorm statistics (jax-pmap averages
         them each step, jax-pjit computes them over the global batch)."""
+
+    @property
+    def needs_norm(self) -> bool:
+        """Whether the step computes the gradient norm (to clip, or to skip a step)."""
+        return self.clip is not None or self.skip_nonfinite
+
+    def note_norm(self, norm: Any) -> None:
+        """After a step: its gradient norm for the Trainer (when computed), and under
+        ``skip_nonfinite`` whether the step was skipped (the host reads the norm: one
+        device-to-host copy per step); a skipped step does not count as an optimizer step."""
+        self.grad_norm = norm if self.needs_norm else None
+        if self.skip_nonfinite:
+            self.skipped = not math.isfinite(float(norm))
+            if self.skipped and self.opt_spec is not None:
+                self.count -= 1
 
     def start_counting(self, loss, optimizer) -> None:
         """The loss and a spec optimizer's step count for a build made elsewhere (a pipeline

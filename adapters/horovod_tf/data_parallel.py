@@ -22,6 +22,7 @@ with its own learning rate or schedule: the Trainer passes ``lr=None``).
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import numpy as np
@@ -30,7 +31,7 @@ from adapters._backend import StrategyBase
 from adapters._common import unwrapped_toolkit_errors
 from adapters.horovod_tf.models.keras_native import KerasNative
 from adapters.horovod_tf.models.spec import spec_forward
-from adapters.horovod_tf.ops import TFOps, TFState, clip_by_norm, sum_squares
+from adapters.horovod_tf.ops import TFOps, TFState, clip_by_norm, sum_squares, update_if_finite
 from adapters.horovod_tf.update import apply_update
 
 
@@ -38,6 +39,7 @@ class TFDataParallel(StrategyBase):
     """``toolkit.DataParallel`` for ``horovod-tf`` (see :class:`toolkit.Adapter`)."""
 
     clips = True  # build takes clip_grad_norm; train_step sets grad_norm
+    skips = True  # build takes skip_nonfinite; train_step sets skipped
 
     def __init__(self, runtime, layout):
         super().__init__(runtime, layout)
@@ -46,9 +48,10 @@ class TFDataParallel(StrategyBase):
     # -------------------------------------------------------------------------- build
     def build(self, model: Any, optimizer: Any, loss: Any, *, seed: int = 0,
               accumulation_steps: int = 1, sync_batchnorm: bool = False,
-              metrics: Any = None, clip_grad_norm: float | None = None) -> None:
+              metrics: Any = None, clip_grad_norm: float | None = None,
+              skip_nonfinite: bool = False) -> None:
         tf = self.tf
-        self.clip = clip_grad_norm
+        self.clip, self.skip_nonfinite = clip_grad_norm, skip_nonfinite
         self.ops = TFOps(self.runtime, model, loss, metrics)
         self.spec, self.native = model, self.ops.native
         self.accumulation_steps, self.seed = accumulation_steps, seed
@@ -102,20 +105,30 @@ class TFDataParallel(StrategyBase):
     def _step_fn(self, x, y, scalars, seeds):
         """(hook) One compiled step."""
         lr, step_size, c2_sqrt = scalars[0], scalars[1], scalars[2]  # one host copy per step
-        hvd, state = self.hvd, self.state
+        tf, hvd, state = self.tf, self.hvd, self.state
         if self.native:
             self.keras_model.reseed(seeds)
         names = state.names
         variables = [state.vars[n] for n in names]
+        kept = ([(b, tf.identity(b)) for b in state.buffers.values()]
+                if self.skip_nonfinite else [])
         grads, total = self.local_grads(x, y, variables)
         grads = [hvd.allreduce(g, op=hvd.Average, name=f"grad_{i}")
                  for i, g in enumerate(grads)]
-        grads, norm = clip_by_norm(self.tf, grads, lambda: sum_squares(self.tf, grads), self.clip)
-        if state.keras_opt is not None:
-            state.keras_opt.apply_gradients(zip(grads, variables, strict=True))
+        grads, norm = clip_by_norm(tf, grads, lambda: sum_squares(tf, grads), self.clip,
+                                   self.skip_nonfinite)
+
+        def update() -> None:
+            if state.keras_opt is not None:
+                state.keras_opt.apply_gradients(zip(grads, variables, strict=True))
+            else:
+                apply_update(tf, state.opt_spec, state.vars, state.slots,
+                             dict(zip(names, grads, strict=True)), lr, step_size, c2_sqrt)
+
+        if self.skip_nonfinite:
+            update_if_finite(tf, norm, update, kept)
         else:
-            apply_update(self.tf, state.opt_spec, state.vars, state.slots,
-                         dict(zip(names, grads, strict=True)), lr, step_size, c2_sqrt)
+            update()
         return total, norm
 
     def _eval_fn(self, x, y):
@@ -129,9 +142,19 @@ class TFDataParallel(StrategyBase):
                  if self.native else self._no_seeds)
         with unwrapped_toolkit_errors():
             loss, norm = self._step(*self.ops.inputs(x, y), scalars, seeds)
-        self.grad_norm = None if self.clip is None else norm  # (computed when clipping)
+        self._note_norm(norm)
         self.state.steps += 1
         return loss  # a scalar tensor: the Trainer converts it when it averages losses
+
+    def _note_norm(self, norm: Any) -> None:
+        """The step's gradient norm for the Trainer (computed when clipping or skipping), and
+        under ``skip_nonfinite`` whether the step was skipped (read on the host: one copy per
+        step), which then does not count as an optimizer step."""
+        self.grad_norm = norm if self.clip is not None or self.skip_nonfinite else None
+        if self.skip_nonfinite:
+            self.skipped = not math.isfinite(float(norm))
+            if self.skipped:
+                self.state.count -= 1
 
     def evaluate(self, x: np.ndarray, y: np.ndarray) -> dict[str, float]:
         with unwrapped_toolkit_errors():

@@ -49,7 +49,7 @@ from typing import Any
 import numpy as np
 
 from adapters.horovod_tf.models.units import unit_functions
-from adapters.horovod_tf.ops import clip_by_norm, sum_squares
+from adapters.horovod_tf.ops import clip_by_norm, sum_squares, update_if_finite
 from toolkit import GPT, SGD, Sharded
 from toolkit.models.reference import optimizer_slots
 from toolkit.parallel.shards import FlatLayout, unit_layouts
@@ -76,9 +76,9 @@ class ShardedTF:
 
     def __init__(self, runtime: Any, layout: Sharded, spec: Any, optimizer: Any,
                  init: dict[str, np.ndarray], local_grads: Callable,
-                 clip: float | None = None):
+                 clip: float | None = None, skip: bool = False):
         tf, hvd = runtime.tf, runtime.hvd
-        self.clip = clip
+        self.clip, self.skip = clip, skip
         self.tf, self.hvd, self.local_grads = tf, hvd, local_grads
         self.dtype, self.np_dtype = runtime.dtype, runtime.dtype_name
         self.stage, self.spec, self.opt = layout.stage, spec, optimizer
@@ -216,19 +216,27 @@ class ShardedTF:
                 sq = hvd.allreduce(tf.reshape(sq, [1]), op=hvd.Sum, name="zero.grad_norm")[0]
             return sq
 
-        grads, norm = clip_by_norm(tf, grads, squares, self.clip)
+        grads, norm = clip_by_norm(tf, grads, squares, self.clip, self.skip)
         for u, g in zip(self.units, grads, strict=True):
             self.grads[u].assign(g)
-            if self.stage == 3:
-                self.params[u].assign(self._update(u, tf.convert_to_tensor(self.params[u]),
-                                                   g, lr, step_size, c2_sqrt))
-                continue
-            if self.stage == 1:
-                lo = self.rank * self.layouts[u].shard_size
-                g = g[lo:lo + self.layouts[u].shard_size]
-            new = self._update(u, self._owned(u, self.vars), g, lr, step_size, c2_sqrt)
-            for n, t in self._unflatten(u, hvd.allgather(new)).items():
-                self.vars[n].assign(t)
+
+        def update() -> None:
+            for u, g in zip(self.units, grads, strict=True):
+                if self.stage == 3:
+                    self.params[u].assign(self._update(u, tf.convert_to_tensor(self.params[u]),
+                                                       g, lr, step_size, c2_sqrt))
+                    continue
+                if self.stage == 1:
+                    lo = self.rank * self.layouts[u].shard_size
+                    g = g[lo:lo + self.layouts[u].shard_size]
+                new = self._update(u, self._owned(u, self.vars), g, lr, step_size, c2_sqrt)
+                for n, t in self._unflatten(u, hvd.allgather(new)).items():
+                    self.vars[n].assign(t)
+
+        if self.skip:  # the norm is global: every rank takes the same branch
+            update_if_finite(tf, norm, update, [])
+        else:
+            update()
         return total, norm
 
     def _update(self, unit, p, g, lr, step_size, c2_sqrt):

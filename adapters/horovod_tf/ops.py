@@ -182,17 +182,31 @@ class TFState:
                 "optimizer": sum(to_host(v).nbytes for v in self.slots.values())}
 
 
+def update_if_finite(tf, norm, update: Callable[[], None], keep: list) -> None:
+    """Inside a compiled step: ``update()`` when the gradient ``norm`` is finite; otherwise no
+    update, and each ``(variable, value)`` of ``keep`` (a BatchNorm statistic and its value
+    before the forward pass moved it) is assigned back."""
+    def skip():
+        for variable, before in keep:
+            variable.assign(before)
+
+    tf.cond(tf.math.is_finite(norm), update, skip)
+
+
 def sum_squares(tf, grads: list) -> Any:
     """The sum of the squares of every element of ``grads``."""
     return tf.add_n([tf.reduce_sum(tf.square(g)) for g in grads])
 
 
-def clip_by_norm(tf, grads: list, sum_sq: Callable[[], Any], clip: float | None):
+def clip_by_norm(tf, grads: list, sum_sq: Callable[[], Any], clip: float | None,
+                 need_norm: bool = False):
     """``(grads scaled by clip / max(norm, clip), norm)`` for the whole gradient's
     ``sum_sq()`` (``toolkit.models.reference.clip_scale``); ``clip`` None: ``grads`` as they
-    are and a zero for the norm, which is not computed."""
-    if clip is None:
+    are, and the norm only with ``need_norm`` (skipping non-finite steps), else a zero."""
+    if clip is None and not need_norm:
         return grads, tf.zeros(())
     norm = tf.sqrt(sum_sq())
+    if clip is None:
+        return grads, norm
     scale = clip / tf.maximum(norm, clip)
     return [g * tf.cast(scale, g.dtype) for g in grads], norm

@@ -126,8 +126,9 @@ class TFPipeline(HvdPipeline):
     # ------------------------------------------------------------------------------ build
     def build(self, model: Any, optimizer: Any, loss: Any, *, seed: int = 0,
               accumulation_steps: int = 1, sync_batchnorm: bool = False,
-              metrics: Any = None, clip_grad_norm: float | None = None) -> None:
-        self.clip = clip_grad_norm
+              metrics: Any = None, clip_grad_norm: float | None = None,
+              skip_nonfinite: bool = False) -> None:
+        self.clip, self.skip_nonfinite = clip_grad_norm, skip_nonfinite
         check_build("horovod-tf", optimizer, accumulation_steps, sync_batchnorm)
         self.ops = TFOps(self.runtime, model, loss, metrics)
         self.metric_names, self.seed = tuple(self.ops.metrics), seed
@@ -326,7 +327,10 @@ class TFPipeline(HvdPipeline):
         loss = self._run_rounds()
         grads = self.reduced or {n: self._tensor(self.sums[n]) if n in self.sums else
                                  tf.zeros_like(state.vars[n]) for n in state.names}
-        self.update(grads, scalars)
+        if self.skipped:  # no update: the optimizer's count goes back too
+            state.count -= 1
+        else:
+            self.update(grads, scalars)
         self.steps += 1
         self.xs = self.ys = self.reduced = self.sums = grads = None
         return loss

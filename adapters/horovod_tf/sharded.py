@@ -49,7 +49,7 @@ class TFSharded(TFDataParallel):
         """Rank 0's initial parameters, cut into this rank's shards (``ShardedTF``)."""
         self.shards = ShardedTF(self.runtime, self.layout, model, optimizer,
                                 model.init(seed, self.runtime.dtype_name), self.local_grads,
-                                clip=self.clip)
+                                clip=self.clip, skip=self.skip_nonfinite)
         self.state.vars = self.shards.vars  # stages 1/2: the full parameters; 3: none
         self.state.opt_spec = optimizer
 

@@ -32,6 +32,7 @@ from adapters.horovod_torch.ops import (
     TorchOps,
     clip_by_norm,
     make_optimizer,
+    nonfinite,
     set_lr,
     zero_slots,
 )
@@ -44,6 +45,7 @@ class TorchDataParallel(StrategyBase):
     """``toolkit.DataParallel`` for ``horovod-torch`` (see :class:`toolkit.Adapter`)."""
 
     clips = True  # build takes clip_grad_norm; train_step sets grad_norm
+    skips = True  # build takes skip_nonfinite; train_step sets skipped
 
     scheduler = None  # a torch LR scheduler given with a native optimizer, after build
 
@@ -54,9 +56,10 @@ class TorchDataParallel(StrategyBase):
     # -------------------------------------------------------------------------- build
     def build(self, model: Any, optimizer: Any, loss: Any, *, seed: int = 0,
               accumulation_steps: int = 1, sync_batchnorm: bool = False,
-              metrics: Any = None, clip_grad_norm: float | None = None) -> None:
+              metrics: Any = None, clip_grad_norm: float | None = None,
+              skip_nonfinite: bool = False) -> None:
         torch = self.torch
-        self.clip = clip_grad_norm
+        self.clip, self.skip_nonfinite = clip_grad_norm, skip_nonfinite
         self.ops = TorchOps(self.runtime, loss, metrics)
         self.accumulation_steps, self.seed = accumulation_steps, seed
         self.native = not isinstance(model, ModelSpec)
@@ -112,16 +115,19 @@ class TorchDataParallel(StrategyBase):
 
     def _apply(self, lr: float | None) -> None:
         """(hook) The update with this step's learning rate; when clipping, the averaged
-        gradients are clipped by their norm first (Horovod's documented way to clip)."""
+        gradients are clipped by their norm first (Horovod's documented way to clip); with
+        ``skip_nonfinite``, no update when that norm is not finite (``skipped``)."""
         set_lr(self.opt, lr)
-        if self.clip is None:  # (the norm costs 4-7% of a small CPU step: only when clipping)
-            self.opt.step()
+        if self.clip is None and not self.skip_nonfinite:  # (the norm costs 4-7% of a small
+            self.opt.step()  # CPU step: only when clipping or skipping)
             return
         self.opt.synchronize()
         grads = [p.grad for p in self.net.parameters() if p.grad is not None]
         self.grad_norm = clip_by_norm(self.torch, grads, self.clip)
-        with self.opt.skip_synchronize():
-            self.opt.step()
+        self.skipped = self.skip_nonfinite and nonfinite(self.torch, self.grad_norm)
+        if not self.skipped:
+            with self.opt.skip_synchronize():
+                self.opt.step()
 
     # -------------------------------------------------------------------------- steps
     def train_step(self, x: np.ndarray, y: np.ndarray, lr: float | None) -> float:
@@ -130,6 +136,8 @@ class TorchDataParallel(StrategyBase):
         self.net.train()
         xt, yt = self.ops.tensors(x, y)
         k = self.accumulation_steps
+        # (a skipped step keeps the BatchNorm statistics its forward passes moved)
+        kept = [b.clone() for _, b in self.buffers] if self.skip_nonfinite else []
         self._zero_grad()
         total = 0.0
         for xc, yc in zip(xt.chunk(k), yt.chunk(k), strict=True):
@@ -140,6 +148,10 @@ class TorchDataParallel(StrategyBase):
             loss.backward()
             total += loss.item()
         self._apply(lr)
+        if self.skipped:
+            with self.torch.no_grad():
+                for (_, b), old in zip(self.buffers, kept, strict=True):
+                    b.copy_(old)
         if self.scheduler is not None:
             self.scheduler.step()
         self.steps += 1

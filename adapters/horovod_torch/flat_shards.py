@@ -250,21 +250,25 @@ class ShardedParameters:
         for g in self.grads:
             g.zero_()
 
-    def step(self, lr: float, clip: float | None = None):
+    def step(self, lr: float, clip: float | None = None, skip: bool = False):
         """Reduces (stage 1), clips by the global norm, updates this rank's shards,
         re-assembles (stages 1/2). Returns the gradient's norm before clipping (a tensor; None
-        without ``clip``)."""
+        without ``clip`` or ``skip``). With ``skip``, a non-finite norm updates nothing (the
+        same on every rank: the norm is global)."""
         torch, hvd, spec = self.torch, self.hvd, self.spec
         if self.stage == 1:
             hvd.grouped_allreduce_(self.grads, op=hvd.Average, name="zero.grads")
         norm = None
-        if clip is not None:  # stage 1: every rank holds the whole gradient; 2 and 3: its
-            # shards (zero padding), whose squares add up across ranks
+        if clip is not None or skip:  # stage 1: every rank holds the whole gradient; 2 and
+            # 3: its shards (zero padding), whose squares add up across ranks
             sq = torch.stack([g.square().sum() for g in self.grads]).sum().reshape(1)
             if self.stage > 1:
                 sq = hvd.allreduce(sq, op=hvd.Sum, name="zero.grad_norm")
             norm = sq.sqrt()[0]
-            torch._foreach_mul_(self.grads, clip / torch.clamp(norm, min=clip))
+            if skip and not bool(torch.isfinite(norm)):
+                return norm
+            if clip is not None:
+                torch._foreach_mul_(self.grads, clip / torch.clamp(norm, min=clip))
         step_size, c2_sqrt = 0.0, 1.0
         if isinstance(spec, Adam):
             self.count += 1

@@ -53,8 +53,9 @@ class TorchPipeline(HvdPipeline):
     # ------------------------------------------------------------------------------ build
     def build(self, model: Any, optimizer: Any, loss: Any, *, seed: int = 0,
               accumulation_steps: int = 1, sync_batchnorm: bool = False,
-              metrics: Any = None, clip_grad_norm: float | None = None) -> None:
-        self.clip = clip_grad_norm
+              metrics: Any = None, clip_grad_norm: float | None = None,
+              skip_nonfinite: bool = False) -> None:
+        self.clip, self.skip_nonfinite = clip_grad_norm, skip_nonfinite
         torch, hvd = self.torch, self.hvd
         check_build("horovod-torch", optimizer, accumulation_steps, sync_batchnorm)
         self.ops = TorchOps(self.runtime, loss, metrics)
@@ -152,7 +153,8 @@ class TorchPipeline(HvdPipeline):
         self.xs, self.ys = xt.chunk(M), yt.chunk(M)
         self.opt.zero_grad(set_to_none=False)
         loss = self._run_rounds()
-        self.opt.step()
+        if not self.skipped:
+            self.opt.step()
         self.steps += 1
         self.xs = self.ys = None
         return loss

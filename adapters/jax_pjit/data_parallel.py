@@ -12,6 +12,7 @@ from adapters._jax.strategy import (
     LocalMean,
     apply_optimizer,
     clip_by_norm,
+    keep_if_finite,
     squares,
 )
 from toolkit import ToolkitError
@@ -22,9 +23,10 @@ class PjitDataParallel(JaxStrategy):
 
     def build(self, model: Any, optimizer: Any, loss: Any, *, seed: int = 0,
               accumulation_steps: int = 1, sync_batchnorm: bool = False,
-              metrics: Any = None, clip_grad_norm: float | None = None) -> None:
+              metrics: Any = None, clip_grad_norm: float | None = None,
+              skip_nonfinite: bool = False) -> None:
         self._compiled_for = None  # the step compiles anew for this model
-        self.clip = clip_grad_norm
+        self.clip, self.skip_nonfinite = clip_grad_norm, skip_nonfinite
         self._build_layout(model, optimizer, loss, seed, accumulation_steps, metrics)
 
     def _build_layout(self, model, optimizer, loss, seed, accumulation_steps, metrics) -> None:
@@ -59,9 +61,14 @@ class PjitDataParallel(JaxStrategy):
         # One program over the global batch: BatchNorm statistics span every rank's samples
         # (synchronised by construction) and dropout masks do not depend on the world size.
         key = self.jax.random.PRNGKey(seed)
+        before = (params, opt_state, model_state)
         grads, losses, model_state = self._accumulated_grads(params, model_state, x, y, key)
-        grads, norm = clip_by_norm(self.jnp, grads, lambda: squares(self.jnp, grads), self.clip)
+        grads, norm = clip_by_norm(self.jnp, grads, lambda: squares(self.jnp, grads), self.clip,
+                                   self.skip_nonfinite)
         params, opt_state = apply_optimizer(self.tx, grads, opt_state, params, scalars)
+        if self.skip_nonfinite:
+            params, opt_state, model_state = keep_if_finite(
+                self.jnp, norm, (params, opt_state, model_state), before)
         return params, opt_state, model_state, losses, norm
 
     def _local_rows(self) -> int:
@@ -102,8 +109,7 @@ class PjitDataParallel(JaxStrategy):
         out = self._run_step(self._jstep, (self.params, self.opt_state, self.model_state, x, y,
                                            self.optimizer_scalars(lr), self._step_seed()))
         self.params, self.opt_state, self.model_state, losses = out[:4]
-        # (computed when clipping) replicated: float() reads this process's copy
-        self.grad_norm = None if self.clip is None else out[-1]
+        self.note_norm(out[-1])  # replicated: float() reads this process's copy
         self._keep(out)
         # Per-sample losses stay sharded like the batch: this process's shards are its samples,
         # each once (a shard is on every device of its data row's ``model`` group).

@@ -12,6 +12,7 @@ from adapters._jax.strategy import (
     LocalMean,
     apply_optimizer,
     clip_by_norm,
+    keep_if_finite,
     squares,
 )
 from toolkit import ToolkitError
@@ -22,9 +23,10 @@ class PmapDataParallel(JaxStrategy):
 
     def build(self, model: Any, optimizer: Any, loss: Any, *, seed: int = 0,
               accumulation_steps: int = 1, sync_batchnorm: bool = False,
-              metrics: Any = None, clip_grad_norm: float | None = None) -> None:
+              metrics: Any = None, clip_grad_norm: float | None = None,
+              skip_nonfinite: bool = False) -> None:
         self._compiled_for = None  # the step compiles anew for this model
-        self.clip = clip_grad_norm
+        self.clip, self.skip_nonfinite = clip_grad_norm, skip_nonfinite
         jax = self.jax
         from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
@@ -49,15 +51,20 @@ class PmapDataParallel(JaxStrategy):
         lax = self.jax.lax
         # Each device draws its own dropout masks: the key folds in the device's index.
         key = self.jax.random.fold_in(self.jax.random.PRNGKey(seed), lax.axis_index("batch"))
+        before = (params, opt_state, model_state)
         grads, losses, model_state = self._accumulated_grads(params, model_state, x, y, key)
         total = self.jnp.mean(losses)
         grads = lax.pmean(grads, axis_name="batch")
-        grads, norm = clip_by_norm(self.jnp, grads, lambda: squares(self.jnp, grads), self.clip)
+        grads, norm = clip_by_norm(self.jnp, grads, lambda: squares(self.jnp, grads), self.clip,
+                                   self.skip_nonfinite)
         # BatchNorm statistics are averaged over every device (of every process) each step, so
         # the replicas never drift apart (a module built with axis_name="batch" syncs them in
         # the forward pass already; then this changes nothing).
         model_state = lax.pmean(model_state, axis_name="batch")
         params, opt_state = apply_optimizer(self.tx, grads, opt_state, params, scalars)
+        if self.skip_nonfinite:
+            params, opt_state, model_state = keep_if_finite(
+                self.jnp, norm, (params, opt_state, model_state), before)
         return params, opt_state, model_state, total, norm
 
     def train_step(self, x: np.ndarray, y: np.ndarray, lr: float | None) -> float:
@@ -77,8 +84,7 @@ class PmapDataParallel(JaxStrategy):
                 self.optimizer_scalars(lr), self._step_seed())
         out = self._run_step(self._pstep, args, ahead=False)
         self.params, self.opt_state, self.model_state, losses = out[:4]
-        # (computed when clipping) the same on every device
-        self.grad_norm = None if self.clip is None else LocalMean([out[-1]])
+        self.note_norm(LocalMean([out[-1]]))  # the same on every device
         self._keep(out)
         return LocalMean([losses])  # one mean per device, of equal shares
 

@@ -34,7 +34,7 @@ from adapters._jax.flat_units import (
     unit_forward,
     unit_named,
 )
-from adapters._jax.strategy import apply_optimizer, clip_by_norm, squares
+from adapters._jax.strategy import apply_optimizer, clip_by_norm, keep_if_finite, squares
 from adapters.jax_pmap.data_parallel import PmapDataParallel
 from toolkit import ToolkitError
 from toolkit.models.reference import optimizer_slots
@@ -127,6 +127,7 @@ class PmapSharding:
         key = jax.random.fold_in(jax.random.PRNGKey(seed), index)
         stage = self.layout.stage
         forward = self._fsdp_forward if stage == 3 else self._flat_forward
+        before, skip = (params, opt_state, model_state), self.skip_nonfinite
         grads, losses, model_state = self._accumulated_grads(params, model_state, x, y, key,
                                                              forward=forward)
 
@@ -138,23 +139,27 @@ class PmapSharding:
         if stage == 3:  # the all-gathers' transposes summed every device's gradient
             grads = tmap(lambda g: g / n, grads)
             grads, norm = clip_by_norm(jnp, grads, lambda: lax.psum(squares(jnp, grads), AXIS),
-                                       self.clip)
+                                       self.clip, skip)
             params, opt_state = apply_optimizer(self.tx, grads, opt_state, params, scalars)
         else:
             if stage == 1:  # the full gradient on every device
                 grads = lax.pmean(grads, AXIS)
-                grads, norm = clip_by_norm(jnp, grads, lambda: squares(jnp, grads), self.clip)
+                grads, norm = clip_by_norm(jnp, grads, lambda: squares(jnp, grads), self.clip,
+                                           skip)
                 shard = {u: mine(g, u) for u, g in grads.items()}
             else:  # each device's shard (zero padding)
                 grads = tmap(lambda g: lax.psum_scatter(g, AXIS, tiled=True) / n, grads)
                 grads, norm = clip_by_norm(jnp, grads, lambda: lax.psum(squares(jnp, grads), AXIS),
-                                           self.clip)
+                                           self.clip, skip)
                 shard = grads
             updated, opt_state = apply_optimizer(self.tx, shard, opt_state,
                                                  {u: mine(p, u) for u, p in params.items()},
                                                  scalars)
             params = tmap(lambda s: lax.all_gather(s, AXIS, tiled=True), updated)
         model_state = lax.pmean(model_state, AXIS)
+        if skip:
+            params, opt_state, model_state = keep_if_finite(
+                jnp, norm, (params, opt_state, model_state), before)
         return params, opt_state, model_state, self.jnp.mean(losses), grads, norm
 
     # ------------------------------------------------------------------ host side

@@ -34,11 +34,13 @@ def main() -> None:
     p.add_argument("--batch-size", type=int, default=64, help="global")
     p.add_argument("--mlp", default="64,32,10", help="the digits MLP's widths")
     p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--nan-at", type=int, default=None, help="poison a sample of this step")
+    p.add_argument("--nan-at", default=None, help="poison a sample of these steps (1,2,...)")
     p.add_argument("--poison", type=float, default=float("nan"), help="the poisoned value")
     p.add_argument("--divergence-factor", type=float, default=None)
     p.add_argument("--clip-grad-norm", type=float, default=None)
     p.add_argument("--divergence-window", type=int, default=20)
+    p.add_argument("--on-nonfinite", default="stop")
+    p.add_argument("--max-consecutive-skips", type=int, default=5)
     args = p.parse_args()
 
     if args.model == "gpt":  # the equivalence preset: 2 blocks, width 32, 16-byte windows
@@ -51,7 +53,10 @@ def main() -> None:
         batches = toolkit.GlobalBatchSampler(len(x), args.batch_size, world_size=1, rank=0,
                                              shuffle=True, seed=0)
         x = np.array(x)
-        x[next(idx for k, idx in enumerate(batches, 1) if k == args.nan_at)[0]] = args.poison
+        poisoned = {int(k) for k in args.nan_at.split(",")}
+        for k, idx in enumerate(batches, 1):
+            if k in poisoned:
+                x[idx[0]] = args.poison
     adapter = adapters.get(args.backend)
     trainer = toolkit.Trainer(
         adapter, model, toolkit.Adam(lr=args.lr), global_batch_size=args.batch_size,
@@ -60,7 +65,8 @@ def main() -> None:
         checkpoint_every=args.checkpoint_every, resume=args.resume,
         async_checkpoint=args.async_checkpoint, metrics_log=args.metrics_log, progress=False,
         divergence_factor=args.divergence_factor, divergence_window=args.divergence_window,
-        clip_grad_norm=args.clip_grad_norm)
+        clip_grad_norm=args.clip_grad_norm, on_nonfinite=args.on_nonfinite,
+        max_consecutive_skips=args.max_consecutive_skips)
     if args.kill_after is not None:
         real_save = trainer.save_checkpoint
 

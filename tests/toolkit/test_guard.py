@@ -87,3 +87,38 @@ def test_the_error_names_the_step_the_value_and_the_last_good_checkpoint(tmp_pat
     none = TrainingDiverged(3, 1e9, "stayed above 10 x its best (2) for 5 steps", None)
     assert "(no checkpoint was written before it)" in str(none)
     assert "smaller learning rate" in none.hint
+
+
+def test_skipped_steps_pass_until_more_than_the_limit_in_a_row():
+    guard = DivergenceGuard(max_consecutive_skips=2)
+    nan = math.nan
+    # two skipped in a row, then a good step resets the count; their NaN losses do not stop
+    assert guard.check(0, [2.0, nan, nan, 1.9], [1.0, nan, nan, 1.0],
+                       [False, True, True, False]) is None
+    assert guard.check(4, [nan, nan], [nan, nan], [True, True]) is None
+    step, loss, why = guard.check(6, [nan, 1.8], [nan, 1.0], [True, False])
+    assert step == 7 and math.isnan(loss)
+    assert why == ("is not finite, and 3 consecutive steps were skipped "
+                   "(max_consecutive_skips=2)")
+
+
+def test_a_non_finite_loss_that_was_not_skipped_still_stops():
+    """A skipped step is one whose gradient norm was not finite; an infinite loss with a finite
+    gradient was applied, and stops the run as without skipping."""
+    guard = DivergenceGuard(max_consecutive_skips=5)
+    assert guard.check(0, [2.0, math.inf], [1.0, 1.0], [False, False]) == (
+        2, math.inf, "is not finite")
+
+
+def test_no_skip_allowed_stops_at_the_first_skipped_step():
+    assert DivergenceGuard(max_consecutive_skips=0).check(3, [math.nan], [math.nan], [True]) \
+        == (4, pytest.approx(math.nan, nan_ok=True), "is not finite, and a step was skipped "
+            "(max_consecutive_skips=0)")
+
+
+@pytest.mark.parametrize("limit", [-1, 1.5, True, "3"])
+def test_a_skip_limit_that_is_not_a_whole_number_is_refused(limit):
+    with pytest.raises(ToolkitError) as err:
+        DivergenceGuard(max_consecutive_skips=limit)
+    assert str(err.value) == (f"max_consecutive_skips={limit!r} is not a whole number >= 0\n"
+                              "HINT: use e.g. 5: more consecutive skipped steps stop the run")

@@ -24,10 +24,11 @@ LOSSES = ("cross_entropy", "mse")
 DTYPES = ("float32", "float64")
 
 
-def check_choice(kind: str, value: object, valid: tuple[str, ...]) -> None:
-    """Raises a ToolkitError naming ``value`` when it is not one of ``valid``."""
+def check_choice(kind: str, value: object, valid: tuple[str, ...]) -> object:
+    """``value``; a ToolkitError naming it when it is not one of ``valid``."""
     if value not in valid:
         raise ToolkitError(f"unknown {kind} {value!r}", f"use one of: {', '.join(valid)}")
+    return value
 
 
 @dataclasses.dataclass(frozen=True)

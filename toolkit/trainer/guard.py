@@ -41,9 +41,13 @@ class DivergenceGuard:
             ``window`` consecutive steps counts as divergence (for losses that are positive,
             as cross-entropy and squared error are). None: only non-finite losses stop.
         window: how many consecutive steps above the factor stop the run.
+        max_consecutive_skips: under ``on_nonfinite="skip"``, more consecutive skipped steps
+            (steps whose gradient norm was not finite, so that nothing was updated) than this
+            stop the run.
     """
 
-    def __init__(self, factor: float | None = None, window: int = 20):
+    def __init__(self, factor: float | None = None, window: int = 20,
+                 max_consecutive_skips: int = 5):
         if factor is not None and not (isinstance(factor, int | float) and math.isfinite(factor)
                                        and factor > 1):
             raise ToolkitError(f"divergence_factor={factor!r} is not a number above 1",
@@ -53,17 +57,33 @@ class DivergenceGuard:
             raise ToolkitError(f"divergence_window={window!r} is not a whole number >= 1",
                                "use the number of consecutive steps the loss must stay above "
                                "divergence_factor x its best, e.g. 20")
+        if not isinstance(max_consecutive_skips, int) or isinstance(max_consecutive_skips, bool) \
+                or max_consecutive_skips < 0:
+            raise ToolkitError(f"max_consecutive_skips={max_consecutive_skips!r} is not a whole "
+                               "number >= 0", "use e.g. 5: more consecutive skipped steps stop "
+                               "the run")
         self.factor, self.window = factor, window
+        self.max_skips = max_consecutive_skips
         self.best = math.inf
         self.above = 0  # consecutive steps above factor x best
+        self.skips = 0  # consecutive skipped steps
 
-    def check(self, first_step: int, losses: Sequence[float],
-              norms: Sequence[float] = ()) -> tuple[int, float, str] | None:
+    def check(self, first_step: int, losses: Sequence[float], norms: Sequence[float] = (),
+              skipped: Sequence[bool] = ()) -> tuple[int, float, str] | None:
         """``(step, loss, why)`` of the first diverged step among ``losses`` (the steps after
-        ``first_step``) and their gradient ``norms`` (where the backend reports them), or
-        None."""
+        ``first_step``), their gradient ``norms`` (where the backend reports them) and
+        whether each was ``skipped``, or None."""
         for i, loss in enumerate(losses):
             step, loss = first_step + i + 1, float(loss)
+            if i < len(skipped) and skipped[i]:
+                self.skips += 1
+                if self.skips > self.max_skips:
+                    many = f"{self.skips} consecutive steps were" if self.skips > 1 \
+                        else "a step was"
+                    return step, loss, (f"is not finite, and {many} skipped "
+                                        f"(max_consecutive_skips={self.max_skips})")
+                continue
+            self.skips = 0
             if not math.isfinite(loss):
                 return step, loss, "is not finite"
             if i < len(norms) and not math.isfinite(norms[i]):

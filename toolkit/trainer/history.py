@@ -24,7 +24,10 @@ class History:
             ``seconds``.
         first_step: the global step the run started from (non-zero after a resume).
         world_size: how many ranks ran it.
-        grad_norms: with ``clip_grad_norm``, each step's gradient norm before clipping.
+        grad_norms: with ``clip_grad_norm`` (or ``on_nonfinite="skip"``), each step's
+            gradient norm before clipping.
+        skipped_steps: under ``on_nonfinite="skip"``, the steps that updated nothing because
+            their gradient norm was not finite.
     """
 
     losses: list[float] = dataclasses.field(default_factory=list)
@@ -32,6 +35,7 @@ class History:
     first_step: int = 0
     world_size: int = 1
     grad_norms: list[float] = dataclasses.field(default_factory=list)
+    skipped_steps: list[int] = dataclasses.field(default_factory=list)
 
     @property
     def final_loss(self) -> float:

@@ -20,9 +20,11 @@ class StepLosses:
         self.history, self.guard, self.log = history, guard, log
         self.pending: list[Any] = []  # local step losses not yet averaged across ranks
         self.norms: list[Any] = []  # their gradient norms (the same on every rank)
+        self.skipped: list[bool] = []  # whether each step was skipped (on_nonfinite="skip")
 
-    def add(self, loss: Any, norm: Any = None) -> None:
+    def add(self, loss: Any, norm: Any = None, skipped: bool = False) -> None:
         self.pending.append(loss)
+        self.skipped.append(skipped)
         if norm is not None:
             self.norms.append(norm)
 
@@ -44,10 +46,14 @@ class StepLosses:
         first = step - len(pending)
         history.losses.extend(float(v) for v in averaged)
         norms = [float(v) for v in self.norms] if len(self.norms) == len(pending) else []
+        skipped = list(self.skipped)
         history.grad_norms.extend(norms)
+        history.skipped_steps.extend(first + i + 1 for i, s in enumerate(skipped) if s)
         self.log.write({"event": "step", "step": first + i + 1, "loss": float(v),
-                        **({"grad_norm": norms[i]} if norms else {})}
+                        **({"grad_norm": norms[i]} if norms else {}),
+                        **({"skipped": True} if skipped[i] else {})}
                        for i, v in enumerate(averaged))
         pending.clear()
         self.norms.clear()
-        return self.guard.check(first, averaged, norms)
+        self.skipped.clear()
+        return self.guard.check(first, averaged, norms, skipped)

@@ -58,11 +58,9 @@ class Trainer:
         metrics: evaluation metrics, ``name -> fn(outputs, labels) -> per-sample values`` in
             the backend's framework; evaluation reports ``val_<name>``, the mean over every
             sample (summed per rank, added across ranks: exact at any world size).
-        sync_batchnorm: compute BatchNorm statistics over the global batch (torch: the model's
-            BatchNorm layers become a synchronised BatchNorm; jax-pjit always does; jax-pmap
-            averages the statistics every step). Without it, each rank normalises with its own
-            samples' statistics and rank 0's running statistics are used for evaluation and
-            checkpoints.
+        sync_batchnorm: BatchNorm statistics over the global batch (jax-pjit always; jax-pmap
+            averages them every step); without it each rank normalises with its own samples'
+            and rank 0's running statistics are evaluated and checkpointed.
         global_batch_size: samples per step over all ranks; the world size must divide it.
         epochs: passes over the training data (ignored when ``max_steps`` is given).
         max_steps: stop after this many global steps instead.
@@ -85,14 +83,12 @@ class Trainer:
         async_checkpoint: write checkpoints in a background thread.
         allow_changes: resume even when the settings that define the trajectory (model,
             optimizer and schedule, global batch, seed, shuffling, lr scaling) differ from the
-            checkpoint's; the changes are printed and recorded. Without it such a resume stops
-            with the list of differences. Backend, layout and world size may always change.
+            checkpoint's (printed and recorded); without it such a resume stops with the list.
         metrics_log: a JSON-lines file rank 0 appends step and epoch records to.
         log_every: also print a line every this many steps (0: once per epoch).
         progress: show a progress line on rank 0 when stderr is a terminal.
-        stop_signals: with a checkpoint directory, these signals (what ``sbatch --signal``,
-            ``srun --signal``, ``scancel --signal`` and a time limit send, and Ctrl-C) make
-            every rank finish its current step, write a checkpoint and raise
+        stop_signals: with a checkpoint directory, these signals (Slurm's ``--signal``, a time
+            limit, Ctrl-C) make every rank finish its step, write a checkpoint and raise
             :class:`TrainingPreempted`. Pass ``()`` to install none.
         stop_check_every: ranks agree on stopping (a signal may reach ranks at different
             steps) and average their step losses every this many steps, one tiny allreduce
@@ -101,11 +97,14 @@ class Trainer:
             (:class:`toolkit.trainer.guard.TrainingDiverged`, exit status 3 under
             ``toolkit.run``) before any checkpoint is written from that state; with a factor,
             so does a loss above ``factor`` x its best for ``divergence_window`` steps.
+        on_nonfinite, max_consecutive_skips: ``"skip"``: a step whose gradient norm (over the
+            whole model, the same on every rank) is not finite updates nothing (parameters,
+            optimizer state and count, BatchNorm statistics) and the sampler moves on; more
+            than ``max_consecutive_skips`` such steps in a row stop the run as above.
         prefetch: ``True`` loads the next local batch in a background thread during the step,
             ``False`` when its step starts, ``"auto"`` the thread unless the data are numpy
             arrays in memory; ``trainer.prefetch_stats`` says how much loading time it hid.
-        eval_batch_size: samples per ``adapter.evaluate`` call on each rank, so evaluating a
-            large data set never builds one huge array.
+        eval_batch_size: samples per ``adapter.evaluate`` call on each rank.
         env: the launch environment; detected when omitted.
     """
 
@@ -143,6 +142,8 @@ class Trainer:
         stop_check_every: int = 10,
         divergence_factor: float | None = None,
         divergence_window: int = 20,
+        on_nonfinite: str = "stop",
+        max_consecutive_skips: int = 5,
         prefetch: bool | str = "auto",
         eval_batch_size: int = 1024,
         env: LaunchEnv | None = None,
@@ -158,7 +159,7 @@ class Trainer:
             keep=keep, resume=resume, async_write=async_checkpoint, allow_changes=allow_changes)
         self.adapter = adapter
         self.model, self.optimizer, self.loss = model, optimizer, loss
-        self.sync_batchnorm = sync_batchnorm
+        self.sync_batchnorm, self.device = sync_batchnorm, check_choice("device", device, DEVICES)
         self.metrics = check_metrics(metrics, builtin_accuracy=loss == "cross_entropy")
         self.layout = resolve_layout(layout, adapter)
         self.global_batch_size = global_batch_size
@@ -166,8 +167,6 @@ class Trainer:
         self.seed, self.shuffle, self.drop_last = seed, shuffle, drop_last
         self.lr_scaling, self.accumulation_steps = lr_scaling, accumulation_steps
         self.clip_grad_norm = check_clip(clip_grad_norm)
-        check_choice("device", device, DEVICES)
-        self.device = device
         self.metrics_log = Path(metrics_log) if metrics_log else None
         self.log_every, self.progress = log_every, progress
         check_signals(stop_signals)
@@ -176,7 +175,8 @@ class Trainer:
                      "the default of 1024 samples per call suits most models")
         self.stop_signals = tuple(stop_signals) if checkpoint_dir is not None else ()
         self._stop = StopAgreement(stop_check_every)
-        self._guard = DivergenceGuard(divergence_factor, divergence_window)
+        self.skip_nonfinite = check_choice("on_nonfinite", on_nonfinite, ("stop", "skip")) == "skip"
+        self._guard = DivergenceGuard(divergence_factor, divergence_window, max_consecutive_skips)
         self.prefetch, self.eval_batch_size = check_prefetch(prefetch), eval_batch_size
         self.prefetch_stats: dict[str, Any] | None = None  # of the latest fit
         self._train_data: Dataset | None = None  # its fingerprint, if any, is checkpointed
@@ -215,7 +215,8 @@ class Trainer:
                            accumulation_steps=self.accumulation_steps,
                            sync_batchnorm=self.sync_batchnorm, metrics=self.metrics,
                            **({} if self.clip_grad_norm is None
-                              else {"clip_grad_norm": self.clip_grad_norm}))
+                              else {"clip_grad_norm": self.clip_grad_norm}),
+                           **({"skip_nonfinite": True} if self.skip_nonfinite else {}))
         self.checkpoints.open(self.adapter, self.sampler, env, self.layout, self._describe_run)
         if self.checkpoints.resume is not None:
             self.global_step = self.checkpoints.restore(self._log.write) or 0
@@ -336,7 +337,8 @@ class Trainer:
                     if not _is_native(self.optimizer) else None
                 loss = self.adapter.train_step(*loader.get(idx), lr)
                 # (the norm where a backend computes it; the same on every rank)
-                self._losses.add(loss, getattr(self.adapter, "grad_norm", None))
+                self._losses.add(loss, getattr(self.adapter, "grad_norm", None),
+                                 self.skip_nonfinite and self.adapter.skipped)
                 self.global_step += 1
                 progress.update(epoch, sampler.step, len(sampler), loss)
                 if self.log_every and self.global_step % self.log_every == 0:

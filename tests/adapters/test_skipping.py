@@ -1,0 +1,94 @@
+"""``on_nonfinite="skip"`` in every backend, in this process: a step whose batch holds a NaN
+updates nothing (parameters, optimizer slots and count, BatchNorm statistics), the History
+names it, and the next step trains on. Data parallel and ZeRO-3 in all four backends, the JAX
+pipelines over two local devices, and tensor parallelism; the multi-rank layouts run in
+tests/test_divergence.py."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import adapters
+import toolkit
+from toolkit.datasets import load_digits
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "tests" / "scripts"))
+from pipeline_jax_worker import attach  # noqa: E402
+
+BATCH, NAN_AT = 32, 3
+
+
+def poisoned_digits():
+    (x, y), _ = load_digits()
+    x = np.array(x, np.float32)
+    batches = toolkit.GlobalBatchSampler(len(x), BATCH, world_size=1, rank=0, shuffle=True,
+                                         seed=0)
+    x[next(idx for k, idx in enumerate(batches, 1) if k == NAN_AT)[0]] = np.nan
+    return x, y
+
+
+def trainer_for(backend, layout, model, optimizer):
+    adapter = adapters.get(backend)
+    if layout.startswith("pipeline"):  # two stages over this process's two devices
+        adapter.setup(toolkit.current_env())
+        attach(adapter, toolkit.parse_layout(layout), samples="process")
+        layout = None
+    return adapter, toolkit.Trainer(adapter, model, optimizer, layout=layout,
+                                    global_batch_size=BATCH, max_steps=NAN_AT - 1,
+                                    progress=False, on_nonfinite="skip")
+
+
+@pytest.mark.parametrize("backend, layout, model", [
+    *[(b, layout, toolkit.MLP((64, 16, 10))) for b in adapters.BACKENDS
+      for layout in ("data", "sharded:3")],
+    ("jax-pmap", "pipeline:2:4:1f1b", toolkit.MLP((64, 16, 16, 10))),
+    ("jax-pjit", "pipeline:2:4:gpipe", toolkit.MLP((64, 16, 16, 10))),
+])
+def test_a_nan_step_updates_nothing_and_the_next_one_trains(backend, layout, model):
+    x, y = poisoned_digits()
+    adapter, trainer = trainer_for(backend, layout, model, toolkit.Adam(lr=1e-2))
+    trainer.fit(x, y)
+    before = adapter.state_dict()
+    trainer.max_steps = NAN_AT
+    history = trainer.fit(x, y)
+    assert history.skipped_steps == [NAN_AT] and np.isnan(history.grad_norms[-1])
+    at = adapter.state_dict()
+    assert before.keys() == at.keys() and len(at) > 4
+    for name in before:
+        assert np.array_equal(before[name], at[name]), name
+    assert int(at["opt/count"]) == NAN_AT - 1
+    trainer.max_steps = NAN_AT + 1
+    history = trainer.fit(x, y)
+    after = adapter.state_dict()
+    assert history.skipped_steps == [] and np.isfinite(history.grad_norms[-1])
+    assert int(after["opt/count"]) == NAN_AT
+    assert not np.array_equal(after["params/layers.0.kernel"], at["params/layers.0.kernel"])
+    assert all(np.isfinite(v).all() for v in after.values() if v.dtype.kind == "f")
+
+
+def test_the_strategies_that_cannot_skip_say_so():
+    class NoSkip(adapters._backend.StrategyBase):
+        pass
+
+    backend = adapters.get("jax-pjit")
+    backend.setup(toolkit.current_env())
+    backend.strategy = NoSkip(backend.runtime, backend.layout)
+    with pytest.raises(toolkit.ToolkitError) as err:
+        backend.build(toolkit.MLP((4, 2)), toolkit.SGD(lr=0.1), "cross_entropy",
+                      skip_nonfinite=True)
+    assert str(err.value) == (
+        "jax-pjit cannot skip a step under data_parallel (on_nonfinite='skip')\nHINT: use "
+        "on_nonfinite='stop', or give this strategy a skip_nonfinite build option "
+        "(docs/architecture.md)")
+
+
+def test_on_nonfinite_must_be_stop_or_skip():
+    with pytest.raises(toolkit.ToolkitError) as err:
+        toolkit.Trainer(adapters.get("jax-pjit"), toolkit.MLP((4, 2)), toolkit.SGD(lr=0.1),
+                        global_batch_size=4, on_nonfinite="ignore")
+    assert str(err.value) == "unknown on_nonfinite 'ignore'\nHINT: use one of: stop, skip"
