@@ -92,3 +92,58 @@ def test_on_nonfinite_must_be_stop_or_skip():
         toolkit.Trainer(adapters.get("jax-pjit"), toolkit.MLP((4, 2)), toolkit.SGD(lr=0.1),
                         global_batch_size=4, on_nonfinite="ignore")
     assert str(err.value) == "unknown on_nonfinite 'ignore'\nHINT: use one of: stop, skip"
+
+
+def native_model(backend):
+    """A small model with BatchNorm and the framework's own AdamW."""
+    if backend == "horovod-torch":
+        import torch
+
+        torch.manual_seed(0)
+        net = torch.nn.Sequential(torch.nn.Linear(64, 16), torch.nn.BatchNorm1d(16),
+                                  torch.nn.ReLU(), torch.nn.Linear(16, 10))
+        return net, torch.optim.AdamW(net.parameters(), lr=1e-2)
+    if backend == "horovod-tf":
+        import keras
+
+        model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(16),
+                                  keras.layers.BatchNormalization(), keras.layers.ReLU(),
+                                  keras.layers.Dense(10)])
+        return model, keras.optimizers.AdamW(1e-2)
+    import flax.linen as nn
+    import jax
+    import optax
+
+    class Net(nn.Module):
+        @nn.compact
+        def __call__(self, x, train: bool = False):
+            x = nn.BatchNorm(use_running_average=not train, momentum=0.9)(nn.Dense(16)(x))
+            return nn.Dense(10)(nn.relu(x))
+
+    module = Net()
+    variables = module.init(jax.random.PRNGKey(0), np.zeros((1, 64), np.float32))
+    return (module, variables), optax.adamw(1e-2)
+
+
+@pytest.mark.parametrize("backend", adapters.BACKENDS)
+def test_native_models_and_optimizers_skip_with_their_batchnorm_statistics(backend):
+    x, y = poisoned_digits()
+    model, optimizer = native_model(backend)
+    adapter, trainer = trainer_for(backend, "data", model, optimizer)
+    trainer.fit(x, y)
+    before = adapter.state_dict()
+    assert any(name.startswith("buffers/") for name in before), sorted(before)
+    trainer.max_steps = NAN_AT
+    assert trainer.fit(x, y).skipped_steps == [NAN_AT]
+    at = adapter.state_dict()
+    for name in before:
+        if name != "rng/step":  # (the randomness of the next step moves on)
+            assert np.array_equal(before[name], at[name]), name
+    trainer.max_steps = NAN_AT + 1
+    trainer.fit(x, y)
+    after = adapter.state_dict()
+    moved = [n for n in after if n.startswith(("params/", "opt/", "buffers/"))
+             and not np.array_equal(after[n], at[n])]
+    assert any(n.startswith("buffers/") for n in moved) and any(n.startswith("opt/")
+                                                                 for n in moved), moved
+    assert all(np.isfinite(v).all() for v in after.values() if v.dtype.kind == "f")
