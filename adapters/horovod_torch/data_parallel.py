@@ -152,8 +152,8 @@ class TorchDataParallel(StrategyBase):
             with self.torch.no_grad():
                 for (_, b), old in zip(self.buffers, kept, strict=True):
                     b.copy_(old)
-        if self.scheduler is not None:
-            self.scheduler.step()
+        if self.scheduler is not None and not self.skipped:  # (as Keras' and optax's own
+            self.scheduler.step()  # schedules, which count updates)
         self.steps += 1
         return total
 
