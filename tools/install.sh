@@ -3,6 +3,10 @@
 #
 #   tools/install.sh            system MPI (apt, when missing), the venv, Horovod
 #   tools/install.sh --slurm    also the Slurm daemons and munge the tests start locally
+#   tools/install.sh --gpu      the CUDA builds (torch's, tensorflow[and-cuda], jax[cudaN]) and
+#                               Horovod with NCCL; the default where nvidia-smi lists a GPU
+#   tools/install.sh --cpu      the CPU builds, whatever the machine has
+#   tools/install.sh --plan     print what would be installed and built; change nothing
 #
 # Environment knobs:
 #   TOOLKIT_VENV   where the virtual environment goes        (default: ./.venv)
@@ -17,15 +21,65 @@ CACHE=${TOOLKIT_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/hpc-toolkit}
 PYTHON=${PYTHON:-python3}
 HOROVOD_VERSION=0.28.1
 WITH_SLURM=0
+DEVICE=auto
+PLAN=0
 for arg in "$@"; do
   case "$arg" in
     --slurm) WITH_SLURM=1 ;;
-    *) echo "install.sh: unknown option '$arg' (valid: --slurm)" >&2; exit 2 ;;
+    --gpu) DEVICE=gpu ;;
+    --cpu) DEVICE=cpu ;;
+    --plan) PLAN=1 ;;
+    *) echo "install.sh: unknown option '$arg' (valid: --slurm, --gpu, --cpu, --plan)" >&2; exit 2 ;;
   esac
 done
 
 log() { printf '[install] %s\n' "$*" >&2; }
 die() { printf '[install] ERROR: %s\n' "$*" >&2; exit 1; }
+
+# --- 0. The device: the CUDA builds where the NVIDIA driver lists a GPU -----------------------
+# The driver's CUDA version (nvidia-smi's header) picks the CUDA major of the wheels; the GPUs'
+# compute capabilities are the targets Horovod's NCCL operations are compiled for.
+gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU ' || true)
+cuda=$(nvidia-smi 2>/dev/null | sed -n 's/.*CUDA Version: *\([0-9][0-9]*\.[0-9][0-9]*\).*/\1/p' | head -n 1 || true)
+if [ "$DEVICE" = auto ]; then
+  if [ "${gpus:-0}" -gt 0 ] && [ -n "$cuda" ]; then DEVICE=gpu; else DEVICE=cpu; fi
+fi
+cuda_tag=""
+if [ "$DEVICE" = gpu ]; then
+  [ "${gpus:-0}" -gt 0 ] && [ -n "$cuda" ] || die "--gpu, but nvidia-smi lists no GPU with a CUDA driver.
+HINT: run this on a GPU node (e.g. inside 'srun --gres=gpu:1 ...'), or install the CPU builds with --cpu."
+  cuda_major=${cuda%%.*}
+  capabilities=$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader 2>/dev/null | sort -u | paste -sd';' - || true)
+  cuda_tag="cu${cuda_major}"
+  device_line="gpu: $gpus GPU(s), driver CUDA $cuda, compute capability ${capabilities:-unknown}"
+elif [ "${gpus:-0}" -gt 0 ]; then
+  device_line="cpu ($gpus GPU(s) listed; the CPU builds were asked for)"
+else
+  device_line="cpu (no NVIDIA GPU found)"
+fi
+log "device: $device_line"
+
+# The package set: the CPU wheels, or their CUDA builds in their place (the same versions).
+requirements() {
+  if [ "$DEVICE" = gpu ]; then
+    sed -e "s/^tensorflow-cpu\$/tensorflow[and-cuda]/" -e "s/^jax\$/jax[cuda${cuda_major}]/" \
+        "$ROOT/requirements.txt"
+  else
+    cat "$ROOT/requirements.txt"
+  fi
+}
+pin() { sed -n "s/^$1==//p" "$ROOT/constraints.txt"; }
+if [ "$PLAN" = 1 ]; then
+  py_tag=$("$PYTHON" -c 'import sys; print(f"py{sys.version_info[0]}{sys.version_info[1]}")')
+  key="horovod-$HOROVOD_VERSION-$py_tag-torch$(pin torch)-tf$(pin tensorflow-cpu)${cuda_tag:+-$cuda_tag}"
+  log "packages: $(requirements | grep -E '^(torch|tensorflow|jax)' | paste -sd' ' -) (versions: constraints.txt)"
+  if [ "$DEVICE" = gpu ]; then
+    log "horovod: HOROVOD_GPU_OPERATIONS=NCCL for compute capability ${capabilities:-unknown}, cached as $key"
+  else
+    log "horovod: HOROVOD_CPU_OPERATIONS=GLOO, cached as $key"
+  fi
+  exit 0
+fi
 
 # --- 1. System packages -------------------------------------------------------------------
 missing=()
@@ -55,7 +109,7 @@ fi
 
 # --- 2. Virtual environment with the pinned versions ----------------------------------------
 stamp="$VENV/.toolkit-requirements.sha256"
-want=$(cat "$ROOT/requirements.txt" "$ROOT/constraints.txt" | sha256sum | cut -d' ' -f1)
+want=$( (requirements; cat "$ROOT/constraints.txt") | sha256sum | cut -d' ' -f1)
 if [ ! -x "$VENV/bin/python" ]; then
   log "creating virtual environment $VENV"
   "$PYTHON" -m venv "$VENV"
@@ -64,7 +118,12 @@ PY="$VENV/bin/python"
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   log "installing pinned Python packages (first time: several minutes, ~3 GB)"
   "$PY" -m pip install -q --upgrade pip
-  "$PY" -m pip install -q -c "$ROOT/constraints.txt" -r "$ROOT/requirements.txt"
+  "$PY" -m pip install -q -c "$ROOT/constraints.txt" -r <(requirements)
+  if [ "$DEVICE" = gpu ]; then  # PyPI's Linux torch wheel is the CUDA build: check, not assume
+    "$PY" -c 'import torch, sys; sys.exit(torch.version.cuda is None)' \
+      || die "the installed torch is a CPU build.
+HINT: install torch==$(pin torch) from https://download.pytorch.org/whl/$cuda_tag into $VENV, then re-run."
+  fi
   echo "$want" > "$stamp"
 fi
 
@@ -72,12 +131,16 @@ fi
 # Versions come from package metadata (no framework import), so a re-run takes seconds.
 versions=$("$PY" - <<'EOF'
 import sys
-from importlib.metadata import version
+from importlib.metadata import PackageNotFoundError, version
 torch = version("torch").split("+")[0]
-print(f"py{sys.version_info[0]}{sys.version_info[1]}-torch{torch}-tf{version('tensorflow-cpu')}")
+try:
+    tf = version("tensorflow-cpu")
+except PackageNotFoundError:  # the CUDA build
+    tf = version("tensorflow")
+print(f"py{sys.version_info[0]}{sys.version_info[1]}-torch{torch}-tf{tf}")
 EOF
 )
-key="horovod-$HOROVOD_VERSION-$versions"
+key="horovod-$HOROVOD_VERSION-$versions${cuda_tag:+-$cuda_tag}"
 wheel_dir="$CACHE/$key"
 hvd_stamp="$VENV/.toolkit-horovod"
 if [ "$(cat "$hvd_stamp" 2>/dev/null)" != "$key" ]; then
@@ -95,8 +158,16 @@ if [ "$(cat "$hvd_stamp" 2>/dev/null)" != "$key" ]; then
     grep -q 'CMAKE_CXX_STANDARD 17' "$src/horovod/torch/CMakeLists.txt" || die "Horovod patch (C++17) did not apply"
     ! grep -q 'xla_mpi_ops.cc' "$src/horovod/tensorflow/CMakeLists.txt" || die "Horovod patch (XLA ops) did not apply"
     mkdir -p "$wheel_dir.tmp"
-    (cd "$src" && PATH="$VENV/bin:$PATH" HOROVOD_WITH_PYTORCH=1 HOROVOD_WITH_TENSORFLOW=1 HOROVOD_WITH_MPI=1 \
-      HOROVOD_WITH_GLOO=1 HOROVOD_WITHOUT_MXNET=1 HOROVOD_CPU_OPERATIONS=GLOO MAKEFLAGS=-j"$(nproc)" \
+    ops=(HOROVOD_CPU_OPERATIONS=GLOO)
+    if [ "$DEVICE" = gpu ]; then  # NCCL from its pip package (torch's CUDA build brings it)
+      nccl=$("$PY" -c 'import nvidia.nccl, os; print(os.path.dirname(nvidia.nccl.__file__))') \
+        || die "NCCL's pip package (nvidia-nccl-cu$cuda_major) is not in $VENV"
+      ops=(HOROVOD_GPU_OPERATIONS=NCCL HOROVOD_NCCL_HOME="$nccl" HOROVOD_NCCL_LINK=SHARED
+           HOROVOD_CUDA_HOME="$(dirname "$(dirname "$(command -v nvcc)")")"
+           HOROVOD_BUILD_CUDA_CC_LIST="$(echo "$capabilities" | tr -d '.' | tr ';' ',')")
+    fi
+    (cd "$src" && env PATH="$VENV/bin:$PATH" HOROVOD_WITH_PYTORCH=1 HOROVOD_WITH_TENSORFLOW=1 HOROVOD_WITH_MPI=1 \
+      HOROVOD_WITH_GLOO=1 HOROVOD_WITHOUT_MXNET=1 "${ops[@]}" MAKEFLAGS=-j"$(nproc)" \
       "$PY" -m pip wheel -q --no-build-isolation --no-deps -w "$wheel_dir.tmp" . ) \
       || die "Horovod build failed (see the compiler output above).
 HINT: it needs g++, cmake 3.x and MPI headers (libopenmpi-dev); set TOOLKIT_CACHE to a writable folder."
