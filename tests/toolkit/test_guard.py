@@ -122,3 +122,46 @@ def test_a_skip_limit_that_is_not_a_whole_number_is_refused(limit):
         DivergenceGuard(max_consecutive_skips=limit)
     assert str(err.value) == (f"max_consecutive_skips={limit!r} is not a whole number >= 0\n"
                               "HINT: use e.g. 5: more consecutive skipped steps stop the run")
+
+
+def test_the_guards_state_goes_through_a_checkpoint():
+    guard = DivergenceGuard(factor=4, window=3, max_consecutive_skips=2)
+    guard.check(0, [1.0, 5.0, 4.5, math.nan], [1.0, 1.0, 1.0, math.nan],
+                [False, False, False, True])
+    state = guard.state_dict()
+    assert state == {"best": 1.0, "above": 2, "skips": 1}
+    resumed = DivergenceGuard(factor=4, window=3, max_consecutive_skips=2)
+    resumed.load_state_dict(state)
+    # the next step above 4 x 1.0 is the third in a row, as without the interruption
+    assert resumed.check(4, [6.0]) == guard.check(4, [6.0]) == (
+        5, 6.0, "stayed above 4 x its best (1) for 3 steps")
+    fresh = DivergenceGuard()
+    fresh.load_state_dict(None)  # a checkpoint written before the guard was recorded
+    assert fresh.state_dict() == {"best": None, "above": 0, "skips": 0}
+
+
+def test_a_resumed_run_stops_where_the_uninterrupted_one_does(tmp_path):
+    """A loss climbing under a negative learning rate: the resumed Trainer's guard carries
+    the best loss and the run above it, so it stops at the same step."""
+    import adapters
+    import toolkit
+    from toolkit.datasets import load_digits
+
+    (x, y), _ = load_digits()
+
+    def trainer(steps, **kw):
+        return toolkit.Trainer(adapters.get("jax-pjit"), toolkit.MLP((64, 16, 10)),
+                               toolkit.SGD(lr=-0.3), global_batch_size=32, max_steps=steps,
+                               progress=False, divergence_factor=1.5, divergence_window=4,
+                               checkpoint_dir=tmp_path / "ckpt", **kw)
+
+    with pytest.raises(TrainingDiverged) as whole:
+        trainer(60, checkpoint_every=100).fit(x, y)
+    stop = whole.value.step
+    assert stop > 6
+    assert not (tmp_path / "ckpt").exists()  # nothing was saved from it
+    # the same run cut short two steps before the stop (checkpointed), then resumed
+    trainer(stop - 2, checkpoint_every=100).fit(x, y)
+    with pytest.raises(TrainingDiverged) as resumed:
+        trainer(60, resume="latest", checkpoint_every=100).fit(x, y)
+    assert resumed.value.step == stop

@@ -61,9 +61,9 @@ class RunCheckpoints:
             self.store = CheckpointStore(self.directory, keep=self.keep, rank=env.rank)
 
     # ------------------------------------------------------------------------ resuming
-    def restore(self, log_records: Callable[[list[dict]], None]) -> int | None:
+    def restore(self, log_records: Callable[[list[dict]], None]) -> Any:
         """Loads the checkpoint ``resume`` names into the adapter and the sampler, refusing
-        changed settings unless allowed; returns its step (``None``: a fresh start)."""
+        changed settings unless allowed; returns it (``None``: a fresh start)."""
         ckpt = find_checkpoint(self.resume, self.store)
         env = self.env
         if ckpt is None:  # (created on the first save: a mistyped parent shows here)
@@ -93,7 +93,7 @@ class RunCheckpoints:
             record = {"step": ckpt.step, "changes": [list(c) for c in trajectory]}
             self.changes.append(record)
             log_records([{"event": "changes", **record}])
-        return ckpt.step
+        return ckpt
 
     # ------------------------------------------------------------------------ saving
     def start_clock(self) -> None:

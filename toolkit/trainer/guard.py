@@ -68,6 +68,19 @@ class DivergenceGuard:
         self.above = 0  # consecutive steps above factor x best
         self.skips = 0  # consecutive skipped steps
 
+    def state_dict(self) -> dict:
+        """What a checkpoint records, so that a resumed run stops where an uninterrupted one
+        would: the best loss so far and the current runs above it and of skipped steps."""
+        return {"best": self.best if math.isfinite(self.best) else None, "above": self.above,
+                "skips": self.skips}
+
+    def load_state_dict(self, state: dict | None) -> None:
+        """From a checkpoint's ``guard`` record (none in checkpoints without one)."""
+        state = state or {}
+        best = state.get("best")
+        self.best = math.inf if best is None else float(best)
+        self.above, self.skips = int(state.get("above", 0)), int(state.get("skips", 0))
+
     def check(self, first_step: int, losses: Sequence[float], norms: Sequence[float] = (),
               skipped: Sequence[bool] = ()) -> tuple[int, float, str] | None:
         """``(step, loss, why)`` of the first diverged step among ``losses`` (the steps after

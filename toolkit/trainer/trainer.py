@@ -186,10 +186,8 @@ class Trainer:
         self.global_step = 0
         self._setup_done = False
 
-    @property
-    def store(self):
-        """The :class:`toolkit.CheckpointStore` of this run (``None`` without checkpoints)."""
-        return self.checkpoints.store
+    store = property(lambda self: self.checkpoints.store,
+                     doc="The run's :class:`toolkit.CheckpointStore` (None without checkpoints)")
 
     # ------------------------------------------------------------------------ set-up
     def _setup(self, num_samples: int) -> None:
@@ -218,8 +216,10 @@ class Trainer:
                               else {"clip_grad_norm": self.clip_grad_norm}),
                            **({"skip_nonfinite": True} if self.skip_nonfinite else {}))
         self.checkpoints.open(self.adapter, self.sampler, env, self.layout, self._describe_run)
-        if self.checkpoints.resume is not None:
-            self.global_step = self.checkpoints.restore(self._log.write) or 0
+        resumed = self.checkpoints.resume is not None
+        if (ckpt := self.checkpoints.restore(self._log.write) if resumed else None) is not None:
+            self.global_step = ckpt.step
+            self._guard.load_state_dict(ckpt.meta.get("guard"))
         self._setup_done = True
 
     def _describe_run(self) -> dict:
@@ -228,6 +228,7 @@ class Trainer:
         model, optimizer = _describe(self.model), _describe(self.optimizer)
         return {
             "rng": {"seed": self.seed},  # all randomness (init, shuffling) derives from it
+            "guard": self._guard.state_dict(),  # a resumed run stops where this one would
             "model": model, "optimizer": optimizer,
             # resuming on other data fails (asked late: computing one may read a corpus)
             "data_fingerprint": getattr(self._train_data, "fingerprint", None),
@@ -263,17 +264,10 @@ class Trainer:
     # ------------------------------------------------------------------------ the loop
     def fit(self, data: Dataset | np.ndarray, y: np.ndarray | None = None,
             validation: Dataset | tuple[np.ndarray, np.ndarray] | None = None) -> History:
-        """Trains on ``data``; evaluates on ``validation`` after each epoch.
-
-        Args:
-            data: the training inputs ``x`` (with labels ``y``), or a :class:`toolkit.Dataset`
-                such as :class:`toolkit.TokenWindows` (without ``y``).
-            y: the labels, when ``data`` is an array.
-            validation: ``(x_val, y_val)`` or a data set.
-
-        Every rank passes the whole data set; the sampler picks each rank's samples, and the
-        data set loads only those (in a background thread: see ``prefetch``).
-        """
+        """Trains on ``data`` (inputs ``x`` with labels ``y``, or a :class:`toolkit.Dataset`
+        such as :class:`toolkit.TokenWindows`); evaluates on ``validation`` (``(x_val, y_val)``
+        or a data set) after each epoch. Every rank passes the whole data set; the sampler
+        picks each rank's samples, which the data set loads (see ``prefetch``)."""
         train = as_dataset(data, y, what="the training data")
         if validation is not None:
             validation = as_dataset(validation, what="the validation data")
