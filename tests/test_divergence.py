@@ -155,6 +155,7 @@ def test_the_digits_example_at_lr_1e9_stops_with_the_guards_error(launcher, npro
 # make test: every pipeline and a sharded run on two ranks (tests/adapters/test_skipping.py runs
 # every backend's data parallel and ZeRO-3 in one process); make test-long: the rest.
 SKIP_COVERING = [("horovod-torch", "pipeline:2:4:1f1b"), ("horovod-tf", "sharded:2"),
+                 ("horovod-torch", "sharded:2"),
                  ("jax-pmap", "pipeline:2:4:1f1b"), ("jax-pjit", "pipeline:2:4:1f1b")]
 SKIP_REST = [pytest.param(b, layout, marks=pytest.mark.long) for b in BACKENDS
              for layout in LAYOUTS if (b, layout) not in SKIP_COVERING]

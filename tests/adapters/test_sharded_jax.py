@@ -171,9 +171,13 @@ def tensor_parallel_equivalence(launch, tmp_path, world_sizes, local_devices, dt
         assert row["max_rel_loss_dev"] <= LOSS_TOLERANCE[dtype], row
 
 
+# make test runs each dtype and each optimizer once; make test-long the other two pairs.
+DTYPE_OPTIMIZER = [("float32", "sgd"), pytest.param("float32", "adamw", marks=pytest.mark.long),
+                   pytest.param("float64", "sgd", marks=pytest.mark.long), ("float64", "adamw")]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize(("dtype", "optimizer"), [("float32", "sgd"), ("float32", "adamw"),
-                                                  ("float64", "sgd"), ("float64", "adamw")])
+@pytest.mark.parametrize(("dtype", "optimizer"), DTYPE_OPTIMIZER)
 def test_tensor_parallel_with_one_device_per_process(launch, tmp_path, dtype, optimizer):
     """One rank per device, as on GPU nodes: the model axis spans processes (2 ranks: one
     replica; 4 ranks: two replicas of two), and equals the float64 reference."""
@@ -181,8 +185,7 @@ def test_tensor_parallel_with_one_device_per_process(launch, tmp_path, dtype, op
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("dtype", "optimizer"), [("float32", "sgd"), ("float32", "adamw"),
-                                                  ("float64", "sgd"), ("float64", "adamw")])
+@pytest.mark.parametrize(("dtype", "optimizer"), DTYPE_OPTIMIZER)
 def test_tensor_parallel_on_two_processes_of_two_devices(launch, tmp_path, dtype, optimizer):
     """A (data=2, model=2) mesh across processes: equals the float64 reference."""
     tensor_parallel_equivalence(launch, tmp_path, "2", 2, dtype, optimizer)
