@@ -173,7 +173,8 @@ def test_skip_mode_skips_the_nan_step_and_trains_on(backend, layout, launch, tmp
     after it holds the very state of the one before (parameters, optimizer slots and count),
     the metrics log marks it, and the run trains on to the end with finite state."""
     job = run(launch, tmp_path, "skip", backend, layout,
-              ["--nan-at", str(NAN_AT), "--on-nonfinite", "skip", "--checkpoint-every", "1"])
+              ["--nan-at", str(NAN_AT), "--on-nonfinite", "skip", "--checkpoint-every", "1",
+               "--keep", str(STEPS)])
     assert job.returncode == 0, job
     assert "diverged" not in job.stderr and "Traceback" not in job.stderr, job
     ckpt = tmp_path / "ckpt"

@@ -1,5 +1,5 @@
 """Concurrent Slurm jobs on one node get different coordinator ports for JAX's distributed
-runtime, from the real local cluster: the ports Slurm reserves per step (``srun --resv-ports``,
+runtime, from the real local cluster: the ports Slurm reserves per step (``srun --resv-ports=1``,
 with ``MpiParams=ports=12000-12999`` in ``slurm/local_cluster.sh``'s slurm.conf), whatever the
 job ids. (Ports derived from job ids are the fallback: tests/toolkit/test_env.py.)"""
 
@@ -33,7 +33,7 @@ def run_at_once(slurm_cluster, count: int, extra: list[str]) -> list[list[str]]:
 
 
 def test_concurrent_jobs_take_the_ports_slurm_reserved_for_them(slurm_cluster):
-    reports = run_at_once(slurm_cluster, 3, ["--resv-ports"])
+    reports = run_at_once(slurm_cluster, 3, ["--resv-ports=1"])
     starts = [float(r[2]) for r in reports]
     ends = [float(r[4]) for r in reports]
     assert max(starts) < min(ends), "the three jobs did not run at the same time"

@@ -40,6 +40,7 @@ def main() -> None:
     p.add_argument("--clip-grad-norm", type=float, default=None)
     p.add_argument("--divergence-window", type=int, default=20)
     p.add_argument("--on-nonfinite", default="stop")
+    p.add_argument("--keep", type=int, default=3)
     p.add_argument("--max-consecutive-skips", type=int, default=5)
     args = p.parse_args()
 
@@ -62,7 +63,7 @@ def main() -> None:
         adapter, model, toolkit.Adam(lr=args.lr), global_batch_size=args.batch_size,
         layout=args.layout,
         max_steps=args.steps, checkpoint_dir=args.checkpoint_dir,
-        checkpoint_every=args.checkpoint_every, resume=args.resume,
+        checkpoint_every=args.checkpoint_every, keep=args.keep, resume=args.resume,
         async_checkpoint=args.async_checkpoint, metrics_log=args.metrics_log, progress=False,
         divergence_factor=args.divergence_factor, divergence_window=args.divergence_window,
         clip_grad_norm=args.clip_grad_norm, on_nonfinite=args.on_nonfinite,

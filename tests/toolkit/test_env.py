@@ -168,7 +168,7 @@ def test_jobs_1000_ids_apart_get_different_ports():
 
 
 def test_the_port_slurm_reserved_for_the_step_wins_over_the_derived_one():
-    # srun --resv-ports (with MpiParams=ports=... in slurm.conf): Slurm gives no two steps on
+    # srun --resv-ports=1 (with MpiParams=ports=... in slurm.conf): Slurm gives no two steps on
     # a node the same ports, whatever their job ids; tests/test_slurm_ports.py runs it.
     for ports, expected in (("12000-12003", 12000), ("12007", 12007), (" 12010-12011", 12010)):
         environ = {**SRUN_2_NODES, "SLURM_STEP_RESV_PORTS": ports}

@@ -15,7 +15,7 @@ from collections.abc import Mapping
 
 from toolkit.errors import ToolkitError
 
-# Ports for JAX's coordinator: the one Slurm reserved for the step (--resv-ports), the one
+# Ports for JAX's coordinator: the one Slurm reserved for the step (--resv-ports=1), the one
 # TOOLKIT_COORDINATOR_PORT names, or one derived from the job's id (concurrent jobs whose ids
 # are less than 1000 apart get different ones).
 _PORT_BASE = 20000
@@ -181,7 +181,7 @@ def _from_slurm(env: Mapping[str, str]) -> LaunchEnv:
 
 
 def _reserved_port(env: Mapping[str, str]) -> int | None:
-    """The first port Slurm reserved for this step (``srun --resv-ports`` with
+    """The first port Slurm reserved for this step (``srun --resv-ports=1`` with
     ``MpiParams=ports=...`` in slurm.conf): no other step on the node holds it."""
     spec = env.get("SLURM_STEP_RESV_PORTS", "")
     match = re.match(r"\s*(\d+)", spec)
