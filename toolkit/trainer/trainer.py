@@ -346,19 +346,7 @@ class Trainer:
                     self.save_checkpoint()
                 if self.stop_signals and self._stop.agreed(self.global_step, self.adapter,
                                                            env.is_distributed):
-                    self._flush()
-                    progress.clear()
-                    self.prefetch_stats = loader.stats()
-                    self._log.write([{"event": "prefetch", **self.prefetch_stats}])
-                    path = self.save_checkpoint()
-                    self.checkpoints.wait()
-                    # Every rank leaves together, its communicator shut down in order: a rank
-                    # that exits while another's still runs makes that one report a broken
-                    # connection (Horovod's background loop does).
-                    self.adapter.barrier()
-                    self.adapter.shutdown()
-                    raise TrainingPreempted(self._stop.signal or "a signal on another rank",
-                                            self.global_step, path or self.checkpoints.directory)
+                    self._stop_preempted(loader)
                 if self.global_step >= total:
                     break
             self._flush()
@@ -367,6 +355,24 @@ class Trainer:
                 record = self._end_epoch(epoch, history.losses[first_in_epoch:], validation,
                                          time.monotonic() - epoch_start)
                 history.epochs.append(record)
+
+    def _stop_preempted(self, loader: BatchPrefetcher) -> None:
+        """Every rank checkpoints this step and leaves together, its communicator shut down in
+        order (a rank that exits while another's still runs makes that one report a broken
+        connection: Horovod's background loop does); the metrics log records the stop, which
+        a launcher that drops the ranks' last output (mpirun) does not show."""
+        self._flush()
+        self._progress.clear()
+        self.prefetch_stats = loader.stats()
+        self._log.write([{"event": "prefetch", **self.prefetch_stats}])
+        path = self.save_checkpoint()
+        self.checkpoints.wait()
+        signame = self._stop.signal or "a signal on another rank"
+        self._log.write([{"event": "stopped", "signal": signame, "step": self.global_step,
+                          "checkpoint": str(path or self.checkpoints.directory)}])
+        self.adapter.barrier()
+        self.adapter.shutdown()
+        raise TrainingPreempted(signame, self.global_step, path or self.checkpoints.directory)
 
     def _loss_settled(self) -> bool:
         """False while the loss is above ``divergence_factor`` x its best: a scheduled
