@@ -156,41 +156,51 @@ def test_a_signal_mpirun_forwards_stops_the_job_with_status_75(start, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
-def test_ctrl_c_to_mpirun_stops_the_ranks_at_a_step_with_a_checkpoint(sig, start, tmp_path):
-    """Open MPI's mpirun answers SIGINT and SIGTERM by sending the ranks SIGTERM (and SIGKILL
-    after a grace time) and reports status 1 itself, no longer forwarding their output. The
-    ranks still stop together at a step boundary and write a complete checkpoint there (not
-    one of the interval's), and the metrics log, which the launcher does not touch, records
-    the stop."""
+@pytest.mark.parametrize(("launcher", "how", "status"), [
+    ("mpirun", "Ctrl-C", 1), ("mpirun", "kill", 1), ("horovodrun-mpi", "Ctrl-C", -2)])
+def test_ctrl_c_to_mpirun_stops_the_ranks_at_a_step_with_a_checkpoint(launcher, how, status,
+                                                                       start, tmp_path):
+    """Open MPI's mpirun answers SIGINT (Ctrl-C: to the terminal's process group) and SIGTERM
+    (kill) by sending the ranks SIGTERM (and SIGKILL after a grace time) and reports status 1
+    itself, no longer forwarding their output; horovodrun --mpi dies of the SIGINT (the shell
+    sees 130) and leaves it to its mpirun. Either way the ranks stop together at a step
+    boundary and write a complete checkpoint there (not one of the interval's), and the metrics
+    log, which no launcher touches, records the stop."""
     import json
 
     ckpt, log = tmp_path / "ckpt", tmp_path / "metrics.jsonl"
-    proc = start("mpirun", 2, [EXAMPLE, "--steps", "1000000", "--checkpoint-dir", str(ckpt),
+    proc = start(launcher, 2, [EXAMPLE, "--steps", "1000000", "--checkpoint-dir", str(ckpt),
                                "--checkpoint-every", "100000", "--metrics-log", str(log)])
     deadline = time.monotonic() + 120
     while not (log.exists() and log.read_text().count('"event": "step"') > 50):
         assert time.monotonic() < deadline and proc.poll() is None, proc.stderr.read()
         time.sleep(0.5)
-    stderr = interrupt_and_wait(proc, sig)
-    assert proc.returncode == 1, stderr
+    if how == "Ctrl-C":
+        stderr = interrupt_and_wait(proc, signal.SIGINT, group=True)
+    else:
+        stderr = interrupt_and_wait(proc, signal.SIGTERM)
+    assert proc.returncode == status, stderr
+    deadline = time.monotonic() + 60  # (horovodrun is gone before its mpirun's ranks are)
+    while '"event": "stopped"' not in log.read_text() and time.monotonic() < deadline:
+        time.sleep(0.5)
     latest = toolkit.CheckpointStore(ckpt).load("latest")
     assert 0 < latest.step < 100000
     records = [json.loads(line) for line in log.read_text().splitlines()]
     stopped = [r for r in records if r["event"] == "stopped"]
-    assert len(stopped) == 1 and stopped[0]["signal"] == "SIGTERM", stopped
+    assert len(stopped) == 1 and stopped[0]["signal"] in ("SIGINT", "SIGTERM"), stopped
     assert stopped[0]["step"] == latest.step == max(r["step"] for r in records
                                                      if r["event"] == "step")
     assert stopped[0]["checkpoint"] == str(ckpt / f"step_{latest.step:09d}")
 
 
 @pytest.mark.slow
-def test_ctrl_c_under_horovodrun_checkpoints_without_horovod_noise(start, tmp_path):
+@pytest.mark.parametrize("launcher", ["horovodrun-gloo"])
+def test_ctrl_c_under_horovodrun_checkpoints_without_horovod_noise(launcher, start, tmp_path):
     """Ctrl-C reaches horovodrun's process group; horovodrun sends SIGTERM to the ranks. The
     ranks stop together and shut Horovod down in order: no broken-connection report. (The
     shell sees horovodrun's own status 1 and its RuntimeError report.)"""
     ckpt = tmp_path / "ckpt"
-    proc = start("horovodrun-gloo", 2, [EXAMPLE, "--steps", "1000000", "--checkpoint-dir",
+    proc = start(launcher, 2, [EXAMPLE, "--steps", "1000000", "--checkpoint-dir",
                                         str(ckpt), "--checkpoint-every", "1000"])
     wait_for_checkpoint(ckpt, timeout=180)
     time.sleep(1)
