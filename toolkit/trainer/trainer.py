@@ -244,9 +244,8 @@ class Trainer:
         drives = isinstance(self.adapter, DrivesDevices)
         facts = start_facts(
             backend=self.adapter.name, layout=self.layout, world_size=self.env.world_size,
-            local_size=self.env.local_size,
+            local_size=self.env.local_size, dtype=self.adapter.dtype_name if drives else None,
             devices=self.adapter.device_names() if drives else ["1 device"],
-            dtype=self.adapter.dtype_name if drives else None,
             global_batch=self.global_batch_size, local_batch=self.sampler.local_batch_size,
             accumulation_steps=self.accumulation_steps, model=self.model, samples=samples,
             steps_per_epoch=len(self.sampler), checkpoint_dir=self.checkpoints.directory,
@@ -257,9 +256,9 @@ class Trainer:
     def _data_share(self) -> DataShare:
         """This process's share of each global batch, as the layout places it on the devices
         (the adapter says how many each process drives; after ``setup``)."""
-        devices = self.adapter.local_device_count() \
-            if isinstance(self.adapter, DrivesDevices) else 1
-        return self.layout.data_share(self.env.world_size, self.env.rank, devices)
+        drives = isinstance(self.adapter, DrivesDevices)
+        return self.layout.data_share(self.env.world_size, self.env.rank,
+                                      self.adapter.local_device_count() if drives else 1)
 
     # ------------------------------------------------------------------------ the loop
     def fit(self, data: Dataset | np.ndarray, y: np.ndarray | None = None,
@@ -358,9 +357,7 @@ class Trainer:
 
     def _stop_preempted(self, loader: BatchPrefetcher) -> None:
         """Every rank checkpoints this step and leaves together, its communicator shut down in
-        order (a rank that exits while another's still runs makes that one report a broken
-        connection: Horovod's background loop does); the metrics log records the stop, which
-        a launcher that drops the ranks' last output (mpirun) does not show."""
+        order (else Horovod reports a broken connection); the metrics log records the stop."""
         self._flush()
         self._progress.clear()
         self.prefetch_stats = loader.stats()
@@ -393,8 +390,7 @@ class Trainer:
     def evaluate(self, data: Dataset | np.ndarray,
                  y: np.ndarray | None = None) -> dict[str, float]:
         """Loss (and accuracy for classification) over all of ``data`` (``x`` with labels
-        ``y``, or a data set): each rank's strided share in chunks of ``eval_batch_size``, sums
-        added across ranks (exactly one process evaluating everything)."""
+        ``y``, or a data set), exactly as one process evaluating everything would."""
         return evaluate(self.adapter, self.env, self.layout, as_dataset(
             data, y, what="the evaluation data"), self.eval_batch_size, self.metrics,
             with_accuracy=self.loss == "cross_entropy")
