@@ -105,10 +105,10 @@ def check_layout(backend: str, layout: Any, tensor_parallel_ok: bool = False) ->
 
 
 def state_head(adapter: Any, model_state: dict, named_params: Any):
-    """The part of ``sharded_state`` both JAX mixins share: ``(replicated, stores)``, where
-    ``replicated`` holds the model state (host arrays), Adam's step count and, below stage 3,
-    the parameters (``named_params()``: name -> host array), and ``stores`` lists the
-    ``(prefix, sharded store)`` pairs each process cuts into pieces."""
+    """The part of ``sharded_state`` both JAX sharded strategies share: ``(replicated,
+    stores)``, where ``replicated`` holds the model state (host arrays), Adam's step count
+    and, below stage 3, the parameters (``named_params()``: name -> host array), and
+    ``stores`` lists the ``(prefix, sharded store)`` pairs each process cuts into pieces."""
     replicated = dict(adapter.model.flat_state(model_state))
     if isinstance(adapter.opt_spec, Adam):
         replicated["opt/count"] = np.asarray(adapter.count, np.int64)

@@ -43,9 +43,13 @@ from adapters.jax_pjit.data_parallel import PjitDataParallel
 from toolkit.models.reference import optimizer_slots
 
 
-class PjitSharding:
-    """jax-pjit's sharded state: mixed in before ``PjitDataParallel``, it replaces that
-    strategy's hooks (``_build_layout``, ``_keep``, ``_full_params``) and its state methods."""
+class PjitSharded(PjitDataParallel):
+    """``toolkit.Sharded(stage, tensor_parallel)`` for ``jax-pjit``: the data-parallel strategy
+    with its hooks (``_build_layout``, ``_keep``, ``_full_params``) and state methods replaced."""
+
+    @staticmethod
+    def check_layout(layout) -> None:
+        check_layout("jax-pjit", layout, tensor_parallel_ok=True)
 
     # ------------------------------------------------------------------ build
     def _build_layout(self, model, optimizer, loss, seed, accumulation_steps, metrics):
@@ -228,11 +232,3 @@ class PjitSharding:
         params = nbytes(self.params)
         return {"params": params, "grads": nbytes(self.grads),
                 "optimizer": nbytes(self.opt_state)}
-
-
-class PjitSharded(PjitSharding, PjitDataParallel):
-    """``toolkit.Sharded(stage, tensor_parallel)`` for ``jax-pjit``."""
-
-    @staticmethod
-    def check_layout(layout) -> None:
-        check_layout("jax-pjit", layout, tensor_parallel_ok=True)

@@ -42,9 +42,13 @@ from toolkit.models.reference import optimizer_slots
 AXIS = "batch"
 
 
-class PmapSharding:
-    """jax-pmap's sharded state: mixed in before ``PmapDataParallel``, it replaces that
-    strategy's hooks (``_build_layout``, ``_keep``, ``_full_params``) and its state methods."""
+class PmapSharded(PmapDataParallel):
+    """``toolkit.Sharded(stage)`` for ``jax-pmap``: the data-parallel strategy with
+    its hooks (``_build_layout``, ``_keep``, ``_full_params``) and state methods replaced."""
+
+    @staticmethod
+    def check_layout(layout) -> None:
+        check_layout("jax-pmap", layout)
 
     def _build_layout(self, model, optimizer, loss, seed, accumulation_steps, metrics):
         jax, lax = self.jax, self.jax.lax
@@ -215,11 +219,3 @@ class PmapSharding:
         params = nbytes(self.params)
         return {"params": params, "grads": nbytes(self.grads),
                 "optimizer": nbytes(self.opt_state)}
-
-
-class PmapSharded(PmapSharding, PmapDataParallel):
-    """``toolkit.Sharded(stage)`` for ``jax-pmap``."""
-
-    @staticmethod
-    def check_layout(layout) -> None:
-        check_layout("jax-pmap", layout)
