@@ -64,6 +64,8 @@ class RunCheckpoints:
     def restore(self, log_records: Callable[[list[dict]], None]) -> Any:
         """Loads the checkpoint ``resume`` names into the adapter and the sampler, refusing
         changed settings unless allowed; returns it (``None``: a fresh start)."""
+        if self.resume is None:
+            return None
         ckpt = find_checkpoint(self.resume, self.store)
         env = self.env
         if ckpt is None:  # (created on the first save: a mistyped parent shows here)

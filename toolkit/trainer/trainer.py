@@ -216,8 +216,8 @@ class Trainer:
                               else {"clip_grad_norm": self.clip_grad_norm}),
                            **({"skip_nonfinite": True} if self.skip_nonfinite else {}))
         self.checkpoints.open(self.adapter, self.sampler, env, self.layout, self._describe_run)
-        resumed = self.checkpoints.resume is not None
-        if (ckpt := self.checkpoints.restore(self._log.write) if resumed else None) is not None:
+        ckpt = self.checkpoints.restore(self._log.write)
+        if ckpt is not None:
             self.global_step = ckpt.step
             self._guard.load_state_dict(ckpt.meta.get("guard"))
         self._setup_done = True
