@@ -53,6 +53,13 @@ class Adapter(Protocol):
             sync_batchnorm: BatchNorm statistics over the global batch (see Trainer).
             metrics: name -> callable of the framework, ``fn(outputs, labels) -> per-sample
                 values`` (shape ``(batch,)``); :meth:`evaluate` returns their sums by name.
+
+        Two options are passed only when the user asks for them, so an adapter without them
+        still serves every other run: ``clip_grad_norm=c`` (clip each step's averaged
+        gradient by its whole-model norm; ``train_step`` then leaves that norm, before
+        clipping, in an attribute ``grad_norm``) and ``skip_nonfinite=True`` (a step whose
+        norm is not finite updates nothing; ``train_step`` then sets a bool ``skipped``).
+        docs/architecture.md#build-options-a-strategy-declares.
         """
 
     def train_step(self, x: np.ndarray, y: np.ndarray, lr: float) -> float:

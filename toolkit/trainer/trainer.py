@@ -331,7 +331,7 @@ class Trainer:
                 loss = self.adapter.train_step(*loader.get(idx), lr)
                 # (the norm where a backend computes it; the same on every rank)
                 self._losses.add(loss, getattr(self.adapter, "grad_norm", None),
-                                 self.skip_nonfinite and self.adapter.skipped)
+                                 self.skip_nonfinite and getattr(self.adapter, "skipped", False))
                 self.global_step += 1
                 progress.update(epoch, sampler.step, len(sampler), loss)
                 if self.log_every and self.global_step % self.log_every == 0:
