@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import math
 from typing import Any
 
 from toolkit import SGD, Adam, ToolkitError
@@ -44,6 +45,13 @@ def step_seed(seed: int, step: int, rank: int) -> int:
     import numpy as np
 
     return int(np.random.SeedSequence([seed, step, rank]).generate_state(1)[0])
+
+
+def nonfinite(norm: Any) -> bool:
+    """Whether a step is skipped under ``skip_nonfinite``: its gradient norm (any framework's
+    scalar; reading it is one device-to-host copy) is not finite. The norm is the same on every
+    rank, so every rank decides alike."""
+    return norm is not None and not math.isfinite(float(norm))
 
 
 def loss_name(loss) -> str:

@@ -34,6 +34,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from adapters._common import nonfinite
 from adapters._horovod.rounds import RoundMessages, unpack
 from toolkit import ToolkitError
 from toolkit.models.reference import clip_scale
@@ -197,7 +198,7 @@ class HvdPipeline(RoundMessages):
                 grads = self._reduce_gradients(grads)
             if self.clip is not None or self.skip_nonfinite:
                 self.grad_norm = self._global_norm(grads)
-                self.skipped = self.skip_nonfinite and not math.isfinite(self.grad_norm)
+                self.skipped = self.skip_nonfinite and nonfinite(self.grad_norm)
                 if self.clip is not None and not self.skipped:
                     scale = clip_scale(self.grad_norm, self.clip)
                     grads = {n: (g * scale).astype(g.dtype) for n, g in grads.items()}

@@ -3,14 +3,13 @@ host side and state naming (``JaxStrategy``). The runtime is ``adapters/_jax/run
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
 from adapters._backend import StrategyBase
-from adapters._common import check_per_sample, loss_name, step_seed
+from adapters._common import check_per_sample, loss_name, nonfinite, step_seed
 from adapters._jax.models.spec import JaxModel, correct_per_sample, per_sample_loss
 from adapters._jax.runtime import gloo_connect_line_silenced
 from toolkit import SGD, Adam, ToolkitError
@@ -167,7 +166,7 @@ class JaxStrategy(StrategyBase):
         device-to-host copy per step); a skipped step does not count as an optimizer step."""
         self.grad_norm = norm if self.needs_norm else None
         if self.skip_nonfinite:
-            self.skipped = not math.isfinite(float(norm))
+            self.skipped = nonfinite(norm)
             if self.skipped and self.opt_spec is not None:
                 self.count -= 1
 

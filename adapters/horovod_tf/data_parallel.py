@@ -22,13 +22,12 @@ with its own learning rate or schedule: the Trainer passes ``lr=None``).
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import numpy as np
 
 from adapters._backend import StrategyBase
-from adapters._common import unwrapped_toolkit_errors
+from adapters._common import nonfinite, unwrapped_toolkit_errors
 from adapters.horovod_tf.models.keras_native import KerasNative
 from adapters.horovod_tf.models.spec import spec_forward
 from adapters.horovod_tf.ops import TFOps, TFState, clip_by_norm, sum_squares, update_if_finite
@@ -152,7 +151,7 @@ class TFDataParallel(StrategyBase):
         step), which then does not count as an optimizer step."""
         self.grad_norm = norm if self.clip is not None or self.skip_nonfinite else None
         if self.skip_nonfinite:
-            self.skipped = not math.isfinite(float(norm))
+            self.skipped = nonfinite(norm)
             if self.skipped:
                 self.state.count -= 1
 

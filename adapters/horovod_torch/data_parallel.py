@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from adapters._backend import StrategyBase
-from adapters._common import step_seed
+from adapters._common import nonfinite, step_seed
 from adapters.horovod_torch.models.spec import build_spec_model, same, to_host
 from adapters.horovod_torch.models.sync_bn import convert_sync_batchnorm
 from adapters.horovod_torch.ops import (
@@ -32,7 +32,6 @@ from adapters.horovod_torch.ops import (
     TorchOps,
     clip_by_norm,
     make_optimizer,
-    nonfinite,
     set_lr,
     zero_slots,
 )
@@ -124,7 +123,7 @@ class TorchDataParallel(StrategyBase):
         self.opt.synchronize()
         grads = [p.grad for p in self.net.parameters() if p.grad is not None]
         self.grad_norm = clip_by_norm(self.torch, grads, self.clip)
-        self.skipped = self.skip_nonfinite and nonfinite(self.torch, self.grad_norm)
+        self.skipped = self.skip_nonfinite and nonfinite(self.grad_norm)
         if not self.skipped:
             with self.opt.skip_synchronize():
                 self.opt.step()

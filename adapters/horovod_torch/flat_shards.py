@@ -50,6 +50,7 @@ import itertools
 
 import numpy as np
 
+from adapters._common import nonfinite
 from adapters.horovod_torch.models.units import SHARDABLE, native_units, spec_units, update_shard
 from toolkit import SGD, Adam, ToolkitError
 from toolkit.models.reference import adam_scalars, optimizer_slots
@@ -252,9 +253,9 @@ class ShardedParameters:
 
     def step(self, lr: float, clip: float | None = None, skip: bool = False):
         """Reduces (stage 1), clips by the global norm, updates this rank's shards,
-        re-assembles (stages 1/2). Returns the gradient's norm before clipping (a tensor; None
-        without ``clip`` or ``skip``). With ``skip``, a non-finite norm updates nothing (the
-        same on every rank: the norm is global)."""
+        re-assembles (stages 1/2). Returns ``(the gradient's norm before clipping, skipped)``
+        (the norm a tensor; None without ``clip`` or ``skip``). With ``skip``, a non-finite
+        norm updates nothing (the same on every rank: the norm is global)."""
         torch, hvd, spec = self.torch, self.hvd, self.spec
         if self.stage == 1:
             hvd.grouped_allreduce_(self.grads, op=hvd.Average, name="zero.grads")
@@ -265,8 +266,8 @@ class ShardedParameters:
             if self.stage > 1:
                 sq = hvd.allreduce(sq, op=hvd.Sum, name="zero.grad_norm")
             norm = sq.sqrt()[0]
-            if skip and not bool(torch.isfinite(norm)):
-                return norm
+            if skip and nonfinite(norm):
+                return norm, True
             if clip is not None:
                 torch._foreach_mul_(self.grads, clip / torch.clamp(norm, min=clip))
         step_size, c2_sqrt = 0.0, 1.0
@@ -286,7 +287,7 @@ class ShardedParameters:
                     name="zero.params")
                 for source, full in zip(self.sources, gathered, strict=True):
                     source.copy_(full)
-        return norm
+        return norm, False
 
     # ---------------------------------------------------------------------- state
     def _full(self, unit: int, shard, what: str) -> np.ndarray:

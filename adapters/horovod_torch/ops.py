@@ -140,7 +140,3 @@ def clip_by_norm(torch, grads: list, clip: float | None):
         torch._foreach_mul_(grads, clip / torch.clamp(norm, min=clip))
     return norm
 
-
-def nonfinite(torch, norm) -> bool:
-    """Whether a step must be skipped: its gradient norm (a tensor) is not finite."""
-    return norm is not None and not bool(torch.isfinite(norm))

@@ -12,7 +12,6 @@ import numpy as np
 from adapters.horovod_torch.data_parallel import TorchDataParallel
 from adapters.horovod_torch.flat_shards import ShardedParameters, native_units, spec_units
 from adapters.horovod_torch.models.spec import same, to_host
-from adapters.horovod_torch.ops import nonfinite
 from toolkit import SGD, Adam, ToolkitError
 
 
@@ -50,8 +49,7 @@ class TorchSharded(TorchDataParallel):
         self.shards.zero_grad()
 
     def _apply(self, lr: float | None) -> None:
-        self.grad_norm = self.shards.step(lr, self.clip, self.skip_nonfinite)
-        self.skipped = self.skip_nonfinite and nonfinite(self.torch, self.grad_norm)
+        self.grad_norm, self.skipped = self.shards.step(lr, self.clip, self.skip_nonfinite)
 
     def memory_bytes(self) -> dict[str, int]:
         return self.shards.memory_bytes()
