@@ -101,19 +101,3 @@ def unwrapped_toolkit_errors():
         if isinstance(err.__context__, ToolkitError):
             raise err.__context__ from None
         raise
-
-
-def place(backend: str, requested: str, visible_gpus: int, env) -> Any:
-    """The rank's ``toolkit.launch.devices.Device`` for the option ``requested``; a GPU is
-    refused, since no backend places its tensors on one yet (a CPU run on a GPU node would
-    otherwise look like a GPU run)."""
-    from toolkit.launch.devices import choose_device
-
-    device = choose_device(requested, visible_gpus, env.local_rank, env.local_size)
-    if device.kind == "gpu":
-        raise ToolkitError(
-            f"{backend} does not place its model and batches on GPUs yet: local rank "
-            f"{env.local_rank} sees {visible_gpus} GPU(s) and device {requested!r} chose "
-            f"{device}", "pass --device cpu (Trainer(device='cpu')) to train on this node's "
-            "CPUs; docs/backends.md says what runs where")
-    return device

@@ -16,8 +16,9 @@ from typing import Any
 
 import numpy as np
 
-from adapters._common import check_world, missing_framework, place
+from adapters._common import check_world, missing_framework
 from toolkit import ToolkitError
+from toolkit.launch.devices import choose_device
 from toolkit.models.specs import DTYPES, check_choice
 from toolkit.parallel.layouts import Pipeline
 from toolkit.parallel.pipeline.partition import PipelineGrid
@@ -69,12 +70,14 @@ class HorovodRuntime:
         self.process_sets: dict[tuple[int, ...], Any] = {}
 
     def setup(self, env, layout: Any, device: str = "auto") -> None:
-        """Imports the framework (``connect``), chooses the rank's device, starts Horovod with
-        ``layout``'s process sets and checks it agrees with ``env``."""
+        """Imports the framework (``connect``), chooses the rank's device (the GPU of its local
+        rank: ``toolkit.launch.devices``) and has the framework use it (``use``), starts
+        Horovod with ``layout``'s process sets and checks it agrees with ``env``."""
         if self.hvd is None:
             self.hvd = self.connect(env)
         self.env = env
-        self.device = place(self.backend, device, self.visible_gpus(), env)
+        self.device = choose_device(device, self.visible_gpus(), env.local_rank, env.local_size)
+        self.use(self.device)
         self.process_sets = init_horovod(self.hvd, layout, env.world_size)
         check_world(self.backend, env, self.hvd.size(), self.hvd.rank())
 
@@ -84,6 +87,11 @@ class HorovodRuntime:
 
     def visible_gpus(self) -> int:
         """GPUs the framework sees on this node (``CUDA_VISIBLE_DEVICES`` applied)."""
+        raise NotImplementedError
+
+    def use(self, device) -> None:
+        """Makes ``device`` (a ``toolkit.launch.devices.Device``) the one the framework
+        computes on, before Horovod starts (NCCL binds to the current GPU)."""
         raise NotImplementedError
 
     def missing(self, what: str, err: ImportError) -> ToolkitError:
@@ -126,4 +134,4 @@ class HorovodRuntime:
         return 1
 
     def device_names(self) -> list[str]:
-        return ["cpu"]
+        return [str(self.device)]

@@ -1,23 +1,50 @@
-"""The JAX runtime both JAX backends share: JAX configured for the launch environment (CPU
-devices, x64, the distributed runtime with Gloo between processes), and host collectives."""
+"""The JAX runtime both JAX backends share: JAX configured for the launch environment and the
+rank's device (the CPU with Gloo between processes, or GPUs with NCCL chosen by XLA; x64), and
+host collectives."""
 
 from __future__ import annotations
 
 import contextlib
 import os
+import pkgutil
 import sys
 from typing import Any
 
 import numpy as np
 
-from adapters._common import check_world, missing_framework, place
+from adapters._common import check_world, missing_framework
 from toolkit import LaunchEnv, ToolkitError
+from toolkit.launch.devices import Device, choose_device, count_gpus
 from toolkit.models.specs import DTYPES, check_choice
 
 
+def jax_gpus() -> int:
+    """The GPUs JAX will see, counted before its runtime starts (it must be told a process's
+    GPUs before then): none without JAX's CUDA plugin (``jax[cuda12]``), else the visible
+    NVIDIA GPUs (``toolkit.launch.devices.count_gpus``)."""
+    if not any(m.name.startswith("jax_cuda") for m in pkgutil.iter_modules()):
+        return 0
+    return count_gpus()
+
+
+def local_device_ids(device: Device, env: LaunchEnv) -> list[int] | None:
+    """The GPUs a process drives, for ``jax.distributed.initialize``: a process per GPU takes
+    its local rank's (``device.index``); one process per node (or a CPU run) drives what it
+    sees (None).
+
+        >>> local_device_ids(Device("gpu", 3), LaunchEnv(world_size=8, rank=3, local_rank=3,
+        ...                                               local_size=4))
+        [3]
+        >>> local_device_ids(Device("gpu", 0), LaunchEnv(world_size=2, rank=1)) is None
+        True
+    """
+    return [device.index] if device.kind == "gpu" and env.local_size > 1 else None
+
+
 def import_jax(backend: str, env: LaunchEnv, dtype: str, local_devices: int | None,
-               cpu_only: bool = False):
-    """Imports and configures JAX for ``env``: CPU devices, x64, and the distributed runtime.
+               device: Device | None = None):
+    """Imports and configures JAX for ``env`` and the rank's ``device``: the CPU (its
+    ``local_devices``) or GPUs, x64, and the distributed runtime.
 
     The coordinator comes from the launch environment (horovodrun, srun or mpirun), so the
     same script needs no JAX-specific flags under any launcher.
@@ -27,7 +54,8 @@ def import_jax(backend: str, env: LaunchEnv, dtype: str, local_devices: int | No
     except ImportError as err:
         raise missing_framework(backend, "JAX (jax, jaxlib, flax, optax)", err) from err
     try:
-        if cpu_only:  # a GPU node's GPUs stay out of the run
+        device = device or Device("cpu")
+        if device.kind == "cpu":  # a GPU node's GPUs stay out of the run
             jax.config.update("jax_platforms", "cpu")
         if local_devices:
             jax.config.update("jax_num_cpu_devices", int(local_devices))
@@ -40,7 +68,8 @@ def import_jax(backend: str, env: LaunchEnv, dtype: str, local_devices: int | No
                            "create the adapter before any other JAX computation") from err
     if env.world_size > 1 and not jax.distributed.is_initialized():
         jax.distributed.initialize(coordinator_address=env.coordinator,
-                                   num_processes=env.world_size, process_id=env.rank)
+                                   num_processes=env.world_size, process_id=env.rank,
+                                   local_device_ids=local_device_ids(device, env))
     if dtype == "float64" and not jax.config.jax_enable_x64:
         raise ToolkitError(f"{backend} cannot run float64: JAX started without x64",
                            "set JAX_ENABLE_X64=1, or create the adapter before using JAX")
@@ -91,10 +120,16 @@ class JaxRuntime:
             return
         os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
         self.env = env
+        self.device = choose_device(device, jax_gpus(), env.local_rank, env.local_size)
         self.jax = import_jax(self.backend, env, self.dtype_name, self.local_devices,
-                              cpu_only=device == "cpu")
-        gpus = sum(d.platform == "gpu" for d in self.jax.local_devices())
-        self.device = place(self.backend, device, gpus, env)
+                              self.device)
+        seen = [d for d in self.jax.local_devices() if d.platform == "gpu"]
+        if self.device.kind == "gpu" and not seen:
+            raise ToolkitError(
+                f"{self.backend}: device {self.device} was chosen, but JAX sees no GPU "
+                f"(its devices: {', '.join(self.device_names())})",
+                "install JAX's CUDA build matching the driver (tools/install.sh --gpu), or "
+                "pass --device cpu")
         import jax.numpy as jnp
 
         self.jnp = jnp

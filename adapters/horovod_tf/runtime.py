@@ -8,6 +8,7 @@ from typing import Any
 import numpy as np
 
 from adapters._horovod.runtime import HorovodRuntime
+from toolkit import ToolkitError
 
 
 class TFRuntime(HorovodRuntime):
@@ -39,6 +40,25 @@ class TFRuntime(HorovodRuntime):
 
     def visible_gpus(self) -> int:
         return len(self.tf.config.list_physical_devices("GPU"))
+
+    def use(self, device) -> None:
+        """Only the rank's GPU stays visible to TensorFlow, which then places variables and
+        compiled steps on it; its memory grows as needed instead of TF taking the whole GPU
+        at start (ranks of other jobs may share the node). ``cpu``: no GPU is visible."""
+        tf = self.tf
+        gpus = tf.config.list_physical_devices("GPU")
+        mine = [gpus[device.index]] if device.kind == "gpu" else []
+        if not gpus or tf.config.get_visible_devices("GPU") == mine:
+            return
+        try:  # only possible before TF's runtime starts (once per process)
+            tf.config.set_visible_devices(mine, "GPU")
+            for gpu in mine:
+                tf.config.experimental.set_memory_growth(gpu, True)
+        except RuntimeError as err:
+            raise ToolkitError(
+                f"horovod-tf cannot limit TensorFlow to {device}: TensorFlow started before the "
+                f"adapter ({err})", "create the Trainer (or call adapter.setup) before any other "
+                "TensorFlow computation, or pass --device to match the devices TF uses") from err
 
     def tensor(self, values: np.ndarray) -> Any:
         return self.tf.constant(values)

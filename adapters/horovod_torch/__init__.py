@@ -7,6 +7,8 @@
 modules from the toolkit's specs. Importing this package imports no framework.
 """
 
+from typing import Any
+
 from adapters._backend import Backend
 
 _HERE = "adapters.horovod_torch"
@@ -22,3 +24,8 @@ class HorovodTorchAdapter(Backend):
         "sharded": f"{_HERE}.sharded:TorchSharded",
         "pipeline": f"{_HERE}.pipeline:TorchPipeline",
     }
+
+    def device_batch(self, x: Any, y: Any) -> tuple[Any, Any]:
+        """``toolkit.contract.PlacesBatches``: on a GPU, the batch copied to it ahead of its
+        step (in the Trainer's prefetch thread); on the CPU, the arrays untouched."""
+        return self.runtime.device_batch(x, y)

@@ -25,7 +25,7 @@ import numpy as np
 
 from adapters._backend import StrategyBase
 from adapters._common import nonfinite, step_seed
-from adapters.horovod_torch.models.spec import build_spec_model, same, to_host
+from adapters.horovod_torch.models.spec import build_spec_model, from_host, same, to_host
 from adapters.horovod_torch.models.sync_bn import convert_sync_batchnorm
 from adapters.horovod_torch.ops import (
     NEUTRAL_SLOTS,
@@ -51,6 +51,7 @@ class TorchDataParallel(StrategyBase):
     def __init__(self, runtime, layout):
         super().__init__(runtime, layout)
         self.torch, self.hvd, self.dtype = runtime.torch, runtime.hvd, runtime.dtype
+        self.dev = runtime.dev  # the rank's GPU, or the CPU
 
     # -------------------------------------------------------------------------- build
     def build(self, model: Any, optimizer: Any, loss: Any, *, seed: int = 0,
@@ -64,9 +65,9 @@ class TorchDataParallel(StrategyBase):
         self.native = not isinstance(model, ModelSpec)
         if not self.native:
             self.net, self.params = build_spec_model(torch, model)
-            self.net.to(self.dtype)
+            self.net.to(device=self.dev, dtype=self.dtype)
         elif isinstance(model, torch.nn.Module):
-            self.net = model.to(self.dtype)
+            self.net = model.to(device=self.dev, dtype=self.dtype)
             if sync_batchnorm:
                 convert_sync_batchnorm(torch, self.hvd, self.net)
             self.params = [(n, p, same, same) for n, p in self.net.named_parameters()]
@@ -138,15 +139,18 @@ class TorchDataParallel(StrategyBase):
         # (a skipped step keeps the BatchNorm statistics its forward passes moved)
         kept = [b.clone() for _, b in self.buffers] if self.skip_nonfinite else []
         self._zero_grad()
-        total = 0.0
+        losses = []
         for xc, yc in zip(xt.chunk(k), yt.chunk(k), strict=True):
             with self._forwarding():
                 loss = self.ops.mean_loss(self.net(xc), yc)
             if k > 1:
                 loss = loss / k
             loss.backward()
-            total += loss.item()
+            losses.append(loss.detach())
         self._apply(lr)
+        # read once, after the update is queued (one wait for a GPU, as a hand-written loop's
+        # loss.item()); summed on the host in float64, in order
+        total = sum(self.torch.stack(losses).tolist())
         if self.skipped:
             with self.torch.no_grad():
                 for (_, b), old in zip(self.buffers, kept, strict=True):
@@ -202,8 +206,7 @@ class TorchDataParallel(StrategyBase):
         return {**out, **self._model_state()}
 
     def _tensor(self, a, to_torch, dtype=None):
-        """A copy of a host array in torch's layout: never alias the caller's array."""
-        return self.torch.tensor(np.asarray(to_torch(np.asarray(a))), dtype=dtype or self.dtype)
+        return from_host(self.torch, a, to_torch, dtype or self.dtype, self.dev)
 
     def load_state_dict(self, state: dict[str, np.ndarray]) -> None:
         self._load(state)

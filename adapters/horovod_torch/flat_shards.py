@@ -124,10 +124,12 @@ class ShardedParameters:
         stage: 1, 2 or 3.
         optimizer: ``toolkit.SGD`` or ``toolkit.Adam``.
         dtype: the torch dtype of every buffer.
+        device: the torch device every buffer lives on (the rank's GPU, or the CPU).
     """
 
     def __init__(self, torch, hvd, net, layout, arrays: dict[str, np.ndarray],
-                 units: dict[str, list[str]], stage: int, optimizer: SGD | Adam, dtype):
+                 units: dict[str, list[str]], stage: int, optimizer: SGD | Adam, dtype,
+                 device=None):
         self.torch, self.hvd, self.stage, self.spec = torch, hvd, stage, optimizer
         self.rank, self.size = hvd.rank(), hvd.size()
         self.layouts = [FlatLayout.from_shapes({n: np.shape(arrays[n]) for n in names},
@@ -138,10 +140,10 @@ class ShardedParameters:
         for unit, flat_layout in enumerate(self.layouts):
             flat = flat_layout.flatten({n: arrays[n] for n in flat_layout.names})
             held = flat if stage < 3 else flat[self._owned(unit)]
-            self.sources.append(torch.tensor(held, dtype=dtype).requires_grad_())
+            self.sources.append(torch.tensor(held, dtype=dtype, device=device).requires_grad_())
             grad_len = flat_layout.padded if stage == 1 else flat_layout.shard_size
-            self.grads.append(torch.zeros(grad_len, dtype=dtype))
-            self.slots.append({s: torch.zeros(flat_layout.shard_size, dtype=dtype)
+            self.grads.append(torch.zeros(grad_len, dtype=dtype, device=device))
+            self.slots.append({s: torch.zeros(flat_layout.shard_size, dtype=dtype, device=device)
                                for s in self.slot_names})
         self._fn = _unit_function(torch)
         self._cache: dict[int, tuple] = {}  # unit -> its tensors in the current forward
@@ -173,7 +175,7 @@ class ShardedParameters:
             for attr in routed:
                 del module._parameters[attr]
         for _, param, _, _ in layout:  # the flat buffers hold the state now: free the old
-            param.data = self.torch.empty(0, dtype=param.dtype)
+            param.data = self.torch.empty(0, dtype=param.dtype, device=param.device)
 
     def tensor(self, unit: int, index: int, perm: tuple[int, ...] | None):
         """Parameter ``index`` of ``unit`` in torch's layout, for the current forward pass."""
@@ -292,14 +294,15 @@ class ShardedParameters:
     # ---------------------------------------------------------------------- state
     def _full(self, unit: int, shard, what: str) -> np.ndarray:
         with self.torch.no_grad():
-            return self.hvd.allgather(shard.detach(), name=f"zero.state.{what}.{unit}").numpy()
+            full = self.hvd.allgather(shard.detach(), name=f"zero.state.{what}.{unit}")
+            return full.cpu().numpy()
 
     def state_dict(self) -> dict[str, np.ndarray]:
         """Full tensors under the neutral names, on every rank (gathers the shards)."""
         out: dict[str, np.ndarray] = {}
         for unit, fl in enumerate(self.layouts):
             source = self.sources[unit].detach()
-            flat = self._full(unit, source, "params") if self.stage == 3 else source.numpy()
+            flat = self._full(unit, source, "params") if self.stage == 3 else source.cpu().numpy()
             out.update({f"params/{n}": a for n, a in fl.unflatten(flat).items()})
             for slot, shard in self.slots[unit].items():
                 full = fl.unflatten(self._full(unit, shard, slot))
@@ -335,13 +338,13 @@ class ShardedParameters:
                     a, b, at = owned.get(name, (0, 0, 0))
                     pieces[prefix + name] = (shard[at:at + b - a].copy(), 0, shape)
 
-            source = self.sources[unit].detach().numpy()
+            source = self.sources[unit].detach().cpu().numpy()
             if self.stage == 3:
                 cut(source, "params/")
             else:
                 replicated.update({f"params/{n}": a for n, a in fl.unflatten(source).items()})
             for slot, shard in self.slots[unit].items():
-                cut(shard.numpy(), f"opt/{slot}/")
+                cut(shard.cpu().numpy(), f"opt/{slot}/")
         if isinstance(self.spec, Adam):
             replicated["opt/count"] = np.asarray(self.count, np.int64)
         return replicated, pieces

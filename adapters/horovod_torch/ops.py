@@ -21,18 +21,19 @@ class TorchOps:
     runtime's ``dtype``."""
 
     def __init__(self, runtime, loss: Any, metrics: dict[str, Any] | None = None):
-        self.torch, self.dtype = runtime.torch, runtime.dtype
+        self.torch, self.dtype, self.arrive = runtime.torch, runtime.dtype, runtime.arrive
         self.loss_name, self.loss_fn = loss_name(loss), loss
         self.metrics = dict(metrics or {})
 
     def tensors(self, x: np.ndarray, y: np.ndarray):
-        """``(x, y)`` as tensors: floats in the compute dtype, class labels as ``long``."""
-        torch = self.torch
-        xt = torch.as_tensor(x)
+        """``(x, y)`` (host arrays, or a batch the runtime staged on the GPU) as tensors on the
+        rank's device: floats in the compute dtype, class labels as ``long``."""
+        xt = self.arrive(x)
         if xt.is_floating_point():
             xt = xt.to(self.dtype)
-        ydtype = torch.long if self.loss_name == "cross_entropy" else None
-        yt = torch.as_tensor(y, dtype=ydtype)
+        yt = self.arrive(y)
+        if self.loss_name == "cross_entropy":
+            yt = yt.to(self.torch.long)
         if yt.is_floating_point():
             yt = yt.to(self.dtype)
         return xt, yt

@@ -25,7 +25,7 @@ import numpy as np
 
 from adapters._common import check_build, step_seed
 from adapters._horovod.pipeline import HvdPipeline, check_pipeline
-from adapters.horovod_torch.models.spec import same, to_host
+from adapters.horovod_torch.models.spec import from_host, same, to_host
 from adapters.horovod_torch.ops import TORCH_SLOTS, TorchOps, make_optimizer, set_lr, zero_slots
 from adapters.horovod_torch.stages import cut_model
 from toolkit.models.reference import optimizer_slots
@@ -63,14 +63,15 @@ class TorchPipeline(HvdPipeline):
         self.seed, self.spec = seed, optimizer
         if isinstance(model, torch.nn.Sequential):  # rank 0's initial values, then cut
             hvd.broadcast_parameters(model.state_dict(), root_rank=0)
-        self.cut = cut_model(torch, model, self.layout, self.stage, self.dtype)
+        self.cut = cut_model(torch, model, self.layout, self.stage, self.dtype,
+                             self.runtime.dev)
         self.native = self.cut.native
         self.params = self.cut.params()
         if not self.native:
             arrays = model.init(seed, self.runtime.dtype_name)
             with torch.no_grad():
                 for name, p, to_torch, _ in self.params:
-                    p.copy_(torch.tensor(np.asarray(to_torch(arrays[name])), dtype=self.dtype))
+                    p.copy_(from_host(torch, arrays[name], to_torch, self.dtype, p.device))
         params = [p for _, p, _, _ in self.params]
         self.opt = make_optimizer(torch, optimizer, params)
         zero_slots(torch, self.opt, params, optimizer)  # as data parallel: state from step 0
@@ -87,7 +88,7 @@ class TorchPipeline(HvdPipeline):
 
     def _alltoall_wait(self, started: Any) -> tuple[np.ndarray, list[int]]:
         got, received = self.hvd.synchronize(started[0])
-        return got.numpy(), [int(n) for n in received]
+        return got.numpy(), [int(n) for n in received]  # (host tensors: Horovod's CPU ops)
 
     def _allgather(self, flat: np.ndarray, name: str) -> np.ndarray:
         return self.hvd.allgather(self.torch.from_numpy(flat), name=name).numpy()
@@ -97,20 +98,21 @@ class TorchPipeline(HvdPipeline):
                                   process_set=process_set).numpy()
 
     def _host(self, tensor) -> np.ndarray:
-        return tensor.detach().numpy()
+        return tensor.detach().cpu().numpy()
 
     def _activation(self, array: np.ndarray, grad: bool):
-        tensor = self.torch.from_numpy(np.array(array))  # a copy: the buffer is reused
+        # a copy (the buffer is reused), on the rank's device
+        tensor = self.runtime.to_device(self.torch.from_numpy(np.array(array)))
         return tensor.requires_grad_(True) if grad else tensor
 
     def _gradients(self) -> dict[str, np.ndarray]:
-        return {n: (p.grad.numpy() if p.grad is not None else np.zeros(tuple(p.shape),
-                                                                         self.np_dtype))
+        return {n: (self._host(p.grad) if p.grad is not None else np.zeros(tuple(p.shape),
+                                                                            self.np_dtype))
                 for n, p, _, _ in self.params}
 
     def _set_gradients(self, grads: dict[str, np.ndarray]) -> None:
         for n, p, _, _ in self.params:
-            p.grad = self.torch.from_numpy(grads[n])
+            p.grad = self.runtime.to_device(self.torch.from_numpy(grads[n]))
 
     def _set_buffer(self, buffer, array: np.ndarray) -> None:
         with self.torch.no_grad():
@@ -201,10 +203,10 @@ class TorchPipeline(HvdPipeline):
 
     def load_state_dict(self, state: dict[str, np.ndarray]) -> None:
         """Keeps this stage's part of the full ``state``."""
-        torch, dtype = self.torch, self.dtype
+        torch, dtype, dev = self.torch, self.dtype, self.runtime.dev
 
-        def tensor(a, to_torch, dt=dtype):  # a copy: never alias the caller's array
-            return torch.tensor(np.asarray(to_torch(np.asarray(a))), dtype=dt)
+        def tensor(a, to_torch, dt=dtype):
+            return from_host(torch, a, to_torch, dt, dev)
 
         with torch.no_grad():
             for n, p, to_torch, _ in self.params:

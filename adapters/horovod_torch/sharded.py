@@ -39,7 +39,8 @@ class TorchSharded(TorchDataParallel):
             if not isinstance(optimizer, SGD | Adam):
                 native_units(self.torch, self.net, optimizer)  # its error for the optimizer
         self.shards = ShardedParameters(self.torch, self.hvd, self.net, self.params, arrays,
-                                        units, self.layout.stage, optimizer, self.dtype)
+                                        units, self.layout.stage, optimizer, self.dtype,
+                                        self.runtime.dev)
         self.params = []  # the module's parameters are gone: the flat buffers hold them
 
     def _forwarding(self):

@@ -78,18 +78,33 @@ def _neutral_shape(p, from_torch) -> tuple[int, ...]:
     return tuple(np.shape(from_torch(np.empty(tuple(p.shape), np.float32))))
 
 
-def cut_model(torch, model: Any, layout, stage: int, dtype) -> CutModel:
-    """The pieces of ``model`` that ``stage`` holds under the ``toolkit.Pipeline`` ``layout``."""
+def cut_model(torch, model: Any, layout, stage: int, dtype, device=None) -> CutModel:
+    """The pieces of ``model`` that ``stage`` holds under the ``toolkit.Pipeline`` ``layout``,
+    in ``dtype`` on ``device`` (only this stage's pieces move there)."""
     if isinstance(model, ModelSpec):
-        return _cut_spec(torch, model, layout, stage, dtype)
+        return _on(torch, _cut_spec(torch, model, layout, stage, dtype), device)
     if isinstance(model, torch.nn.Sequential):
-        return _cut_sequential(torch, model.to(dtype), layout, stage)
+        return _on(torch, _cut_sequential(torch, model.to(dtype), layout, stage), device)
     if isinstance(model, torch.nn.Module):
         raise ToolkitError(f"horovod-torch cannot cut the native module {type(model).__name__} "
                            "into pipeline stages: it is not a torch.nn.Sequential",
                            SEQUENTIAL_ONLY)
     raise ToolkitError(f"horovod-torch cannot build a model from {type(model).__name__}",
                        SEQUENTIAL_ONLY)
+
+
+def _on(torch, cut: CutModel, device) -> CutModel:
+    """``cut`` with its pieces' modules, parameters and buffers on ``device`` (the same
+    Parameter objects: the pieces' forwards and the optimizer keep them)."""
+    if device is None:
+        return cut
+    with torch.no_grad():
+        for piece in cut.pieces:
+            for module in piece.modules:
+                module.to(device)
+            for _, p, _, _ in piece.params:
+                p.data = p.data.to(device)
+    return cut
 
 
 def _cut_spec(torch, spec, layout, stage: int, dtype) -> CutModel:

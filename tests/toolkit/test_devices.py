@@ -3,7 +3,7 @@
 import pytest
 
 from toolkit import LaunchEnv, ToolkitError
-from toolkit.launch.devices import Device, choose_device, one_gpu_per_task
+from toolkit.launch.devices import Device, choose_device, count_gpus, one_gpu_per_task
 
 NO_SLURM: dict = {}
 
@@ -70,19 +70,27 @@ def test_the_mapping_takes_a_gpu_torch_sees():
     assert x.device.type == "cuda" and float((x * 2).sum().cpu()) == 12.0
 
 
-def test_a_backend_refuses_a_gpu_it_would_not_use():
-    """Until a backend places its tensors on the GPU, choosing one is an error (a CPU run on
-    a GPU node must not pass for a GPU run); the CPU is chosen as before."""
-    from adapters._common import place
+def test_gpus_are_counted_without_a_framework(tmp_path):
+    """CUDA_VISIBLE_DEVICES decides when set; else the driver's /dev/nvidiaN files (not
+    nvidiactl, nvidia-uvm, ...)."""
+    for name in ("nvidia0", "nvidia1", "nvidia7", "nvidiactl", "nvidia-uvm", "nvidia-modeset"):
+        (tmp_path / name).touch()
+    assert count_gpus({}, tmp_path) == 3
+    assert count_gpus({"CUDA_VISIBLE_DEVICES": "1"}, tmp_path) == 1
+    assert count_gpus({"CUDA_VISIBLE_DEVICES": "GPU-5a1b,GPU-77c2"}, tmp_path) == 2
+    for hidden in ("", " ", "-1", "NoDevFiles"):
+        assert count_gpus({"CUDA_VISIBLE_DEVICES": hidden}, tmp_path) == 0
+    assert count_gpus({}, tmp_path / "missing") == 0
 
-    env = LaunchEnv(rank=1, world_size=2, local_rank=1, local_size=2, launcher="mpirun")
-    with pytest.raises(ToolkitError, match=r"horovod-torch does not place its model and "
-                                           r"batches on GPUs yet: local rank 1 sees 2 GPU\(s\) "
-                                           r"and device 'auto' chose gpu:1") as err:
-        place("horovod-torch", "auto", 2, env)
-    assert "--device cpu" in err.value.hint
-    assert place("jax-pjit", "cpu", 2, env) == Device("cpu")
-    assert place("jax-pjit", "auto", 0, env) == Device("cpu")
+
+def test_a_jax_process_per_gpu_is_given_its_local_rank_s_gpu():
+    from adapters._jax.runtime import local_device_ids
+
+    per_gpu = LaunchEnv(rank=5, world_size=8, local_rank=1, local_size=4, launcher="srun")
+    assert local_device_ids(Device("gpu", 1), per_gpu) == [1]
+    per_node = LaunchEnv(rank=1, world_size=2, local_rank=0, local_size=1, launcher="srun")
+    assert local_device_ids(Device("gpu", 0), per_node) is None  # all the node's GPUs
+    assert local_device_ids(Device("cpu"), per_gpu) is None
 
 
 def test_the_trainer_checks_the_device_option():

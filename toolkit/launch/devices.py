@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 from collections.abc import Mapping
+from pathlib import Path
 
 from toolkit.errors import ToolkitError
 from toolkit.models.specs import check_choice
@@ -34,6 +36,28 @@ class Device:
 
     def __str__(self) -> str:
         return "cpu" if self.kind == "cpu" else f"gpu:{self.index}"
+
+
+def count_gpus(environ: Mapping[str, str] | None = None, dev: str | Path = "/dev") -> int:
+    """The NVIDIA GPUs this process may use, counted without starting a framework (JAX must
+    be told its devices before its runtime starts): the entries of ``CUDA_VISIBLE_DEVICES``
+    when it is set (empty, ``-1`` or ``NoDevFiles``: none), else the ``/dev/nvidiaN`` device
+    files the driver made.
+
+        >>> count_gpus({"CUDA_VISIBLE_DEVICES": "2,3"})
+        2
+        >>> count_gpus({"CUDA_VISIBLE_DEVICES": ""})
+        0
+    """
+    environ = os.environ if environ is None else environ
+    shown = environ.get("CUDA_VISIBLE_DEVICES")
+    if shown is not None:
+        entries = [e.strip() for e in shown.split(",") if e.strip()]
+        return 0 if not entries or entries[0] in ("-1", "NoDevFiles") else len(entries)
+    try:
+        return sum(1 for f in Path(dev).iterdir() if re.fullmatch(r"nvidia\d+", f.name))
+    except OSError:
+        return 0
 
 
 def one_gpu_per_task(environ: Mapping[str, str] | None = None) -> bool:

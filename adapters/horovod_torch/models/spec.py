@@ -29,6 +29,12 @@ def to_host(t, from_torch) -> np.ndarray:
     return np.array(from_torch(t.detach().cpu().numpy()), order="C", copy=True)
 
 
+def from_host(torch, a, to_torch, dtype, device):
+    """A copy of the host array ``a`` in torch's layout, on ``device`` (never aliases the
+    caller's array)."""
+    return torch.tensor(np.asarray(to_torch(np.asarray(a))), dtype=dtype, device=device)
+
+
 def build_spec_model(torch, spec):
     """A torch module for a spec, and the (neutral name, parameter, to torch, from torch)
     layout that maps between the spec's arrays and torch's own layouts."""

@@ -35,7 +35,8 @@ def sync_batchnorm_class(torch, hvd):
                 return f.batch_norm(input, self.running_mean, self.running_var, self.weight,
                                     self.bias, True, momentum, self.eps)
             dims = [0, *range(2, input.dim())]
-            count = torch.tensor([float(input.numel() // input.shape[1])], dtype=input.dtype)
+            count = torch.tensor([float(input.numel() // input.shape[1])], dtype=input.dtype,
+                                 device=input.device)
             total = hvd.allreduce(count, op=hvd.Sum, name=None)
             mean = hvd.allreduce(input.sum(dims), op=hvd.Sum) / total
             shape = [1, -1] + [1] * (input.dim() - 2)
