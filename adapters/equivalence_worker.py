@@ -17,6 +17,7 @@ import numpy as np
 import adapters
 import toolkit
 from toolkit.equivalence import load_data, make_model, make_optimizer
+from toolkit.launch.devices import count_gpus
 
 
 def main() -> None:
@@ -27,12 +28,33 @@ def main() -> None:
         p.add_argument(name, type=int, required=True)
     p.add_argument("--local-devices", type=int, default=None)
     p.add_argument("--clip-grad-norm", type=float, default=None)
+    p.add_argument("--device", default="auto")
     args = p.parse_args()
     env = toolkit.current_env()
+    if args.device != "cpu" and count_gpus():
+        full_float32(args.backend)
     # Several layouts (comma-separated) run one after the other in the same processes, each
     # with a fresh adapter: one launch instead of one per layout. Results go to OUT/<i>/.
     for i, name in enumerate(args.layout.split(",")):
         run_layout(args, toolkit.parse_layout(name), Path(args.out) / str(i), env)
+
+
+def full_float32(backend: str) -> None:
+    """Float32 matrix products in full float32 on a GPU, as the reference computes them
+    (TensorFloat-32 keeps 10 mantissa bits: 1e-3 relative, far outside the bounds)."""
+    if backend == "horovod-torch":
+        import torch
+
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
+    elif backend == "horovod-tf":
+        import tensorflow as tf
+
+        tf.config.experimental.enable_tensor_float_32_execution(False)
+    else:
+        import jax
+
+        jax.config.update("jax_default_matmul_precision", "highest")
 
 
 def run_layout(args, layout, out: Path, env) -> None:
@@ -43,7 +65,8 @@ def run_layout(args, layout, out: Path, env) -> None:
             env=env)
         return
     try:
-        adapter.setup(env, layout)  # Horovod registers the layout's process sets as it starts
+        adapter.setup(env, layout, args.device)  # (Horovod registers the layout's process
+        # sets as it starts)
     except toolkit.ToolkitError as err:
         if "not importable" in str(err):
             toolkit.save0(out / "result.json", json.dumps({"status": "skipped",
@@ -66,7 +89,7 @@ def run_layout(args, layout, out: Path, env) -> None:
                               make_optimizer(args.optimizer, args.steps),
                               global_batch_size=args.batch_size, max_steps=args.steps,
                               seed=args.seed, progress=False, layout=layout, env=env,
-                              clip_grad_norm=args.clip_grad_norm)
+                              clip_grad_norm=args.clip_grad_norm, device=args.device)
     try:
         history = trainer.fit(x, y)
     except toolkit.ToolkitError as err:  # said in the table, never a silent pass
@@ -98,7 +121,8 @@ def run_layout(args, layout, out: Path, env) -> None:
     toolkit.save0(out / "result.json", json.dumps({
         "status": "ok", "losses": history.losses, "grad_norms": history.grad_norms,
         "step_seconds": step_time,
-        "world_size": env.world_size, "state_bytes_per_rank": float(state_bytes), **extra}),
+        "world_size": env.world_size, "state_bytes_per_rank": float(state_bytes),
+        "device": ",".join(adapter.device_names()), **extra}),
         env=env)
 
 

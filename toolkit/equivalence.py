@@ -32,6 +32,7 @@ from pathlib import Path
 import numpy as np
 
 from toolkit.errors import ToolkitError
+from toolkit.launch.devices import DEVICES
 from toolkit.models.specs import CNN, MLP, SGD, Adam, WarmupCosine
 
 LAUNCHERS = ("auto", "horovodrun", "mpirun", "srun")
@@ -138,6 +139,8 @@ def worker_command(args, backend: str, world_size: int, launcher: str, out: Path
               "--seed", str(args.seed), "--layout", ",".join(args.layouts), "--out", str(out)]
     if args.clip_grad_norm is not None:
         worker += ["--clip-grad-norm", repr(args.clip_grad_norm)]
+    if args.device != "auto":
+        worker += ["--device", args.device]
     if args.local_devices and backend.startswith("jax-"):
         worker += ["--local-devices", str(args.local_devices)]
     if world_size == 1 and launcher != "srun":  # (inside an allocation, a lone process
@@ -224,7 +227,7 @@ def compare(result: dict, ref_losses: list[float], ref_params: dict, dtype: str,
 
 
 def format_table(rows: list[dict], baseline: dict[tuple[int, str], float]) -> str:
-    header = ("backend", "world", "launcher", "layout", "final loss", "max rel loss dev",
+    header = ("backend", "world", "launcher", "layout", "device", "final loss", "max rel loss dev",
               "max abs param dev", "ms/step", "vs first", "result")
     lines = [header]
     for r in rows:
@@ -233,6 +236,7 @@ def format_table(rows: list[dict], baseline: dict[tuple[int, str], float]) -> st
         base = baseline.get((r["world_size"], r.get("layout", "data_parallel")))
         lines.append((
             r["backend"], str(r["world_size"]), r["launcher"], r.get("layout", "data_parallel"),
+            r.get("device", "-"),
             f"{r['final_loss']:.8f}" if ok else "-",
             f"{r['max_rel_loss_dev']:.2e}" if ok else "-",
             f"{r['max_abs_param_dev']:.2e}" if ok else "-",
@@ -291,6 +295,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "is compared with the same one-process reference")
     p.add_argument("--local-devices", type=int, default=None,
                    help="CPU devices per process for the JAX backends")
+    p.add_argument("--device", choices=DEVICES, default="auto",
+                   help="where the runs compute (auto: a GPU per rank where the framework "
+                        "sees one); on a GPU, float32 matrix products run in full float32 "
+                        "(no TF32), as the reference's"),
     p.add_argument("--timeout", type=float, default=600, help="seconds per run")
     p.add_argument("--clip-grad-norm", type=float, default=None,
                    help="clip each step's gradient to this global norm (every run and the "

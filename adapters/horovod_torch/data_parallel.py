@@ -31,6 +31,7 @@ from adapters.horovod_torch.ops import (
     NEUTRAL_SLOTS,
     TorchOps,
     clip_by_norm,
+    count_like,
     make_optimizer,
     set_lr,
     zero_slots,
@@ -221,7 +222,7 @@ class TorchDataParallel(StrategyBase):
                 slots = self.opt.state.get(p, {})
                 for key in list(slots):
                     if key == "step":
-                        slots["step"] = torch.tensor(float(state["opt/count"]))
+                        slots["step"] = count_like(torch, slots["step"], state["opt/count"])
                     else:
                         slots[key] = self._tensor(
                             state[f"opt/{NEUTRAL_SLOTS.get(key, key)}/{name}"], to_torch)

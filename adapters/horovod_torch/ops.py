@@ -81,15 +81,19 @@ class TorchOps:
 
 def make_optimizer(torch, spec: Any, params: list, backend: str = "horovod-torch"):
     """A ``torch.optim`` optimizer over ``params`` from a toolkit spec (with explicit zero
-    slots), or the user's own optimizer after checking it holds exactly those parameters."""
+    slots), or the user's own optimizer after checking it holds exactly those parameters.
+    On a GPU the spec's optimizer is torch's fused kernel (one launch for all parameters, what
+    a hand-written GPU loop uses); on the CPU torch's default implementation."""
     if isinstance(spec, SGD | Adam):
+        fused = {"fused": True} if params and params[0].is_cuda else {}
         if isinstance(spec, SGD):
             opt = torch.optim.SGD(params, lr=0.0, momentum=spec.momentum,
-                                  nesterov=spec.nesterov, weight_decay=spec.weight_decay)
+                                  nesterov=spec.nesterov, weight_decay=spec.weight_decay,
+                                  **fused)
         else:
             cls = torch.optim.AdamW if spec.decoupled else torch.optim.Adam
             opt = cls(params, lr=0.0, betas=(spec.b1, spec.b2), eps=spec.eps,
-                      weight_decay=spec.weight_decay)
+                      weight_decay=spec.weight_decay, **fused)
         return opt
     if isinstance(spec, torch.optim.Optimizer):
         mine = {id(p) for p in params}
@@ -112,14 +116,23 @@ def zero_slots(torch, opt, params: list, spec: Any) -> None:
 
     Zero buffers give exactly the update of torch's lazy initialisation, and they keep
     Horovod's broadcast_optimizer_state from running a dummy step (which would advance
-    Adam's step count).
+    Adam's step count). The step count lives where torch keeps it: on the CPU, or beside
+    the parameter (float32) for the fused kernel.
     """
     for p in params:
         if isinstance(spec, SGD) and spec.momentum:
             opt.state[p]["momentum_buffer"] = torch.zeros_like(p)
         elif isinstance(spec, Adam):
-            opt.state[p].update(step=torch.tensor(0.0), exp_avg=torch.zeros_like(p),
+            fused = opt.param_groups[0].get("fused")
+            step = (torch.zeros((), dtype=torch.float32, device=p.device) if fused
+                    else torch.tensor(0.0))
+            opt.state[p].update(step=step, exp_avg=torch.zeros_like(p),
                                 exp_avg_sq=torch.zeros_like(p))
+
+
+def count_like(torch, old, value) -> Any:
+    """Adam's step count ``value`` as a tensor where the optimizer keeps ``old``."""
+    return torch.tensor(float(value), dtype=old.dtype, device=old.device)
 
 
 def set_lr(opt, lr: float | None) -> None:

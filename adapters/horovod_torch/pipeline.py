@@ -26,7 +26,14 @@ import numpy as np
 from adapters._common import check_build, step_seed
 from adapters._horovod.pipeline import HvdPipeline, check_pipeline
 from adapters.horovod_torch.models.spec import from_host, same, to_host
-from adapters.horovod_torch.ops import TORCH_SLOTS, TorchOps, make_optimizer, set_lr, zero_slots
+from adapters.horovod_torch.ops import (
+    TORCH_SLOTS,
+    TorchOps,
+    count_like,
+    make_optimizer,
+    set_lr,
+    zero_slots,
+)
 from adapters.horovod_torch.stages import cut_model
 from toolkit.models.reference import optimizer_slots
 from toolkit.parallel.layouts import Pipeline
@@ -215,7 +222,7 @@ class TorchPipeline(HvdPipeline):
                 for slot in self.slots:
                     slots[TORCH_SLOTS[slot]] = tensor(state[f"opt/{slot}/{n}"], to_torch)
                 if "step" in slots:
-                    slots["step"] = torch.tensor(float(state["opt/count"]))
+                    slots["step"] = count_like(torch, slots["step"], state["opt/count"])
             for n, b in self.cut.buffers:
                 b.copy_(tensor(state[f"buffers/{n}"], same, b.dtype))
         if self.native:
