@@ -4,23 +4,35 @@ on the same GPT, the same data and the same optimizer, measured alternately in o
     .venv/bin/python benchmarks/gpt_throughput.py --backend horovod-torch
     .venv/bin/horovodrun -np 2 --gloo .venv/bin/python benchmarks/gpt_throughput.py \\
         --backend jax-pjit
+    python benchmarks/gpt_throughput.py --backend horovod-torch --device gpu --gpt2-small \\
+        --batch-size 8   # on a GPU node: GPT-2 small's shape, tokens/s and MFU
 
 Each window runs ``--steps`` steps of the Trainer, then ``--steps`` steps of the hand-written
 loop (below, one short function per backend: what a user would write without the toolkit);
 the order alternates between windows. Rank 0 prints the median tokens/s of each and the
 median of the per-window ratios (toolkit time / hand-written time: the toolkit's overhead;
 1.00 means none). The machine is noisy, so only ratios taken side by side mean anything.
+
+On a GPU (``--device gpu``, or ``auto`` where the framework sees one) both run on the rank's
+GPU, and each line adds the model FLOPs utilisation: (6 x parameters + 12 x layers x width x
+context) FLOPs per token (the PaLM paper's count, attention included) x tokens/s over the
+GPU's peak for the matmul precision (``--matmul``: ``float32`` keeps full float32, ``tf32``
+lets both sides use TensorFloat-32). The hand-written torch loop uses what a GPU user writes:
+torch's fused AdamW, ``scaled_dot_product_attention`` (the same module as the Trainer's), the
+batch copied from pinned memory, no ``torch.compile`` (the Trainer does not compile either).
 """
 
 import argparse
 import statistics
 
 import numpy as np
+from _flops import flops_per_token, peak_flops
 from _paired import trainer_against_hand
 
 import adapters
 import toolkit
 from toolkit.equivalence import stdlib_bytes
+from toolkit.launch.devices import count_gpus
 
 
 def windows(count: int, context: int):
@@ -29,26 +41,32 @@ def windows(count: int, context: int):
 
 
 # ------------------------------------------------------------------ hand-written loops
-def torch_loop(spec, params, lr, env):
+def torch_loop(spec, params, lr, env, gpu: bool):
     import horovod.torch as hvd
     import torch
 
     from adapters.horovod_torch.models.gpt import build_gpt
 
     hvd.init()
+    dev = torch.device("cuda", env.local_rank) if gpu else torch.device("cpu")
     net, layout = build_gpt(torch, spec)
+    net.to(dev)
     with torch.no_grad():
         for name, p, _, _ in layout:
             p.copy_(torch.from_numpy(params[name]))
-    opt = hvd.DistributedOptimizer(torch.optim.AdamW(net.parameters(), lr=lr, weight_decay=0.1),
-                                   named_parameters=net.named_parameters())
+    adamw = torch.optim.AdamW(net.parameters(), lr=lr, weight_decay=0.1, fused=gpu or None)
+    opt = hvd.DistributedOptimizer(adamw, named_parameters=net.named_parameters())
     hvd.broadcast_parameters(net.state_dict(), root_rank=0)
+
+    def tensor(a):
+        t = torch.from_numpy(a)
+        return t.pin_memory().to(dev, non_blocking=True) if gpu else t
 
     def step(x, y):
         opt.zero_grad()
-        out = net(torch.from_numpy(x))
+        out = net(tensor(x))
         loss = torch.nn.functional.cross_entropy(out.reshape(-1, out.shape[-1]),
-                                                 torch.from_numpy(y).reshape(-1))
+                                                 tensor(y).reshape(-1))
         loss.backward()
         opt.step()
         return loss.item()
@@ -149,31 +167,80 @@ def main() -> None:
     p.add_argument("--batch-size", type=int, default=16, help="global, in sequences")
     p.add_argument("--steps", type=int, default=10, help="steps per window")
     p.add_argument("--windows", type=int, default=9)
+    p.add_argument("--vocab", type=int, default=256, help="256 bytes, or e.g. 50304")
+    p.add_argument("--gpt2-small", action="store_true",
+                   help="GPT-2 small's shape: 12 layers, width 768, 12 heads, context 1024")
+    p.add_argument("--device", choices=("auto", "cpu", "gpu"), default="auto")
+    p.add_argument("--matmul", choices=("float32", "tf32"), default="float32",
+                   help="on a GPU: full float32 matrix products, or TensorFloat-32")
+    p.add_argument("--peak-tflops", type=float, default=None,
+                   help="the GPU's peak for MFU (default: looked up from its name)")
     args = p.parse_args()
+    if args.gpt2_small:
+        args.layers, args.width, args.heads, args.context = 12, 768, 12, 1024
 
     env = toolkit.current_env()
-    spec = toolkit.GPT(vocab=256, context=args.context, width=args.width, layers=args.layers,
-                       heads=args.heads)
-    x, y = windows(2048, args.context)
+    spec = toolkit.GPT(vocab=args.vocab, context=args.context, width=args.width,
+                       layers=args.layers, heads=args.heads)
+    x, y = windows(max(2048, 4 * args.batch_size), args.context)
+    x, y = x % args.vocab, y % args.vocab
     lr = 1e-3
+    name = args.backend
+    if args.device != "cpu" and count_gpus():
+        set_matmul(name, args.matmul)
     trainer = toolkit.Trainer(adapters.get(args.backend), spec,
                               toolkit.Adam(lr=lr, weight_decay=0.1, decoupled=True),
                               global_batch_size=args.batch_size, max_steps=args.steps,
-                              progress=False, stop_signals=())
+                              progress=False, stop_signals=(), device=args.device)
     trainer.fit(x, y)  # set-up, compilation, warm-up
+    device = trainer.adapter.device_names()[0]
+    gpu = device.startswith("gpu")
     params = spec.init(0, "float32")
-    name = args.backend
-    hand, sync = (torch_loop(spec, params, lr, env) if name == "horovod-torch" else
+    hand, sync = (torch_loop(spec, params, lr, env, gpu) if name == "horovod-torch" else
                   tf_loop(spec, params, lr, env) if name == "horovod-tf" else
                   jax_loop(spec, params, lr, env, pmap=name == "jax-pmap"))
     tokens = args.steps * args.batch_size * args.context
     ours, theirs, ratio = trainer_against_hand(trainer, hand, sync, x, y, env,
                                                steps=args.steps,
                                                windows=args.windows, seed=0)
-    toolkit.print0(f"{name:14s} world {env.world_size}  GPT {spec.num_params:,} params, "
-                   f"batch {args.batch_size}x{args.context}:  toolkit "
-                   f"{tokens / statistics.median(ours):,.0f} tokens/s  hand-written "
-                   f"{tokens / statistics.median(theirs):,.0f} tokens/s  ratio {ratio:.3f}")
+    rates = [tokens / statistics.median(t) for t in (ours, theirs)]
+    mfu = ""
+    if gpu:  # every rank's GPU: the world's tokens over the world's peak
+        peak = (args.peak_tflops * 1e12 if args.peak_tflops else
+                peak_flops(gpu_name(name), args.matmul)) * env.world_size
+        per_token = flops_per_token(spec)
+        mfu = "  MFU " + " / ".join(f"{r * per_token / peak:.1%}" for r in rates) + (
+            f" (peak {peak / env.world_size / 1e12:.0f} TFLOP/s {args.matmul} per GPU)")
+    toolkit.print0(f"{name:14s} world {env.world_size} on {device}  GPT {spec.num_params:,} "
+                   f"params, batch {args.batch_size}x{args.context}:  toolkit "
+                   f"{rates[0]:,.0f} tokens/s  hand-written {rates[1]:,.0f} tokens/s  "
+                   f"ratio {ratio:.3f}{mfu}")
+
+
+def set_matmul(backend: str, precision: str) -> None:
+    """Both sides' float32 matrix products: full float32, or TensorFloat-32 on a GPU."""
+    if backend == "horovod-torch":
+        import torch
+
+        torch.backends.cuda.matmul.allow_tf32 = precision == "tf32"
+        torch.backends.cudnn.allow_tf32 = precision == "tf32"
+    elif backend.startswith("jax-"):
+        import jax
+
+        jax.config.update("jax_default_matmul_precision",
+                          "tensorfloat32" if precision == "tf32" else "highest")
+
+
+def gpu_name(backend: str) -> str:
+    if backend == "horovod-torch":
+        import torch
+
+        return torch.cuda.get_device_name()
+    if backend.startswith("jax-"):
+        import jax
+
+        return jax.local_devices()[0].device_kind
+    return ""
 
 
 if __name__ == "__main__":
