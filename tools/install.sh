@@ -146,31 +146,8 @@ hvd_stamp="$VENV/.toolkit-horovod"
 if [ "$(cat "$hvd_stamp" 2>/dev/null)" != "$key" ]; then
   if ! ls "$wheel_dir"/horovod-*.whl >/dev/null 2>&1; then
     log "building Horovod $HOROVOD_VERSION for $versions (once; about 10-15 minutes on 2 cores)"
-    build=$(mktemp -d)
-    trap 'rm -rf "$build"' EXIT
-    "$PY" -m pip download -q --no-deps --no-binary :all: -d "$build" "horovod==$HOROVOD_VERSION"
-    tar -xzf "$build"/horovod-$HOROVOD_VERSION.tar.gz -C "$build"
-    src="$build/horovod-$HOROVOD_VERSION"
-    # (1) PyTorch >= 2.1 needs C++17 (upstream PR 3998, never released).
-    sed -i 's/CMAKE_CXX_STANDARD 14/CMAKE_CXX_STANDARD 17/' "$src/CMakeLists.txt" "$src/horovod/torch/CMakeLists.txt"
-    # (2) TF 2.21's wheel ships no XLA headers; the XLA ops are optional (jit_compile only).
-    sed -i '/xla_mpi_ops.cc/d' "$src/horovod/tensorflow/CMakeLists.txt"
-    grep -q 'CMAKE_CXX_STANDARD 17' "$src/horovod/torch/CMakeLists.txt" || die "Horovod patch (C++17) did not apply"
-    ! grep -q 'xla_mpi_ops.cc' "$src/horovod/tensorflow/CMakeLists.txt" || die "Horovod patch (XLA ops) did not apply"
-    mkdir -p "$wheel_dir.tmp"
-    ops=(HOROVOD_CPU_OPERATIONS=GLOO)
-    if [ "$DEVICE" = gpu ]; then  # NCCL from its pip package (torch's CUDA build brings it)
-      nccl=$("$PY" -c 'import nvidia.nccl, os; print(os.path.dirname(nvidia.nccl.__file__))') \
-        || die "NCCL's pip package (nvidia-nccl-cu$cuda_major) is not in $VENV"
-      ops=(HOROVOD_GPU_OPERATIONS=NCCL HOROVOD_NCCL_HOME="$nccl" HOROVOD_NCCL_LINK=SHARED
-           HOROVOD_CUDA_HOME="$(dirname "$(dirname "$(command -v nvcc)")")"
-           HOROVOD_BUILD_CUDA_CC_LIST="$(echo "$capabilities" | tr -d '.' | tr ';' ',')")
-    fi
-    (cd "$src" && env PATH="$VENV/bin:$PATH" HOROVOD_WITH_PYTORCH=1 HOROVOD_WITH_TENSORFLOW=1 HOROVOD_WITH_MPI=1 \
-      HOROVOD_WITH_GLOO=1 HOROVOD_WITHOUT_MXNET=1 "${ops[@]}" MAKEFLAGS=-j"$(nproc)" \
-      "$PY" -m pip wheel -q --no-build-isolation --no-deps -w "$wheel_dir.tmp" . ) \
-      || die "Horovod build failed (see the compiler output above).
-HINT: it needs g++, cmake 3.x and MPI headers (libopenmpi-dev); set TOOLKIT_CACHE to a writable folder."
+    rm -rf "$wheel_dir.tmp"
+    BUILD_DEVICE=$DEVICE CUDA_CC_LIST=${capabilities:-} "$ROOT/tools/build_horovod.sh" "$PY" "$wheel_dir.tmp"
     rm -rf "$wheel_dir" && mv "$wheel_dir.tmp" "$wheel_dir"
   fi
   log "installing cached $(basename "$wheel_dir"/horovod-*.whl)"
