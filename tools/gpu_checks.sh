@@ -13,7 +13,10 @@
 #      equivalence with full float32 matmuls, checkpoints between GPU and CPU), and GPT-2
 #      small's tokens/s and MFU, Trainer beside a hand-written loop  -> OUT/jax.log
 #   4. horovod-torch on the GPU, once Horovod is built: the same     -> OUT/torch.log
-#   5. a summary                                                     -> OUT/summary.txt
+#   5. with time left: two horovod-torch ranks sharing the GPU through a Horovod built without
+#      NCCL (host-staged collectives, built beside the other), data, ZeRO-3 and a two-stage
+#      pipeline against the float64 reference                      -> OUT/shared.log
+#   6. a summary                                                     -> OUT/summary.txt
 # TensorFlow is not on that machine: horovod-tf's GPU test reports itself skipped.
 set -uo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -48,11 +51,18 @@ phase() {  # phase NAME SECONDS LOG COMMAND...: runs it bounded, says how it end
 cc=$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader | sort -u | paste -sd';' -)
 say "machine: $(nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1), compute capability $cc"
 
-# 2. Horovod with NCCL, in the background (the JAX phase uses the GPU meanwhile)
+# 2. Horovod with NCCL, and one without (host-staged), in the background (the JAX phase uses
+#    the GPU meanwhile)
 WHEELS=/tmp/gpu-checks-horovod
+half=$(( $(nproc) / 2 > 1 ? $(nproc) / 2 : 1 ))
 ( BUILD_DEVICE=gpu CUDA_CC_LIST=$cc WITH_TENSORFLOW=0 WITH_MPI=0 HOROVOD_SDIST=$SDIST \
-    timeout 420 "$ROOT/tools/build_horovod.sh" "$PY" "$WHEELS" ) >"$OUT_DIR/horovod-build.log" 2>&1 &
+    MAKEFLAGS=-j$half timeout 420 "$ROOT/tools/build_horovod.sh" "$PY" "$WHEELS/nccl" ) \
+  >"$OUT_DIR/horovod-build.log" 2>&1 &
 build=$!
+( BUILD_DEVICE=cpu WITH_TENSORFLOW=0 WITH_MPI=0 HOROVOD_SDIST=$SDIST \
+    MAKEFLAGS=-j$half timeout 420 "$ROOT/tools/build_horovod.sh" "$PY" "$WHEELS/gloo" ) \
+  >"$OUT_DIR/horovod-gloo-build.log" 2>&1 &
+gloo_build=$!
 
 # 3. JAX on the GPU
 phase "jax gpu tests" 200 "$OUT_DIR/jax.log" "$PY" -m pytest -m gpu -ra -q -p no:cacheprovider \
@@ -62,10 +72,10 @@ phase "jax-pjit GPT-2 small float32" 120 "$OUT_DIR/jax.log" "$PY" benchmarks/gpt
 
 # 4. horovod-torch on the GPU
 if wait $build; then
-  say "horovod built: $(ls "$WHEELS")"
-  "$PY" -m pip install -q --no-deps --no-index --target /tmp/gpu-checks-site "$WHEELS"/horovod-*.whl \
+  say "horovod built: $(ls "$WHEELS/nccl")"
+  "$PY" -m pip install -q --no-deps --no-index --target /tmp/gpu-checks-nccl "$WHEELS"/nccl/horovod-*.whl \
     >>"$OUT_DIR/horovod-build.log" 2>&1
-  export PYTHONPATH="$PYTHONPATH:/tmp/gpu-checks-site"
+  export PYTHONPATH="$ROOT:/tmp/gpu-checks-nccl"
   "$PY" -c 'import horovod.torch as h; print("nccl_built", h.nccl_built(), "gloo_built", h.gloo_built())' \
     >>"$OUT_DIR/torch.log" 2>&1
   phase "horovod-torch gpu tests" 200 "$OUT_DIR/torch.log" "$PY" -m pytest -m gpu -ra -q \
@@ -78,9 +88,21 @@ else
   tail -n 15 "$OUT_DIR/horovod-build.log"
 fi
 
-# 5. the summary: each phase's line above, then the tests' and benchmarks' own last lines
-for log in jax torch; do
-  [ -f "$OUT_DIR/$log.log" ] && grep -E "passed|failed|skipped|tokens/s|nccl_built|SKIPPED|FAILED|Error" \
+# 5. two ranks sharing the GPU through host-staged collectives, with the time left
+if [ "$SECONDS" -lt 420 ] && wait $gloo_build; then
+  "$PY" -m pip install -q --no-deps --no-index --target /tmp/gpu-checks-gloo "$WHEELS"/gloo/horovod-*.whl \
+    >>"$OUT_DIR/horovod-gloo-build.log" 2>&1
+  phase "horovod-torch 2 ranks on one GPU (host-staged)" $(( 520 - SECONDS )) "$OUT_DIR/shared.log" \
+    env PYTHONPATH="$ROOT:/tmp/gpu-checks-gloo" PATH="/tmp/gpu-checks-gloo/bin:$PATH" \
+    TOOLKIT_SHARE_GPUS=1 "$PY" -m toolkit.equivalence --backends horovod-torch --world-sizes 2 --launcher horovodrun \
+    --device gpu --layout data,sharded:3,pipeline:2:4 --steps 20
+else
+  say "two ranks on one GPU: not run (no time left, or the build without NCCL failed: horovod-gloo-build.log)"
+fi
+
+# 6. the summary: each phase's line above, then the tests' and benchmarks' own last lines
+for log in jax torch shared; do
+  [ -f "$OUT_DIR/$log.log" ] && grep -E "passed|failed|skipped|tokens/s|nccl_built|SKIPPED|FAILED|Error|PASS|FAIL" \
     "$OUT_DIR/$log.log" | tail -n 20 | sed "s/^/$log: /" | tee -a "$OUT_DIR/summary.txt"
 done
 say "done"

@@ -40,9 +40,23 @@ def test_more_ranks_than_gpus_on_a_node_is_refused_naming_both_numbers():
                           "has no GPU of its own")
     assert hint == ("launch at most 2 rank(s) per node (srun --ntasks-per-node=2, mpirun "
                     "-npernode 2), give each task its own GPU (srun --gpus-per-task=1), or "
-                    "request 4 GPUs per node (--gres=gpu:4)")
+                    "request 4 GPUs per node (--gres=gpu:4); TOOLKIT_SHARE_GPUS=1 lets ranks "
+                    "share GPUs where collectives go through host memory (a Horovod built "
+                    "without NCCL)")
     with pytest.raises(ToolkitError, match="2 ranks run on this node but it has 1 visible"):
         choose_device("gpu", 1, 0, 2, NO_SLURM)  # two ranks would share one GPU
+
+
+def test_ranks_share_the_gpus_only_when_told_to():
+    shared = {"TOOLKIT_SHARE_GPUS": "1"}
+    assert [choose_device("gpu", 2, r, 4, shared).index for r in range(4)] == [0, 1, 0, 1]
+    assert choose_device("auto", 1, 1, 2, shared) == Device("gpu", 0)
+    assert choose_device("auto", 0, 1, 2, shared) == Device("cpu")  # nothing to share
+    assert choose_device("gpu", 4, 3, 4, shared) == Device("gpu", 3)  # enough: unchanged
+    with pytest.raises(ToolkitError, match="2 ranks run on this node"):
+        choose_device("gpu", 1, 1, 2, {"TOOLKIT_SHARE_GPUS": "0"})
+    with pytest.raises(ToolkitError, match="TOOLKIT_SHARE_GPUS='yes' is not 0 or 1"):
+        choose_device("gpu", 1, 1, 2, {"TOOLKIT_SHARE_GPUS": "yes"})
 
 
 def test_a_gpu_per_task_from_slurm_is_the_task_s_only_visible_gpu():

@@ -68,6 +68,18 @@ def one_gpu_per_task(environ: Mapping[str, str] | None = None) -> bool:
             or "single:1" in environ.get("SLURM_GPU_BIND", ""))
 
 
+def shares_gpus(environ: Mapping[str, str] | None = None) -> bool:
+    """Whether ranks may share a node's GPUs (``TOOLKIT_SHARE_GPUS=1``): rank ``r`` then takes
+    GPU ``r mod gpus``. Only collectives that go through host memory allow it (a Horovod built
+    without NCCL copies GPU tensors to the host); NCCL refuses two ranks on one GPU."""
+    value = (os.environ if environ is None else environ).get("TOOLKIT_SHARE_GPUS", "0")
+    if value not in ("0", "1"):
+        raise ToolkitError(f"TOOLKIT_SHARE_GPUS={value!r} is not 0 or 1",
+                           "set TOOLKIT_SHARE_GPUS=1 to let ranks of a node share its GPUs, or "
+                           "unset it")
+    return value == "1"
+
+
 def choose_device(requested: str, visible_gpus: int, local_rank: int, local_size: int,
                   environ: Mapping[str, str] | None = None) -> Device:
     """The device of the rank ``local_rank`` of ``local_size`` on its node, which sees
@@ -76,7 +88,8 @@ def choose_device(requested: str, visible_gpus: int, local_rank: int, local_size
     ``cpu``: the CPU. ``auto``: the GPU when the framework sees one, else the CPU. ``gpu``: a
     GPU or a ToolkitError. A rank takes the GPU numbered by its local rank; when each task was
     given one GPU of its own it takes that one. More ranks on a node than GPUs is an error that
-    names both numbers (ranks would share a GPU, and NCCL refuses two ranks on one device).
+    names both numbers (ranks would share a GPU, and NCCL refuses two ranks on one device),
+    unless :func:`shares_gpus`.
     """
     check_choice("device", requested, DEVICES)
     if requested == "cpu" or (requested == "auto" and visible_gpus == 0):
@@ -92,11 +105,14 @@ def choose_device(requested: str, visible_gpus: int, local_rank: int, local_size
     if visible_gpus == 1 and local_size > 1 and one_gpu_per_task(environ):
         return Device("gpu", 0)
     if local_size > visible_gpus:
+        if shares_gpus(environ):
+            return Device("gpu", local_rank % visible_gpus)
         raise ToolkitError(
             f"{local_size} ranks run on this node but it has {visible_gpus} visible GPU(s): "
             f"local rank {local_rank} has no GPU of its own",
             f"launch at most {visible_gpus} rank(s) per node (srun --ntasks-per-node="
             f"{visible_gpus}, mpirun -npernode {visible_gpus}), give each task its own GPU "
             f"(srun --gpus-per-task=1), or request {local_size} GPUs per node "
-            f"(--gres=gpu:{local_size})")
+            f"(--gres=gpu:{local_size}); TOOLKIT_SHARE_GPUS=1 lets ranks share GPUs where "
+            f"collectives go through host memory (a Horovod built without NCCL)")
     return Device("gpu", local_rank)
