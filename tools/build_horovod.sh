@@ -10,6 +10,7 @@
 #   BUILD_DEVICE     cpu (Gloo operations) or gpu (NCCL; needs nvcc and NCCL's pip package)
 #   CUDA_CC_LIST     with gpu: compute capabilities to compile for, e.g. "9.0;8.0"
 #   WITH_TENSORFLOW  1 (default) or 0      WITH_MPI  1 (default) or 0 (Gloo only)
+#   MAKEFLAGS        default -j<cores>
 set -euo pipefail
 PY=$(realpath -s "$(command -v "$1")")  # absolute, not resolved: a venv's python stays its own
 OUT=$2
@@ -63,7 +64,7 @@ fi
 mkdir -p "$OUT"
 # (CMake 4 refuses the bundled third_party's cmake_minimum_required below 3.5 without this.)
 (cd "$src" && env PATH="$(dirname "$PY"):$PATH" CMAKE_POLICY_VERSION_MINIMUM=3.5 "${opts[@]}" \
-  MAKEFLAGS=-j"$(nproc)" \
+  MAKEFLAGS="${MAKEFLAGS:--j$(nproc)}" \
   "$PY" -m pip wheel -q --no-build-isolation --no-deps -w "$OUT" . ) \
   || die "Horovod build failed (see the compiler output above).
 HINT: it needs g++, cmake 3.x and, with MPI, its headers (libopenmpi-dev); set TOOLKIT_CACHE to a writable folder."

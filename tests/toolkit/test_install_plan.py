@@ -3,7 +3,7 @@ and build, and changes nothing). On a machine whose NVIDIA driver lists a GPU, t
 and Horovod with NCCL; elsewhere the CPU builds. This machine has no GPU: the GPU node is
 stood in for by an ``nvidia-smi`` that prints what the real one prints on a one-H100 node
 (its ``-L`` line, its header with the driver's CUDA version, the compute capability); the
-real one runs on a GPU node (docs/backends.md#what-runs-where)."""
+real one runs on a GPU node (docs/gpu.md)."""
 
 import os
 import subprocess
