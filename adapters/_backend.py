@@ -40,7 +40,7 @@ class Runtime(Protocol):
 
     def setup(self, env: LaunchEnv, layout: Any, device: str = "auto") -> None:
         """Starts the framework for ``env`` on the rank's ``device`` (``auto``, ``cpu``,
-        ``gpu``: ``adapters._common.place``); ``layout`` may add to the start (Horovod
+        ``gpu``: ``toolkit.launch.devices.choose_device``); ``layout`` may add to the start (Horovod
         registers a pipeline's process sets then). Checks rank and size against ``env``."""
 
     def allreduce(self, values: np.ndarray, op: str = "mean") -> np.ndarray: ...

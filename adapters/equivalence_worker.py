@@ -31,8 +31,6 @@ def main() -> None:
     p.add_argument("--device", default="auto")
     args = p.parse_args()
     env = toolkit.current_env()
-    if args.device != "cpu" and count_gpus():
-        full_float32(args.backend)
     # Several layouts (comma-separated) run one after the other in the same processes, each
     # with a fresh adapter: one launch instead of one per layout. Results go to OUT/<i>/.
     for i, name in enumerate(args.layout.split(",")):
@@ -67,6 +65,8 @@ def run_layout(args, layout, out: Path, env) -> None:
     try:
         adapter.setup(env, layout, args.device)  # (Horovod registers the layout's process
         # sets as it starts)
+        if args.device != "cpu" and count_gpus():  # (the framework is importable by now)
+            full_float32(args.backend)
     except toolkit.ToolkitError as err:
         if "not importable" in str(err):
             toolkit.save0(out / "result.json", json.dumps({"status": "skipped",

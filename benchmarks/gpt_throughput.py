@@ -41,14 +41,15 @@ def windows(count: int, context: int):
 
 
 # ------------------------------------------------------------------ hand-written loops
-def torch_loop(spec, params, lr, env, gpu: bool):
+def torch_loop(spec, params, lr, env, dev):
+    """``dev``: the Trainer's device (the same GPU, or the CPU)."""
     import horovod.torch as hvd
     import torch
 
     from adapters.horovod_torch.models.gpt import build_gpt
 
     hvd.init()
-    dev = torch.device("cuda", env.local_rank) if gpu else torch.device("cpu")
+    gpu = dev.type == "cuda"
     net, layout = build_gpt(torch, spec)
     net.to(dev)
     with torch.no_grad():
@@ -196,7 +197,8 @@ def main() -> None:
     device = trainer.adapter.device_names()[0]
     gpu = device.startswith("gpu")
     params = spec.init(0, "float32")
-    hand, sync = (torch_loop(spec, params, lr, env, gpu) if name == "horovod-torch" else
+    hand, sync = (torch_loop(spec, params, lr, env, trainer.adapter.runtime.dev)
+                  if name == "horovod-torch" else
                   tf_loop(spec, params, lr, env) if name == "horovod-tf" else
                   jax_loop(spec, params, lr, env, pmap=name == "jax-pmap"))
     tokens = args.steps * args.batch_size * args.context
@@ -224,7 +226,11 @@ def set_matmul(backend: str, precision: str) -> None:
 
         torch.backends.cuda.matmul.allow_tf32 = precision == "tf32"
         torch.backends.cudnn.allow_tf32 = precision == "tf32"
-    elif backend.startswith("jax-"):
+    elif backend == "horovod-tf":
+        import tensorflow as tf
+
+        tf.config.experimental.enable_tensor_float_32_execution(precision == "tf32")
+    else:
         import jax
 
         jax.config.update("jax_default_matmul_precision",

@@ -81,7 +81,9 @@ def test_horovod_torch_keeps_every_tensor_on_the_rank_s_device(layout, device):
 def test_a_gpu_checkpoint_resumes_on_the_cpu_and_back(launch, tmp_path, read_metrics, backend):
     """Checkpoints hold host arrays: 5 steps on one device and 5 resumed on the other follow
     the 10 steps of one device within the equivalence bound, and bit for bit on the same
-    device."""
+    device (full float32 matmuls and deterministic GPU kernels, as the equivalence runs)."""
+    exact = {"JAX_DEFAULT_MATMUL_PRECISION": "highest", "CUBLAS_WORKSPACE_CONFIG": ":4096:8",
+             "XLA_FLAGS": "--xla_gpu_deterministic_ops=true"}
 
     def run(device: str, steps: int, name: str, resume: bool = False) -> dict:
         job = launch("python", 1, ["examples/train_digits.py", "--backend", backend,
@@ -90,7 +92,8 @@ def test_a_gpu_checkpoint_resumes_on_the_cpu_and_back(launch, tmp_path, read_met
                                    "--checkpoint-dir", str(tmp_path / name),
                                    "--checkpoint-every", "5",
                                    "--metrics-log", str(tmp_path / f"{name}-{steps}.jsonl"),
-                                   *(["--resume", "latest"] if resume else [])], timeout=600)
+                                   *(["--resume", "latest"] if resume else [])], timeout=600,
+                     env=exact)
         assert job.returncode == 0, job
         return read_metrics(tmp_path / f"{name}-{steps}.jsonl")["steps"]
 

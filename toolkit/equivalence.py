@@ -298,7 +298,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--device", choices=DEVICES, default="auto",
                    help="where the runs compute (auto: a GPU per rank where the framework "
                         "sees one); on a GPU, float32 matrix products run in full float32 "
-                        "(no TF32), as the reference's"),
+                        "(no TF32), as the reference's")
     p.add_argument("--timeout", type=float, default=600, help="seconds per run")
     p.add_argument("--clip-grad-norm", type=float, default=None,
                    help="clip each step's gradient to this global norm (every run and the "

@@ -33,6 +33,7 @@ sed -i '/xla_mpi_ops.cc/d' "$src/horovod/tensorflow/CMakeLists.txt"
 # (3) CUDA 13's headers need C++17 in device code too (Horovod asks nvcc for C++11).
 sed -i 's/CMAKE_CUDA_STANDARD 11/CMAKE_CUDA_STANDARD 17/' "$src/horovod/common/ops/cuda/CMakeLists.txt"
 grep -q 'CMAKE_CXX_STANDARD 17' "$src/horovod/torch/CMakeLists.txt" || die "Horovod patch (C++17) did not apply"
+grep -q 'CMAKE_CUDA_STANDARD 17' "$src/horovod/common/ops/cuda/CMakeLists.txt" || die "Horovod patch (CUDA C++17) did not apply"
 ! grep -q 'xla_mpi_ops.cc' "$src/horovod/tensorflow/CMakeLists.txt" || die "Horovod patch (XLA ops) did not apply"
 
 opts=(HOROVOD_WITH_PYTORCH=1 HOROVOD_WITH_GLOO=1 HOROVOD_WITHOUT_MXNET=1)

@@ -131,8 +131,11 @@ def zero_slots(torch, opt, params: list, spec: Any) -> None:
 
 
 def count_like(torch, old, value) -> Any:
-    """Adam's step count ``value`` as a tensor where the optimizer keeps ``old``."""
-    return torch.tensor(float(value), dtype=old.dtype, device=old.device)
+    """The step count ``value`` as the optimizer keeps ``old``: a tensor of its dtype on its
+    device, or a number of its type (e.g. ``SparseAdam``'s int)."""
+    if torch.is_tensor(old):
+        return torch.tensor(float(value), dtype=old.dtype, device=old.device)
+    return type(old)(value)
 
 
 def set_lr(opt, lr: float | None) -> None:

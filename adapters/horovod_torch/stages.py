@@ -94,16 +94,22 @@ def cut_model(torch, model: Any, layout, stage: int, dtype, device=None) -> CutM
 
 
 def _on(torch, cut: CutModel, device) -> CutModel:
-    """``cut`` with its pieces' modules, parameters and buffers on ``device`` (the same
-    Parameter objects: the pieces' forwards and the optimizer keep them)."""
+    """``cut`` with its pieces' modules, parameters and buffers on ``device``. ``Module.to``
+    keeps the Parameter objects (a CPU and a CUDA tensor are compatible: it moves them in place),
+    which the pieces' forwards and the optimizer hold, but puts new buffer tensors in the
+    modules: ``cut.buffers`` is read again from them."""
     if device is None:
         return cut
+    owner = {id(b): (m, name) for piece in cut.pieces for top in piece.modules
+             for m in top.modules() for name, b in m._buffers.items() if b is not None}
     with torch.no_grad():
         for piece in cut.pieces:
             for module in piece.modules:
                 module.to(device)
-            for _, p, _, _ in piece.params:
-                p.data = p.data.to(device)
+            for _, p, _, _ in piece.params:  # (a GPT's embeddings belong to no piece module)
+                if p.device != device:
+                    p.data = p.data.to(device)
+    cut.buffers = [(name, getattr(*owner[id(b)])) for name, b in cut.buffers]
     return cut
 
 
