@@ -24,7 +24,7 @@
 # carries .gpu/ only when asked: carry [".gpu"].
 set -uo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
-SDIST="$ROOT/.gpu/horovod-0.28.1.tar.gz"
+SDIST=${HOROVOD_SDIST:-$ROOT/.gpu/horovod-0.28.1.tar.gz}
 
 if [ "${1:-}" = --prepare ]; then
   mkdir -p "$ROOT/.gpu"
