@@ -50,9 +50,11 @@ def pack_into(buf: np.ndarray, offset: int, array: np.ndarray) -> int:
 
 
 def unpack(buf: np.ndarray, offset: int) -> tuple[np.ndarray, int]:
-    """The array ``pack_into`` wrote at ``offset`` of ``buf`` (a view), and the offset after it."""
+    """The array ``pack_into`` wrote at ``offset`` of ``buf`` (a view), and the offset after it.
+    ``buf`` may be a framework tensor packed the same way (a view of it comes back); its header
+    is read with one copy to the host."""
     ndim = int(buf[offset])
-    shape = [int(d) for d in buf[offset + 1:offset + 1 + ndim]]
+    shape = [int(d) for d in buf[offset + 1:offset + 1 + ndim].tolist()]
     start = offset + 1 + ndim
     size = int(np.prod(shape))
     return buf[start:start + size].reshape(shape), start + size
@@ -86,7 +88,10 @@ class RoundMessages:
     """The message part of ``HvdPipeline`` (see the module's docstring). Needs ``env``,
     ``grid``, ``stage``, ``replica``, ``rounds``, ``recorder``, ``steps``, ``np_dtype``,
     and the hooks ``_alltoall`` (or ``_alltoall_start`` and ``_alltoall_wait``), ``_host``,
-    ``_activation`` and ``_is_last``."""
+    ``_activation`` and ``_is_last``. The schedule's rounds go through ``_round_start``, which
+    packs numpy arrays into a host buffer unless an executor packs its own tensors (horovod-torch:
+    on the rank's device, so a GPU's messages go through NCCL); ``unpack`` reads either. The
+    other exchanges (evaluation, buffers) stay host arrays."""
 
     asynchronous = False  # True where _alltoall_start returns before the alltoall completes
 
@@ -121,6 +126,12 @@ class RoundMessages:
     def _exchange_start(self, outgoing: dict[int, list[np.ndarray]], dtype, name: str) -> Any:
         return self._alltoall_start(*pack(outgoing, self.env.world_size, dtype), name)
 
+    def _round_start(self, outgoing: dict[int, list[Any]], dtype, name: str) -> Any:
+        """Joins one of the schedule's rounds with ``outgoing``'s payloads (framework tensors);
+        default: as host arrays, through :meth:`_exchange_start`."""
+        host = {r: [self._host(t) for t in payloads] for r, payloads in outgoing.items()}
+        return self._exchange_start(host, dtype, name)
+
     def _exchange_finish(self, started: Any) -> dict[int, np.ndarray]:
         got, sizes = self._alltoall_wait(started)
         ends = np.cumsum(sizes)
@@ -153,11 +164,11 @@ class RoundMessages:
         for sender, receiver, send, recv in rnd.messages:
             if sender == self.stage:
                 payload = self.outbox.pop((send.kind, send.micro_batch, send.chunk))
-                out.setdefault(rank(receiver, self.replica), []).append(self._host(payload))
+                out.setdefault(rank(receiver, self.replica), []).append(payload)
             if receiver == self.stage:
                 expected.append((rank(sender, self.replica), recv))
         start = time.time()
-        started = self._exchange_start(out, dtype, f"pipeline.round.{index}")
+        started = self._round_start(out, dtype, f"pipeline.round.{index}")
         if out and self.asynchronous:
             # Let Horovod's background thread, which moves the message, take the core before
             # this stage's next compute does: the receiver is waiting for it. Pinned, S = 2,

@@ -40,7 +40,20 @@ from toolkit.parallel.layouts import Pipeline
 from toolkit.parallel.pipeline.partition import micro_batch_size
 from toolkit.parallel.pipeline.schedules import Action
 
-__all__ = ["TorchPipeline", "check_pipeline"]
+__all__ = ["TorchPipeline", "check_pipeline", "pack_tensors"]
+
+
+def pack_tensors(torch, outgoing: dict[int, list[Any]], world_size: int, dtype, device):
+    """``adapters._horovod.rounds.pack`` for torch tensors: ``outgoing[rank]``'s tensors as
+    ``[ndim, *shape, values...]`` in one tensor of ``dtype`` on ``device``, rank after rank,
+    and the alltoall's splits."""
+    splits, parts = [0] * world_size, []
+    for r in sorted(outgoing):
+        for t in outgoing[r]:
+            parts += [torch.tensor([t.dim(), *t.shape], dtype=dtype, device=device),
+                      t.detach().reshape(-1).to(device=device, dtype=dtype)]
+            splits[r] += 1 + t.dim() + t.numel()
+    return (torch.cat(parts) if parts else torch.empty(0, dtype=dtype, device=device)), splits
 
 
 class TorchPipeline(HvdPipeline):
@@ -86,16 +99,25 @@ class TorchPipeline(HvdPipeline):
         self._start([n for n, *_ in self.params])
 
     # ------------------------------------------------------------------------------ hooks
-    def _alltoall_start(self, buf: np.ndarray, splits: list[int], name: str) -> Any:
+    def _round_start(self, outgoing: dict[int, list[Any]], dtype, name: str) -> Any:
+        """The round's payloads packed as ``rounds.pack`` packs them, in one tensor on the
+        rank's device: on a GPU the alltoall runs on GPU memory (NCCL), and ``unpack`` reads the
+        received tensor the same way."""
+        buf, splits = pack_tensors(self.torch, outgoing, self.env.world_size, self.dtype,
+                                   self.runtime.dev)
+        return self._alltoall_start(buf, splits, name)
+
+    def _alltoall_start(self, buf, splits: list[int], name: str) -> Any:
+        """``buf``: a host buffer (numpy: evaluation, buffers) or a packed round's tensor."""
         torch = self.torch
-        tensor = torch.from_numpy(buf)  # kept alive (returned) until the op completes
+        tensor = torch.as_tensor(buf)  # kept alive (returned) until the op completes
         handle = self.hvd.alltoall_async(tensor, name=name,
                                          splits=torch.tensor(splits, dtype=torch.int32))
-        return handle, tensor
+        return handle, tensor, not isinstance(buf, np.ndarray)
 
-    def _alltoall_wait(self, started: Any) -> tuple[np.ndarray, list[int]]:
+    def _alltoall_wait(self, started: Any) -> tuple[Any, list[int]]:
         got, received = self.hvd.synchronize(started[0])
-        return got.numpy(), [int(n) for n in received]  # (host tensors: Horovod's CPU ops)
+        return (got if started[2] else got.numpy()), [int(n) for n in received]
 
     def _allgather(self, flat: np.ndarray, name: str) -> np.ndarray:
         return self.hvd.allgather(self.torch.from_numpy(flat), name=name).numpy()
@@ -107,9 +129,12 @@ class TorchPipeline(HvdPipeline):
     def _host(self, tensor) -> np.ndarray:
         return tensor.detach().cpu().numpy()
 
-    def _activation(self, array: np.ndarray, grad: bool):
-        # a copy (the buffer is reused), on the rank's device
-        tensor = self.runtime.to_device(self.torch.from_numpy(np.array(array)))
+    def _activation(self, array, grad: bool):
+        """A received message (a view of a round's tensor, or a host array) as a tensor of its
+        own on the rank's device."""
+        torch = self.torch
+        tensor = (array.clone() if torch.is_tensor(array)
+                  else self.runtime.to_device(torch.from_numpy(np.array(array))))
         return tensor.requires_grad_(True) if grad else tensor
 
     def _gradients(self) -> dict[str, np.ndarray]:

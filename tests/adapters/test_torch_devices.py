@@ -41,3 +41,29 @@ def test_a_resumed_step_count_keeps_the_optimizer_s_kind_of_count():
     new = count_like(torch, old, 7)
     assert torch.is_tensor(new) and new.dtype == old.dtype and float(new) == 7.0
     assert count_like(torch, 0, 7) == 7 and type(count_like(torch, 0, 7)) is int  # SparseAdam
+
+
+def test_a_round_packed_as_tensors_is_the_host_packing_and_unpacks_the_same():
+    """horovod-torch packs a pipeline round's messages on the rank's device (a GPU's then go
+    through NCCL) exactly as the host packing does, and ``unpack`` reads both alike."""
+    import numpy as np
+
+    from adapters._horovod.rounds import pack, unpack
+    from adapters.horovod_torch.pipeline import pack_tensors
+
+    g = torch.Generator().manual_seed(0)
+    outgoing = {3: [torch.randn(2, 5, generator=g), torch.randn(4, generator=g)],
+                1: [torch.randn(3, 2, 2, generator=g, dtype=torch.float64)]}
+    buf, splits = pack_tensors(torch, outgoing, 4, torch.float32, torch.device("cpu"))
+    host, host_splits = pack({r: [t.numpy() for t in ts] for r, ts in outgoing.items()}, 4,
+                             np.float32)
+    assert splits == host_splits == [0, 1 + 3 + 12, 0, (1 + 2 + 10) + (1 + 1 + 4)]
+    assert buf.dtype == torch.float32 and np.array_equal(buf.numpy(), host)
+    ends = np.cumsum(splits)
+    part = buf[ends[3] - splits[3]:ends[3]]
+    first, offset = unpack(part, 0)
+    second, end = unpack(part, offset)
+    assert torch.equal(first, outgoing[3][0]) and torch.equal(second, outgoing[3][1])
+    assert end == splits[3] and torch.is_tensor(first)
+    empty, none = pack_tensors(torch, {}, 2, torch.float32, torch.device("cpu"))
+    assert empty.numel() == 0 and none == [0, 0]
