@@ -54,6 +54,24 @@ def nonfinite(norm: Any) -> bool:
     return norm is not None and not math.isfinite(float(norm))
 
 
+def float32_matmuls(backend: str, tf32: bool) -> None:
+    """How ``backend``'s framework computes float32 matrix products on a GPU: in full float32
+    (``tf32=False``), or with TensorFloat-32 (NVIDIA's matrix units; 10 mantissa bits)."""
+    if backend == "horovod-torch":
+        import torch
+
+        torch.backends.cuda.matmul.allow_tf32 = tf32
+        torch.backends.cudnn.allow_tf32 = tf32
+    elif backend == "horovod-tf":
+        import tensorflow as tf
+
+        tf.config.experimental.enable_tensor_float_32_execution(tf32)
+    else:
+        import jax
+
+        jax.config.update("jax_default_matmul_precision", "tensorfloat32" if tf32 else "highest")
+
+
 def loss_name(loss) -> str:
     """``cross_entropy``/``mse`` as given, ``custom`` for a callable; anything else an error."""
     from toolkit.models.specs import LOSSES

@@ -16,6 +16,7 @@ import numpy as np
 
 import adapters
 import toolkit
+from adapters._common import float32_matmuls
 from toolkit.equivalence import load_data, make_model, make_optimizer
 from toolkit.launch.devices import count_gpus
 
@@ -37,24 +38,6 @@ def main() -> None:
         run_layout(args, toolkit.parse_layout(name), Path(args.out) / str(i), env)
 
 
-def full_float32(backend: str) -> None:
-    """Float32 matrix products in full float32 on a GPU, as the reference computes them
-    (TensorFloat-32 keeps 10 mantissa bits: 1e-3 relative, far outside the bounds)."""
-    if backend == "horovod-torch":
-        import torch
-
-        torch.backends.cuda.matmul.allow_tf32 = False
-        torch.backends.cudnn.allow_tf32 = False
-    elif backend == "horovod-tf":
-        import tensorflow as tf
-
-        tf.config.experimental.enable_tensor_float_32_execution(False)
-    else:
-        import jax
-
-        jax.config.update("jax_default_matmul_precision", "highest")
-
-
 def run_layout(args, layout, out: Path, env) -> None:
     adapter = adapters.get(args.backend, dtype=args.dtype, local_devices=args.local_devices)
     if layout.kind not in adapter.layouts:
@@ -66,7 +49,8 @@ def run_layout(args, layout, out: Path, env) -> None:
         adapter.setup(env, layout, args.device)  # (Horovod registers the layout's process
         # sets as it starts)
         if args.device != "cpu" and count_gpus():  # (the framework is importable by now)
-            full_float32(args.backend)
+            # the reference's float32 (TensorFloat-32 keeps 10 mantissa bits: 1e-3 relative)
+            float32_matmuls(args.backend, tf32=False)
     except toolkit.ToolkitError as err:
         if "not importable" in str(err):
             toolkit.save0(out / "result.json", json.dumps({"status": "skipped",

@@ -31,6 +31,7 @@ from _paired import trainer_against_hand
 
 import adapters
 import toolkit
+from adapters._common import float32_matmuls
 from toolkit.equivalence import stdlib_bytes
 from toolkit.launch.devices import count_gpus
 
@@ -188,7 +189,7 @@ def main() -> None:
     lr = 1e-3
     name = args.backend
     if args.device != "cpu" and count_gpus():
-        set_matmul(name, args.matmul)
+        float32_matmuls(name, tf32=args.matmul == "tf32")  # both sides
     trainer = toolkit.Trainer(adapters.get(args.backend), spec,
                               toolkit.Adam(lr=lr, weight_decay=0.1, decoupled=True),
                               global_batch_size=args.batch_size, max_steps=args.steps,
@@ -217,24 +218,6 @@ def main() -> None:
                    f"params, batch {args.batch_size}x{args.context}:  toolkit "
                    f"{rates[0]:,.0f} tokens/s  hand-written {rates[1]:,.0f} tokens/s  "
                    f"ratio {ratio:.3f}{mfu}")
-
-
-def set_matmul(backend: str, precision: str) -> None:
-    """Both sides' float32 matrix products: full float32, or TensorFloat-32 on a GPU."""
-    if backend == "horovod-torch":
-        import torch
-
-        torch.backends.cuda.matmul.allow_tf32 = precision == "tf32"
-        torch.backends.cudnn.allow_tf32 = precision == "tf32"
-    elif backend == "horovod-tf":
-        import tensorflow as tf
-
-        tf.config.experimental.enable_tensor_float_32_execution(precision == "tf32")
-    else:
-        import jax
-
-        jax.config.update("jax_default_matmul_precision",
-                          "tensorfloat32" if precision == "tf32" else "highest")
 
 
 def gpu_name(backend: str) -> str:

@@ -44,16 +44,19 @@ if [ "${BUILD_DEVICE:-cpu}" = gpu ]; then
   # Horovod's CMake looks for include/nccl.h and lib/libnccl.so under one home.
   pkg=$("$PY" -c 'import nvidia.nccl, os; print(os.path.dirname(nvidia.nccl.__file__))' 2>/dev/null \
         || "$PY" -c 'import nvidia; print(nvidia.__path__[0])') \
-    || die "NCCL's pip package (nvidia-nccl-cuN) is not installed for $PY"
+    || die "NCCL's pip package (nvidia-nccl-cuN) is not installed for $PY
+HINT: torch's CUDA wheel brings it; else pip install nvidia-nccl-cuN (N: torch.version.cuda's major), or build with BUILD_DEVICE=cpu"
   header=$(find "$pkg" -name nccl.h | head -n 1)
   library=$(find "$pkg" -name 'libnccl.so*' | head -n 1)
-  [ -n "$header" ] && [ -n "$library" ] || die "no nccl.h and libnccl.so under $pkg"
+  [ -n "$header" ] && [ -n "$library" ] || die "no nccl.h and libnccl.so under $pkg
+HINT: reinstall NCCL's pip package (nvidia-nccl-cuN) for $PY, or build with BUILD_DEVICE=cpu"
   mkdir -p "$build/nccl/lib"
   ln -s "$(dirname "$header")" "$build/nccl/include"
   ln -s "$library" "$build/nccl/lib/libnccl.so"
   ln -s "$library" "$build/nccl/lib/$(basename "$library")" 2>/dev/null || true
   nvcc=$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)
-  [ -x "$nvcc" ] || die "no nvcc: Horovod's NCCL operations need CUDA's compiler"
+  [ -x "$nvcc" ] || die "no nvcc on the PATH or in /usr/local/cuda/bin: Horovod's NCCL operations need CUDA's compiler
+HINT: load the CUDA toolkit (e.g. module load cuda) or put its bin/ on the PATH, or build with BUILD_DEVICE=cpu"
   export PATH="$(dirname "$nvcc"):$PATH"
   opts+=(HOROVOD_GPU_OPERATIONS=NCCL HOROVOD_NCCL_HOME="$build/nccl" HOROVOD_NCCL_LINK=SHARED
          HOROVOD_CUDA_HOME="$(dirname "$(dirname "$nvcc")")")

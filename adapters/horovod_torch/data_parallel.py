@@ -149,9 +149,9 @@ class TorchDataParallel(StrategyBase):
             loss.backward()
             losses.append(loss.detach())
         self._apply(lr)
-        # read once, after the update is queued (one wait for a GPU, as a hand-written loop's
-        # loss.item()); summed on the host in float64, in order
-        total = sum(self.torch.stack(losses).tolist())
+        # read after the update is queued: on a GPU the first read waits for the step (as a
+        # hand-written loop's loss.item()), the others are ready; float64 sum, in order
+        total = sum(loss.item() for loss in losses)
         if self.skipped:
             with self.torch.no_grad():
                 for (_, b), old in zip(self.buffers, kept, strict=True):
