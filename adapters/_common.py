@@ -7,6 +7,7 @@ import math
 from typing import Any
 
 from toolkit import SGD, Adam, ToolkitError
+from toolkit.errors import describe
 from toolkit.models.specs import check_choice
 
 
@@ -103,7 +104,7 @@ def check_build(backend: str, optimizer: object, accumulation_steps: int,
                            "use sync_batchnorm=False (each replica keeps its statistics)")
     if not isinstance(optimizer, SGD | Adam):
         raise ToolkitError(f"under a pipeline layout {backend} cannot use the optimizer "
-                           f"{optimizer!r}", "pass toolkit.SGD(...) or toolkit.Adam(...): "
+                           f"{describe(optimizer)}", "pass toolkit.SGD(...) or toolkit.Adam(...): "
                            "each stage builds it over its own parameters")
 
 

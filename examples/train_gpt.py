@@ -30,40 +30,16 @@ def main() -> None:
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--width", type=int, default=128)
     p.add_argument("--context", type=int, default=128)
-    p.add_argument("--steps", type=int, default=1500)
-    p.add_argument("--batch-size", type=int, default=32, help="global, in sequences")
+    # steps, batch, layout, checkpoints, resume, clipping, the divergence guard, the device
+    toolkit.add_trainer_options(p, skip=("epochs",), steps=1500, batch_size=32)
     p.add_argument("--lr", type=float, default=3e-3, help="peak (AdamW, warm-up + cosine)")
-    p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", choices=("float32", "float64"), default="float32")
     p.add_argument("--local-devices", type=int, default=None,
                    help="JAX backends: CPU devices per process")
     p.add_argument("--eval-every", type=int, default=250, help="steps between evaluations")
     p.add_argument("--eval-windows", type=int, default=256,
                    help="validation windows used at each interval (all at the end)")
-    p.add_argument("--layout", default="data",
-                   help="data (default), sharded:1|2|3 or pipeline:S:M[:schedule]")
-    p.add_argument("--checkpoint-dir", default=None)
-    p.add_argument("--checkpoint-every", type=int, default=None, help="steps")
-    p.add_argument("--keep", type=int, default=3)
-    p.add_argument("--resume", default=None, help="'latest' or a checkpoint directory")
-    p.add_argument("--allow-changes", action="store_true",
-                    help="resume even if the schedule, batch, seed or optimizer differ")
-    p.add_argument("--metrics-log", default=None, help="JSON-lines file (rank 0)")
     p.add_argument("--sample-bytes", type=int, default=200)
-    p.add_argument("--device", choices=("auto", "cpu", "gpu"), default="auto",
-                   help="auto: the rank's GPU when the framework sees one, else the CPU")
-    p.add_argument("--clip-grad-norm", type=float, default=None,
-                   help="clip each step's gradient to this global norm (GPT recipes use 1.0)")
-    p.add_argument("--divergence-factor", type=float, default=None,
-                   help="stop when the loss stays above this factor x its best (a non-finite "
-                        "loss always stops)")
-    p.add_argument("--divergence-window", type=int, default=20,
-                   help="steps the loss must stay above --divergence-factor x its best")
-    p.add_argument("--on-nonfinite", choices=("stop", "skip"), default="stop",
-                   help="a step whose gradient norm is not finite: stop the run, or skip the "
-                        "step (no update)")
-    p.add_argument("--max-consecutive-skips", type=int, default=5,
-                   help="with --on-nonfinite skip: more skipped steps in a row stop")
     args = p.parse_args()
 
     corpus = load_text()
@@ -79,13 +55,7 @@ def main() -> None:
     trainer = toolkit.Trainer(
         adapters.get(args.backend, dtype=args.dtype, local_devices=args.local_devices),
         model, toolkit.Adam(lr=schedule, b2=0.99, weight_decay=0.1, decoupled=True),
-        global_batch_size=args.batch_size, max_steps=0, seed=args.seed, layout=args.layout,
-        checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
-        keep=args.keep, resume=args.resume, allow_changes=args.allow_changes,
-        metrics_log=args.metrics_log, clip_grad_norm=args.clip_grad_norm, device=args.device,
-        divergence_factor=args.divergence_factor,
-        divergence_window=args.divergence_window, on_nonfinite=args.on_nonfinite,
-        max_consecutive_skips=args.max_consecutive_skips)
+        **{**toolkit.trainer_options(args), "max_steps": 0})
     toolkit.print0(f"GPT {model.num_params:,} parameters; corpus {corpus.files} files, "
                    f"{len(corpus.train):,} training bytes; validation unigram entropy "
                    f"{entropy:.3f} nats/byte")

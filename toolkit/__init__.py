@@ -11,6 +11,7 @@ from toolkit.data.sampler import GlobalBatchSampler, shard_indices
 from toolkit.errors import ToolkitError
 from toolkit.launch.cli import ArgumentParser, UsageError, run
 from toolkit.launch.env import LaunchEnv, detect_launch_env, expand_nodelist
+from toolkit.launch.options import add_trainer_options, trainer_options
 from toolkit.launch.rank0 import atomic_open, current_env, print0, save0
 from toolkit.models.gpt import GPT
 from toolkit.models.specs import CNN, MLP, SGD, Adam, WarmupCosine, learning_rate, lr_scale
@@ -41,10 +42,12 @@ __all__ = [
     "GlobalBatchSampler", "History", "LaunchEnv", "LockstepRound", "MLP", "ModelPartition",
     "PREEMPTED_EXIT_CODE", "Pipeline", "PipelineGrid", "SGD", "Schedule", "Sharded",
     "ShardedAdapter", "Simulation", "StageRecorder", "TokenWindows", "ToolkitError", "Trainer",
-    "TrainingDiverged", "TrainingPreempted", "UsageError", "WarmupCosine", "atomic_open",
+    "TrainingDiverged", "TrainingPreempted", "UsageError", "WarmupCosine", "add_trainer_options",
+    "atomic_open",
     "bubble_formula", "current_env", "detect_launch_env", "expand_nodelist", "learning_rate",
     "lockstep_idle_fraction", "lockstep_rounds", "lr_scale", "micro_batch_size", "parse_layout",
     "partition_layers", "partition_model", "pipeline_schedule", "print0", "read_checkpoint",
-    "read_timeline", "run", "save0", "shard_indices", "simulate_schedule", "validate_schedule",
+    "read_timeline", "run", "save0", "shard_indices", "simulate_schedule", "trainer_options",
+    "validate_schedule",
 ]
 __version__ = "0.1.0"

@@ -152,10 +152,30 @@ if [ "$(cat "$hvd_stamp" 2>/dev/null)" != "$key" ]; then
   fi
   log "installing cached $(basename "$wheel_dir"/horovod-*.whl)"
   "$PY" -m pip install -q --no-deps --force-reinstall "$wheel_dir"/horovod-*.whl
+  rm -f "$VENV/.toolkit-horovod-runner.patch"  # a fresh launcher: patched below
   TF_CPP_MIN_LOG_LEVEL=3 "$PY" -c "import horovod.torch, horovod.tensorflow" 2>/dev/null \
     || die "the installed Horovod cannot load its PyTorch/TensorFlow extensions.
 HINT: delete $wheel_dir and re-run to rebuild it against the installed frameworks."
   echo "$key" > "$hvd_stamp"
+fi
+
+# --- 3b. horovodrun's launcher (pure Python), patched in place: a rank's own exit status passed
+# on without a traceback, the signal it received forwarded to the ranks, a signal handler that
+# takes no lock, no TensorFlow start-up lines (tools/patches/horovod-runner.patch, docs/launchers.md)
+site=$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+launcher_patch="$ROOT/tools/patches/horovod-runner.patch"
+applied="$VENV/.toolkit-horovod-runner.patch"  # the patch the installed launcher carries
+if ! cmp -s "$launcher_patch" "$applied"; then
+  if [ -f "$applied" ]; then
+    patch -p1 -R -s -f -d "$site" < "$applied" >/dev/null || die "could not take back the previous launcher patch in $site/horovod.
+HINT: delete $hvd_stamp and re-run to reinstall Horovod $HOROVOD_VERSION."
+  fi
+  patch -p1 -s -f -N -d "$site" < "$launcher_patch" >/dev/null \
+    || die "horovodrun's launcher patch did not apply to $site/horovod.
+HINT: delete $hvd_stamp and re-run to reinstall Horovod $HOROVOD_VERSION, then the patch."
+  find "$site/horovod" -name '*.orig' -delete
+  cp "$launcher_patch" "$applied"
+  log "patched horovodrun's launcher"
 fi
 
 # --- 4. The toolkit itself, editable (checked from / so the checkout's cwd does not count) ------

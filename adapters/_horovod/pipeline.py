@@ -37,6 +37,7 @@ import numpy as np
 from adapters._common import nonfinite
 from adapters._horovod.rounds import RoundMessages, unpack
 from toolkit import ToolkitError
+from toolkit.errors import describe
 from toolkit.models.reference import clip_scale
 from toolkit.parallel.layouts import Pipeline
 from toolkit.parallel.pipeline.partition import PipelineGrid
@@ -48,7 +49,7 @@ from toolkit.parallel.pipeline.timeline import TIMELINE_ENV, StageRecorder, appe
 def check_pipeline(layout: Any, world_size: int) -> PipelineGrid:
     """The rank grid of ``layout`` on ``world_size`` ranks, or a ToolkitError."""
     if not isinstance(layout, Pipeline):
-        raise ToolkitError(f"{layout!r} is not a toolkit.Pipeline", "e.g. Pipeline(2, 4)")
+        raise ToolkitError(f"{describe(layout)} is not a toolkit.Pipeline", "e.g. Pipeline(2, 4)")
     if layout.schedule == "interleaved-1f1b" and layout.stages == 1 and layout.chunks > 1:
         raise ToolkitError("interleaved-1f1b with 1 stage has no neighbour to interleave with",
                            "use 2 or more stages, or chunks=1")

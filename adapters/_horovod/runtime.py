@@ -18,6 +18,7 @@ import numpy as np
 
 from adapters._common import check_world, missing_framework
 from toolkit import ToolkitError
+from toolkit.launch.cli import close_on_input_error
 from toolkit.launch.devices import choose_device
 from toolkit.models.specs import DTYPES, check_choice
 from toolkit.parallel.layouts import Pipeline
@@ -79,6 +80,7 @@ class HorovodRuntime:
         self.device = choose_device(device, self.visible_gpus(), env.local_rank, env.local_size)
         self.use(self.device)
         self.process_sets = init_horovod(self.hvd, layout, env.world_size)
+        close_on_input_error(self.hvd.shutdown)
         check_world(self.backend, env, self.hvd.size(), self.hvd.rank())
 
     def connect(self, env) -> Any:

@@ -20,6 +20,7 @@ from adapters._jax.rounds import RoundPlan
 from adapters._jax.stages import eval_sums, stage_model
 from adapters._jax.strategy import JaxStrategy, LocalMean, make_optimizer
 from toolkit import Adam, Pipeline, ToolkitError
+from toolkit.errors import describe
 from toolkit.models.reference import optimizer_slots
 from toolkit.parallel.pipeline.partition import micro_batch_size
 from toolkit.parallel.pipeline.schedules import pipeline_schedule
@@ -91,7 +92,7 @@ class PipelineExecutor:
         if samples not in ("replica", "process"):
             raise ToolkitError(f"samples={samples!r}", "use 'replica' or 'process'")
         if not isinstance(layout, Pipeline):
-            raise ToolkitError(f"{layout!r} is not a toolkit.Pipeline",
+            raise ToolkitError(f"{describe(layout)} is not a toolkit.Pipeline",
                                "pass toolkit.Pipeline(stages=..., micro_batches=...)")
         self.host, self.layout, self.keep_steps = JaxStrategy(runtime, layout), layout, keep_steps
         self.runtime, self.env = runtime, runtime.env

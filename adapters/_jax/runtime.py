@@ -14,6 +14,7 @@ import numpy as np
 
 from adapters._common import check_world, missing_framework
 from toolkit import LaunchEnv, ToolkitError
+from toolkit.launch.cli import close_on_input_error
 from toolkit.launch.devices import Device, choose_device, count_gpus
 from toolkit.models.specs import DTYPES, check_choice
 
@@ -70,6 +71,7 @@ def import_jax(backend: str, env: LaunchEnv, dtype: str, local_devices: int | No
         jax.distributed.initialize(coordinator_address=env.coordinator,
                                    num_processes=env.world_size, process_id=env.rank,
                                    local_device_ids=local_device_ids(device, env))
+        close_on_input_error(jax.distributed.shutdown)
     if dtype == "float64" and not jax.config.jax_enable_x64:
         raise ToolkitError(f"{backend} cannot run float64: JAX started without x64",
                            "set JAX_ENABLE_X64=1, or create the adapter before using JAX")

@@ -13,6 +13,7 @@ from adapters._common import check_per_sample, loss_name, nonfinite, step_seed
 from adapters._jax.models.spec import JaxModel, correct_per_sample, per_sample_loss
 from adapters._jax.runtime import gloo_connect_line_silenced
 from toolkit import SGD, Adam, ToolkitError
+from toolkit.errors import describe
 from toolkit.models.reference import adam_scalars, optimizer_slots
 
 
@@ -31,7 +32,7 @@ def make_optimizer(spec: Any, backend: str):
     if isinstance(spec, optax.GradientTransformation):
         return spec
     if not isinstance(spec, SGD | Adam):
-        raise ToolkitError(f"{backend} cannot build an optimizer from {spec!r}",
+        raise ToolkitError(f"{backend} cannot build an optimizer from {describe(spec)}",
                            "pass toolkit.SGD(...)/toolkit.Adam(...) or an optax transformation")
     slots = optimizer_slots(spec)
     tmap = jax.tree_util.tree_map

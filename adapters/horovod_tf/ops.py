@@ -12,6 +12,7 @@ import numpy as np
 from adapters._common import check_per_sample, loss_name
 from adapters.horovod_tf.models.keras_native import assign, is_keras_optimizer, to_host
 from toolkit import GPT, SGD, Adam, ToolkitError
+from toolkit.errors import describe
 from toolkit.models.reference import adam_scalars, optimizer_slots
 from toolkit.models.specs import ModelSpec
 
@@ -122,7 +123,7 @@ class TFState:
                                f"{type(model).__name__} spec",
                                "pass toolkit.SGD(...)/toolkit.Adam(...) with a spec")
         else:
-            raise ToolkitError(f"horovod-tf cannot build an optimizer from {optimizer!r}",
+            raise ToolkitError(f"horovod-tf cannot build an optimizer from {describe(optimizer)}",
                                "pass toolkit.SGD(...)/toolkit.Adam(...) or a Keras 3 optimizer "
                                "(keras.optimizers.SGD/Adam/AdamW)")
 

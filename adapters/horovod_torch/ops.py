@@ -10,6 +10,7 @@ import numpy as np
 
 from adapters._common import check_per_sample, loss_name
 from toolkit import SGD, Adam, ToolkitError
+from toolkit.errors import describe
 
 # Neutral optimizer-state names (the checkpoint format's) <-> torch.optim state keys.
 TORCH_SLOTS = {"momentum": "momentum_buffer", "mu": "exp_avg", "nu": "exp_avg_sq"}
@@ -106,7 +107,7 @@ def make_optimizer(torch, spec: Any, params: list, backend: str = "horovod-torch
                 "build the optimizer over model.parameters() of the model you pass (after "
                 "moving it to its device and dtype)")
         return spec
-    raise ToolkitError(f"{backend} cannot build an optimizer from {spec!r}",
+    raise ToolkitError(f"{backend} cannot build an optimizer from {describe(spec)}",
                        "pass toolkit.SGD(...)/toolkit.Adam(...) or a torch.optim "
                        "optimizer over the model's parameters")
 

@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from toolkit import ToolkitError
+from toolkit.errors import describe
 
 
 def split_scheduler(torch, optimizer: Any) -> tuple[Any, Any]:
@@ -25,7 +26,7 @@ def split_scheduler(torch, optimizer: Any) -> tuple[Any, Any]:
     lr_scheduler = torch.optim.lr_scheduler
     if len(optimizer) != 2 or not isinstance(optimizer[1], lr_scheduler.LRScheduler):
         raise ToolkitError(
-            f"horovod-torch got the optimizer tuple {optimizer!r}",
+            f"horovod-torch got the optimizer tuple {describe(optimizer)}",
             "pass a torch.optim optimizer, or (optimizer, scheduler) with a "
             "torch.optim.lr_scheduler scheduler of that optimizer")
     opt, sched = optimizer

@@ -15,19 +15,10 @@ from toolkit.datasets import load_digits
 
 def main() -> None:
     parser = toolkit.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--epochs", type=int, default=10)
-    parser.add_argument("--batch-size", type=int, default=64, help="global batch (all ranks)")
+    toolkit.add_trainer_options(parser)  # epochs, batch, --layout, checkpoints, resume, ...
     parser.add_argument("--lr", type=float, default=3e-3)
-    parser.add_argument("--device", choices=("auto", "cpu", "gpu"), default="auto",
-                        help="auto: the rank's GPU when the framework sees one, else the CPU")
-    parser.add_argument("--clip-grad-norm", type=float, default=None,
-                        help="clip each step's gradient to this global norm")
-    parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--sync-batchnorm", action="store_true",
                         help="BatchNorm statistics over the global batch, not each rank's")
-    parser.add_argument("--checkpoint-dir", default=None)
-    parser.add_argument("--checkpoint-every", type=int, default=None, help="steps (and at the end)")
-    parser.add_argument("--resume", default=None, help="'latest' or a checkpoint directory")
     args = parser.parse_args()
 
     backend = adapters.get("horovod-tf")
@@ -56,10 +47,7 @@ def main() -> None:
     trainer = toolkit.Trainer(
         backend, model, keras.optimizers.AdamW(args.lr, weight_decay=1e-4),
         loss=smoothed_cross_entropy, metrics={"acc": accuracy},
-        sync_batchnorm=args.sync_batchnorm, global_batch_size=args.batch_size,
-        epochs=args.epochs, seed=args.seed, checkpoint_dir=args.checkpoint_dir,
-        checkpoint_every=args.checkpoint_every, resume=args.resume,
-        clip_grad_norm=args.clip_grad_norm, device=args.device)
+        sync_batchnorm=args.sync_batchnorm, **toolkit.trainer_options(args))
     trainer.fit(x, y, (val_x, val_y))
     final = trainer.evaluate(val_x, val_y)
     toolkit.print0(f"done: world_size {trainer.env.world_size}  steps {trainer.global_step}  "

@@ -31,18 +31,23 @@ def test_the_start_is_said_and_logged_with_what_it_resumes(tmp_path, capsys):
                         **kw).fit(x, y)
         return capsys.readouterr().out
 
-    out = run(3, resume="latest")  # nothing to resume yet
-    assert f"{tmp_path / 'ckpt'} does not exist: starting a new run there" in out
+    with pytest.raises(toolkit.ToolkitError, match="--resume latest: the checkpoint directory "
+                       ".*ckpt does not exist\nHINT: check the path .* --resume auto"):
+        run(3, resume="latest")  # nothing to resume: a mistyped path never starts over
+    assert not (tmp_path / "ckpt").exists()
+    out = run(3, resume="auto")  # nothing to resume yet: a new run, said so
     for line in ("backend     horovod-torch, float32",
                  "layout      data parallel over 1 device(s)",
                  "world       1 rank(s) on 1 node(s), 1 per node; devices per rank: cpu",
                  "batch       global 64, local 64 per data share, micro 32",
                  f"model       MLP, {64 * 16 + 16 + 16 * 10 + 10:,} parameters",
                  f"data        {len(x):,} samples, {len(x) // 64} steps per epoch",
-                 f"checkpoints {tmp_path / 'ckpt'} (a new run)"):
+                 f"checkpoints {tmp_path / 'ckpt'}: NEW RUN from step 0 (no checkpoint there "
+                 "to resume)"):
         assert line in out.splitlines(), (line, out)
     out = run(5, resume="latest")
-    assert f"(resumed from {tmp_path / 'ckpt' / 'step_000000003'}, step 3)" in out
+    assert (f"checkpoints {tmp_path / 'ckpt'}: RESUMED at step 3 from "
+            f"{tmp_path / 'ckpt' / 'step_000000003'}") in out.splitlines(), out
     records = [json.loads(line) for line in (tmp_path / "log.jsonl").read_text().splitlines()]
     starts = [r for r in records if r["event"] == "start"]
     assert records[0]["event"] == "start" and len(starts) == 2
@@ -51,14 +56,33 @@ def test_the_start_is_said_and_logged_with_what_it_resumes(tmp_path, capsys):
     assert starts[1]["start_step"] == 3 and starts[1]["resumed_from"].endswith("step_000000003")
 
 
-def test_an_existing_empty_directory_reads_as_a_first_run(tmp_path, capsys):
+@pytest.mark.parametrize(("contents", "found"), [
+    ((), "the checkpoint directory {d} is empty"),
+    (("notes.txt", "step_000000004.tmp/"),
+     "{d} holds no checkpoint (it holds notes.txt, step_000000004.tmp/)"),
+])
+def test_resume_latest_refuses_a_directory_without_a_checkpoint(tmp_path, capsys, contents,
+                                                                 found):
     (x, y), _ = load_digits()
-    (tmp_path / "ckpt").mkdir()
-    toolkit.Trainer(adapters.get("horovod-torch"), toolkit.MLP((64, 10)), toolkit.SGD(lr=0.1),
-                    global_batch_size=64, max_steps=1, progress=False, env=toolkit.LaunchEnv(),
-                    checkpoint_dir=tmp_path / "ckpt", resume="latest").fit(x, y)
-    assert f"no checkpoint in {tmp_path / 'ckpt'} yet: starting from step 0" in \
-        capsys.readouterr().out
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    for name in contents:
+        (ckpt / name).mkdir() if name.endswith("/") else (ckpt / name).write_text("mine")
+
+    def run(resume):
+        toolkit.Trainer(adapters.get("horovod-torch"), toolkit.MLP((64, 10)),
+                        toolkit.SGD(lr=0.1), global_batch_size=64, max_steps=1, progress=False,
+                        env=toolkit.LaunchEnv(), checkpoint_dir=ckpt, resume=resume).fit(x, y)
+
+    with pytest.raises(toolkit.ToolkitError) as err:
+        run("latest")
+    assert str(err.value).splitlines()[0] == "--resume latest: " + found.format(d=ckpt)
+    assert sorted(p.name for p in ckpt.iterdir()) == sorted(n.rstrip("/") for n in contents)
+    assert (ckpt / "notes.txt").read_text() == "mine" if contents else True  # nothing touched
+    run("auto")  # a requeued job's first start: a new run, said so
+    assert "NEW RUN from step 0" in capsys.readouterr().out
+    run("latest")  # now there is one
+    assert f"RESUMED at step 1 from {ckpt / 'step_000000001'}" in capsys.readouterr().out
 
 
 @pytest.mark.slow

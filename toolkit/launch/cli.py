@@ -6,6 +6,7 @@ import argparse
 import os
 import signal
 import sys
+import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -17,9 +18,38 @@ from toolkit.trainer.trainer import PREEMPTED_EXIT_CODE, TrainingPreempted
 
 INTERRUPTED_EXIT_CODE = 130  # 128 + SIGINT, what a shell reports for Ctrl-C
 
-# How long the other ranks wait before exiting on a usage error, so that rank 0 prints it
-# before the launcher (which ends the job when any rank exits) can stop it.
+# How long the other ranks wait before exiting on a usage error or bad input, so that rank 0
+# prints it before the launcher (which ends the job when any rank exits) can stop it.
 USAGE_GRACE_SECONDS = 2.0
+
+
+# Shutdowns of the communicators this process started (``close_on_input_error``), called before
+# a rank exits on bad input: a Horovod peer whose partner vanished without one logs a
+# "Connection reset by peer" error from its background thread before the launcher ends it.
+_CLOSERS: list[Callable[[], object]] = []
+CLOSE_TIMEOUT_SECONDS = 5.0
+
+
+def close_on_input_error(close: Callable[[], object]) -> None:
+    """Registers ``close`` (a communicator's shutdown) to be called, for at most
+    ``CLOSE_TIMEOUT_SECONDS``, when :func:`run` ends a rank on a mistake in the user's input.
+    Every rank reaches that verdict alike, so the shutdown cannot wait on a rank that goes on.
+    """
+    if close not in _CLOSERS:
+        _CLOSERS.append(close)
+
+
+def _close() -> None:
+    def close_all():
+        for close in reversed(_CLOSERS):
+            try:
+                close()
+            except Exception:  # already down, or never fully up: exiting anyway
+                pass
+
+    closer = threading.Thread(target=close_all, name="toolkit-close", daemon=True)
+    closer.start()
+    closer.join(CLOSE_TIMEOUT_SECONDS)
 
 
 class UsageError(Exception):
@@ -74,8 +104,8 @@ def run(main: Callable[[], object]) -> None:
 
     - A :class:`UsageError` (a command-line mistake) prints the usage line and the message
       once, on rank 0, and exits with status 2 on every rank.
-    - A :class:`ToolkitError` (bad input) prints ``error: ...`` and its HINT (prefixed with
-      the rank in multi-process jobs) and exits with status 2.
+    - A :class:`ToolkitError` (bad input) prints ``error: ...`` and its HINT once, on rank 0,
+      and exits with status 2 on every rank (a rank that failed alone says it itself).
     - :class:`TrainingPreempted` (a stop signal; the state is checkpointed) exits with
       status 75 (``PREEMPTED_EXIT_CODE``), which a requeueing batch script looks for; after
       Ctrl-C (SIGINT) with status 130, the user's own stop.
@@ -105,20 +135,9 @@ def run(main: Callable[[], object]) -> None:
             eprint(f"error: {err}")
         _exit(DIVERGED_EXIT_CODE, env.is_distributed)
     except UsageError as err:
-        if env.rank == 0:
-            eprint(err.usage.rstrip() + "\n" + err.message)
-        elif env.is_distributed:
-            # Ended by the launcher meanwhile (it stops the job when rank 0 exits), a rank
-            # still exits with the usage error's status, not the signal's.
-            signal.signal(signal.SIGTERM, lambda *_: os._exit(2))
-            time.sleep(USAGE_GRACE_SECONDS)
-        _exit(2, env.is_distributed)
+        _said_by_rank0(env, err.usage.rstrip() + "\n" + err.message, alone=None)
     except ToolkitError as err:
-        # Every rank reports: the launcher may end the job the moment any rank exits, before
-        # rank 0 has had its turn to print.
-        prefix = f"[rank {env.rank}/{env.world_size}] " if env.is_distributed else ""
-        eprint(f"{prefix}error: {err}")
-        _exit(2, env.is_distributed)
+        _said_by_rank0(env, f"error: {err}", alone=f"error: {err}")
     except KeyboardInterrupt:  # Ctrl-C outside a Trainer that checkpoints
         if env.rank == 0:
             eprint("interrupted by SIGINT: nothing saved (a Trainer with a checkpoint "
@@ -133,6 +152,28 @@ def run(main: Callable[[], object]) -> None:
         eprint(f"{prefix}this rank failed; the launcher ends the job.")
         _exit(err.code if isinstance(err, SystemExit) and isinstance(err.code, int) else 1,
               env.is_distributed)
+
+
+def _said_by_rank0(env, text: str, alone: str | None) -> None:
+    """Says a mistake in the user's input once, on rank 0, and exits with status 2.
+
+    Every rank reaches the same verdict from the same input, so the others say nothing: they
+    wait a moment, so that a launcher which ends the job as soon as one rank exits cannot stop
+    rank 0 before it has printed, and exit with status 2 when the launcher ends them. A rank
+    still running after that wait failed alone (a file or GPU its node lacks) and says
+    ``alone`` itself, prefixed with its rank.
+    """
+    if env.rank == 0:
+        eprint(text)
+        _close()
+    elif env.is_distributed:
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(signum, lambda *_: os._exit(2))
+        _close()
+        time.sleep(USAGE_GRACE_SECONDS)
+        if alone is not None:
+            eprint(f"[rank {env.rank}/{env.world_size}] {alone}")
+    _exit(2, env.is_distributed)
 
 
 def _exit(code: int, distributed: bool) -> None:

@@ -24,13 +24,29 @@ from toolkit.errors import ToolkitError
 from toolkit.launch.rank0 import print0
 
 
+def nothing_to_resume(directory: Path) -> str:
+    """Why ``directory`` has no checkpoint to resume, naming what it found."""
+    if not directory.exists():
+        return f"the checkpoint directory {directory} does not exist"
+    if not directory.is_dir():
+        return f"{directory} is a file, not a checkpoint directory"
+    found = sorted(p.name + ("/" if p.is_dir() else "") for p in directory.iterdir())
+    if not found:
+        return f"the checkpoint directory {directory} is empty"
+    shown = ", ".join(found[:5]) + (f" and {len(found) - 5} more" if len(found) > 5 else "")
+    return f"{directory} holds no checkpoint (it holds {shown})"
+
+
 class RunCheckpoints:
     """The checkpoint side of one training run.
 
     Args:
         directory: where checkpoints go (``None``: no checkpoints).
         every: a checkpoint every this many steps; every_seconds: or this many seconds.
-        keep: how many to keep; resume: ``"latest"`` or a checkpoint's path.
+        keep: how many to keep.
+        resume: ``"latest"`` (the newest checkpoint in ``directory``; an error when there is
+            none, so a mistyped path never starts over), ``"auto"`` (the newest if there is
+            one, else a new run: a requeued job's script) or a checkpoint's path.
         async_write: write in a background thread.
         allow_changes: resume even when the settings that define the trajectory differ.
     """
@@ -39,9 +55,9 @@ class RunCheckpoints:
                  every_seconds: float | None = None, keep: int = 3,
                  resume: str | os.PathLike | None = None, async_write: bool = False,
                  allow_changes: bool = False):
-        if resume is not None and directory is None and str(resume) == "latest":
-            raise ToolkitError("resume='latest' needs a checkpoint directory",
-                               "pass --checkpoint-dir DIR together with --resume latest")
+        if resume is not None and directory is None and str(resume) in ("latest", "auto"):
+            raise ToolkitError(f"resume={str(resume)!r} needs a checkpoint directory",
+                               f"pass --checkpoint-dir DIR together with --resume {resume}")
         self.directory, self.every, self.every_seconds = directory, every, every_seconds
         self.keep, self.resume, self.async_write = keep, resume, async_write
         self.allow_changes = allow_changes
@@ -66,14 +82,16 @@ class RunCheckpoints:
         changed settings unless allowed; returns it (``None``: a fresh start)."""
         if self.resume is None:
             return None
-        ckpt = find_checkpoint(self.resume, self.store)
-        env = self.env
-        if ckpt is None:  # (created on the first save: a mistyped parent shows here)
-            if not Path(self.directory).exists():
-                print0(f"{self.directory} does not exist: starting a new run there", env=env)
-            else:
-                print0(f"no checkpoint in {self.directory} yet: starting from step 0", env=env)
+        ckpt = find_checkpoint("latest" if str(self.resume) == "auto" else self.resume,
+                               self.store)
+        if ckpt is None and str(self.resume) == "latest":
+            raise ToolkitError(f"--resume latest: {nothing_to_resume(Path(self.directory))}",
+                               "check the path (a new run's first start, as a requeued job's, "
+                               "takes --resume auto: the newest checkpoint if there is one, "
+                               "else step 0)")
+        if ckpt is None:  # resume="auto" and nothing yet: said in the start-up block
             return None
+        env = self.env
         run = self._describe_run()
         trajectory, placement = classify(saved_settings(ckpt.meta), run["settings"])
         # The checkpoint's structure first (another model's tensors: which ones do not fit),

@@ -46,9 +46,10 @@ def format_facts(f: dict[str, Any]) -> str:
     if f["checkpoint_dir"] is None:
         ckpt = "none"
     elif f["resumed_from"] is None:
-        ckpt = f"{f['checkpoint_dir']} (a new run)"
+        ckpt = f"{f['checkpoint_dir']}: NEW RUN from step 0 (no checkpoint there to resume)"
     else:
-        ckpt = f"{f['checkpoint_dir']} (resumed from {f['resumed_from']}, step {f['start_step']})"
+        ckpt = (f"{f['checkpoint_dir']}: RESUMED at step {f['start_step']} from "
+                f"{f['resumed_from']}")
     rows = [
         ("backend", f"{f['backend']}{dtype}"),
         ("layout", f["layout_words"]),

@@ -78,8 +78,9 @@ class Trainer:
         checkpoint_dir: where checkpoints go (shared storage for multi-node jobs);
             checkpoint_every: every this many steps (and at the end), checkpoint_every_seconds:
             or seconds of training; keep: how many to keep.
-        resume: ``"latest"`` (newest intact checkpoint in ``checkpoint_dir``, or a fresh start
-            when there is none yet) or the path of a checkpoint directory.
+        resume: ``"latest"`` (the newest intact checkpoint in ``checkpoint_dir``; an error when
+            there is none), ``"auto"`` (the newest if there is one, else a new run: for a job
+            that requeues itself) or the path of a checkpoint directory.
         async_checkpoint: write checkpoints in a background thread.
         allow_changes: resume even when the settings that define the trajectory (model,
             optimizer and schedule, global batch, seed, shuffling, lr scaling) differ from the

@@ -8,6 +8,7 @@ from typing import Any
 import numpy as np
 
 from toolkit import SGD, Adam, ToolkitError
+from toolkit.errors import describe
 from toolkit.parallel.shards import unit_layouts
 
 SHARDABLE = ("horovod-torch shards toolkit.MLP/CNN/GPT specs, and native nn.Modules whose "
@@ -20,7 +21,7 @@ def native_units(torch, net, optimizer: Any) -> dict[str, list[str]]:
     unit of its own), or a ToolkitError for a module or optimizer this cannot shard soundly."""
     if not isinstance(optimizer, SGD | Adam):
         raise ToolkitError(
-            f"under a Sharded layout horovod-torch cannot use the optimizer {optimizer!r}",
+            f"under a Sharded layout horovod-torch cannot use the optimizer {describe(optimizer)}",
             "pass toolkit.SGD(...) or toolkit.Adam(...): the backend applies them to flat "
             "shards itself (a torch.optim optimizer works with the data-parallel layout)")
     recurrent = [n or type(m).__name__ for n, m in net.named_modules()
