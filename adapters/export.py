@@ -5,7 +5,8 @@
     python -m adapters.export CHECKPOINT --format orbax --out /abs/path/orbax_dir
     python -m adapters.export CHECKPOINT --format hf    --out gpt2_dir      (a toolkit.GPT)
 
-CHECKPOINT is a ``step_*`` directory or a store directory (its newest intact checkpoint).
+CHECKPOINT is a run's checkpoint directory (the Trainer's ``checkpoint_dir``: its newest intact
+checkpoint), its ``latest`` (the same) or one ``step_*`` directory in it.
 
 - ``torch``: a ``state_dict`` file (``torch.load``); for spec models it is the state_dict of
   the same ``nn.Module`` the horovod-torch backend builds, which :func:`torch_module` builds
@@ -41,11 +42,46 @@ from toolkit.models.specs import spec_from_dict
 FORMATS = ("torch", "tf", "orbax", "hf")
 
 
+_USAGE = ("pass the run's checkpoint directory (the Trainer's checkpoint_dir), its latest or "
+          "one of its step_* directories: python -m adapters.export CHECKPOINT --format "
+          f"{{{','.join(FORMATS)}}} --out PATH")
+
+
 def load(path: str | os.PathLike) -> toolkit.Checkpoint:
+    """The checkpoint ``path`` names: a ``step_*`` directory, a checkpoint directory (its
+    newest intact checkpoint) or that directory's ``latest`` file (the same).
+
+    Raises:
+        ToolkitError: none of those holds a checkpoint; the message says what ``path`` is.
+    """
     path = Path(path)
-    if (path / "manifest.json").exists():
-        return toolkit.read_checkpoint(path)
-    return toolkit.CheckpointStore(path).load("latest")
+    try:
+        if (path / "manifest.json").is_file():
+            return toolkit.read_checkpoint(path)
+        # ``latest`` is a small text file naming the newest step_* directory beside it
+        store = path.parent if path.name == "latest" and path.is_file() else path
+        if toolkit.CheckpointStore(store).checkpoints():
+            return toolkit.CheckpointStore(store).load("latest")
+    except toolkit.CheckpointError as err:  # its hint speaks of --resume, which export lacks
+        raise toolkit.ToolkitError(err.message, _USAGE) from None
+    raise toolkit.ToolkitError(f"no checkpoint in {path}: {_found(path)}", _USAGE)
+
+
+def _found(path: Path, limit: int = 5) -> str:
+    """What ``path`` is, for an error saying it holds no checkpoint."""
+    if not path.exists():
+        return "it does not exist"
+    if path.name == "latest" and path.is_file():
+        named = path.read_text(errors="replace").strip() or "nothing"
+        return (f"it names {named}, and {path.parent} has no step_* directory")
+    if not path.is_dir():
+        return "it is a file, not a directory"
+    entries = sorted(p.name + ("/" if p.is_dir() else "") for p in path.iterdir())
+    if not entries:
+        return "the directory is empty"
+    more = f" and {len(entries) - limit} more" if len(entries) > limit else ""
+    return (f"no manifest.json and no step_* directory; it holds "
+            f"{', '.join(entries[:limit])}{more}")
 
 
 def weights(ckpt: toolkit.Checkpoint) -> dict[str, np.ndarray]:
@@ -131,7 +167,8 @@ def to_hf(ckpt: toolkit.Checkpoint, out: Path) -> None:
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m adapters.export", description=__doc__.split(
         "\n\n")[0])
-    p.add_argument("checkpoint")
+    p.add_argument("checkpoint", help="a run's checkpoint directory, its latest, or one "
+                   "step_* directory in it")
     p.add_argument("--format", choices=FORMATS, required=True)
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)

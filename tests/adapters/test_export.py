@@ -111,3 +111,63 @@ def test_orbax_export_of_the_gpt_runs_in_flax_as_the_toolkit_does(gpt_checkpoint
     logits = FlaxGPT(spec).apply({"params": tree}, jnp.asarray(x))
     np.testing.assert_allclose(np.asarray(logits), spec.apply(weights, x), rtol=1e-4,
                                atol=1e-5)
+
+
+def test_export_takes_the_checkpoint_directory_its_latest_and_a_step_directory(checkpoint):
+    """``ck``, ``ck/latest`` and ``ck/step_*`` all name a checkpoint (``latest`` is a text
+    file naming the newest step directory)."""
+    tmp, ckpt = checkpoint
+    store = tmp / "ckpt"
+    assert (store / "latest").is_file()
+    for given in (store, store / "latest", ckpt.path):
+        loaded = export.load(given)
+        assert (loaded.path, loaded.step) == (ckpt.path, ckpt.step), given
+    export.main([str(store / "latest"), "--format", "torch", "--out", str(tmp / "latest.pt")])
+    assert (tmp / "latest.pt").stat().st_size > 0
+
+
+def test_export_of_a_path_without_a_checkpoint_says_what_it_found(tmp_path):
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "notes.txt").write_text("x")
+    (tmp_path / "other" / "runs").mkdir()
+    (tmp_path / "gone").mkdir()
+    (tmp_path / "gone" / "latest").write_text("step_000000020\n")
+    found = {"empty": "the directory is empty", "missing": "does not exist",
+             "other": "it holds notes.txt, runs/",
+             "gone/latest": "names step_000000020, and " + str(tmp_path / "gone")}
+    for given, said in found.items():
+        with pytest.raises(toolkit.ToolkitError) as err:
+            export.main([str(tmp_path / given), "--format", "torch", "--out",
+                         str(tmp_path / "m.pt")])
+        assert f"no checkpoint in {tmp_path / given}" in err.value.message, given
+        assert said in err.value.message, (given, err.value.message)
+        assert "--resume" not in str(err.value)  # export has no such option
+        assert "step_*" in err.value.hint and "--format" in err.value.hint
+
+
+def test_export_of_a_damaged_step_directory_gives_exports_hint(tmp_path, checkpoint):
+    import shutil
+
+    _, ckpt = checkpoint
+    shutil.copytree(ckpt.path, tmp_path / ckpt.path.name)
+    (tmp_path / ckpt.path.name / "manifest.json").write_text("{")
+    with pytest.raises(toolkit.ToolkitError) as err:
+        export.load(tmp_path / ckpt.path.name)
+    assert "unreadable or truncated" in err.value.message
+    assert "--resume" not in str(err.value) and "step_*" in err.value.hint
+
+
+def test_hf_export_from_latest_has_token_ids_within_the_vocabulary(gpt_checkpoint):
+    """GPT-2's default bos/eos ids (50256) lie outside the 256-byte vocabulary and make
+    ``from_pretrained`` warn; the export writes none."""
+    from transformers import GPT2Config
+
+    tmp, spec, ckpt, _ = gpt_checkpoint
+    export.main([str(tmp / "ckpt" / "latest"), "--format", "hf", "--out", str(tmp / "hf")])
+    config = GPT2Config.from_pretrained(tmp / "hf", local_files_only=True)
+    assert config.vocab_size == spec.vocab == 256
+    ids = {name: getattr(config, name) for name in config.to_dict() if name.endswith("_token_id")}
+    assert {"bos_token_id", "eos_token_id"} <= ids.keys()
+    for name, value in ids.items():
+        assert value is None or 0 <= value < spec.vocab, (name, value)

@@ -50,14 +50,19 @@ def hf_name(name: str) -> str:
 
 
 def config(spec: Any) -> dict[str, Any]:
-    """GPT-2's ``config.json`` for ``spec`` (no dropout, as the toolkit's GPT)."""
+    """GPT-2's ``config.json`` for ``spec`` (no dropout, as the toolkit's GPT).
+
+    No special tokens: the toolkit's GPT has none (its vocabulary is bytes, or whatever the
+    data holds), and GPT-2's defaults (50256) lie outside a smaller vocabulary.
+    """
     return {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2",
             "vocab_size": spec.vocab, "n_positions": spec.context, "n_embd": spec.width,
             "n_layer": spec.layers, "n_head": spec.heads, "n_inner": None,
             "activation_function": "gelu_new", "layer_norm_epsilon": 1e-5,
             "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0,
             "initializer_range": 0.02, "scale_attn_weights": True, "use_cache": True,
-            "tie_word_embeddings": spec.tied}
+            "tie_word_embeddings": spec.tied,
+            "bos_token_id": None, "eos_token_id": None, "pad_token_id": None}
 
 
 def save_pretrained(spec: Any, params: dict[str, np.ndarray], out: str | os.PathLike) -> Path:
