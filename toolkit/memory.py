@@ -251,7 +251,8 @@ def main(argv: list[str] | None = None) -> int:
     layout = parse_layout(args.layout)
     num_params, acts, described = _count(args)
     est = estimate(num_params, layout, args.world_size, args.dtype, args.optimizer, acts)
-    print(f"{described}; {layout.name} on {args.world_size} ranks; {args.dtype}, "
+    ranks = f"{args.world_size} rank{'' if args.world_size == 1 else 's'}"
+    print(f"{described}; {layout.name} on {ranks}; {args.dtype}, "
           f"{args.optimizer}; micro-batch {args.batch}; activations: {args.activations}"
           + ("" if acts else " (not counted: give --layers, --width and --context)"))
     print(format_table(est))

@@ -124,6 +124,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
+def _many(n: int, noun: str, plural: str | None = None) -> str:
+    """``1 stage``, ``4 stages``: a count with its noun in agreement."""
+    return f"{n} {noun if n == 1 else plural or noun + 's'}"
+
+
 def _run(args) -> int:
     if args.simulate:
         if args.runs or not (args.schedule and args.stages and args.micro_batches):
@@ -149,8 +154,9 @@ def _run(args) -> int:
     measured = idle_fraction(records)
     text, value = bubble_formula(name or "1f1b", stages, micro, chunks)
     label = name or "gpipe/1f1b"
-    print(f"schedule {label}: {stages} stages x {micro} micro-batches"
-          + (f" x {chunks} chunks" if chunks > 1 else "") + f", replica {args.replica}")
+    shape = (f"{_many(stages, 'stage')} x {_many(micro, 'micro-batch', 'micro-batches')}"
+             + (f" x {chunks} chunks" if chunks > 1 else ""))
+    print(f"schedule {label}: {shape}, replica {args.replica}")
     print(f"idle fraction: {what} {measured:.4f}, formula {text} = {value:.4f}")
     if name and not args.simulate:  # the same schedule simulated with the measured times
         f, b = stage_times(records, stages, chunks)
@@ -161,9 +167,8 @@ def _run(args) -> int:
     peaks = peak_in_flight(records)
     print("peak in-flight activations per stage: " + " ".join(str(peaks[s]) for s in peaks))
     if args.png:
-        title = (f"{label}: {stages} stages x {micro} micro-batches"
-                 + (f" x {chunks} chunks" if chunks > 1 else "")
-                 + f" ({what}); idle {measured:.1%}, formula {text} = {value:.1%}")
+        title = (f"{label}: {shape} ({what}); idle {measured:.1%}, formula {text} = "
+                 f"{value:.1%}")
         draw_timeline(records, args.png, title, unit)
         print(f"timeline: {args.png}")
     return 0

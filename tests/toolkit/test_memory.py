@@ -199,3 +199,11 @@ def test_mlp_activation_bytes_are_what_the_numpy_forward_keeps(sizes):
     hs, zs = spec._forward(spec.init(0, "float32"), np.ones((batch, sizes[0]), np.float32))
     kept = {id(t): t for t in (*hs, *zs)}  # the output is both the last h and the last z
     assert memory.mlp_activation_bytes(sizes, batch) == sum(t.nbytes for t in kept.values())
+
+
+@pytest.mark.parametrize("world_size, said", [(1, "on 1 rank;"), (2, "on 2 ranks;")])
+def test_cli_says_rank_or_ranks_as_the_count_needs(capsys, world_size, said):
+    memory.main(["--params", "1e6", "--world-size", str(world_size)])
+    out = capsys.readouterr().out
+    assert said in out
+    assert "1 ranks" not in out

@@ -147,3 +147,11 @@ def test_command_errors(tmp_path, capsys):
     assert "--simulate needs --schedule, --stages and --micro-batches" in capsys.readouterr().err
     assert main([]) == 2
     assert "no timeline to show" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("stages, micro, said", [
+    (1, 1, "1 stage x 1 micro-batch,"), (2, 3, "2 stages x 3 micro-batches,")])
+def test_command_counts_stages_and_micro_batches_in_agreement(capsys, stages, micro, said):
+    assert main(["--simulate", "--schedule", "gpipe", "--stages", str(stages),
+                 "--micro-batches", str(micro)]) == 0
+    assert f"schedule gpipe: {said} replica 0" in capsys.readouterr().out
