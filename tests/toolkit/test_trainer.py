@@ -198,3 +198,60 @@ def test_checkpoint_every_seconds_and_keep(digits, tmp_path):
     trainer.fit(x, y)
     steps = [int(p.name.split("_")[1]) for p in toolkit.CheckpointStore(tmp_path).checkpoints()]
     assert steps == [39, 40]  # one after every step, the last two kept
+
+
+class _Terminal:
+    """A stderr that says it is a terminal and keeps what the progress line writes."""
+
+    def __init__(self):
+        self.text = ""
+
+    def isatty(self):
+        return True
+
+    def write(self, text):
+        self.text += text
+
+    def flush(self):
+        pass
+
+
+def test_progress_line_counts_the_runs_steps_with_max_steps_else_the_epochs(monkeypatch):
+    from toolkit.trainer.history import ProgressLine
+
+    terminal = _Terminal()
+    monkeypatch.setattr("sys.stderr", terminal)
+    ProgressLine(True, max_steps=200).update(101, 0, 101, 116988, 2.5)
+    assert "step 101/200  loss 2.5000" in terminal.text and "116988" not in terminal.text
+    terminal.text = ""
+    ProgressLine(True).update(101, 0, 101, 116988, 2.5)
+    assert "epoch 0  101/116988 steps  loss 2.5000" in terminal.text
+    assert ProgressLine(True, max_steps=0).enabled  # shown on a terminal only
+    monkeypatch.setattr("sys.stderr", type("Pipe", (_Terminal,), {"isatty": lambda s: False})())
+    assert not ProgressLine(True).enabled
+
+
+def test_trainer_progress_shows_max_steps_set_between_fits(digits, monkeypatch):
+    """As examples/train_gpt.py trains in intervals: the line counts global steps towards the
+    Trainer's max_steps of that fit, not the epoch's steps."""
+    (x, y), _ = digits
+    terminal = _Terminal()
+    monkeypatch.setattr("sys.stderr", terminal)
+    trainer = make(max_steps=3, progress=True)
+    trainer.fit(x, y)
+    assert "step 1/3" in terminal.text and "step 3/3" in terminal.text
+    trainer.max_steps = 6
+    trainer.fit(x, y)
+    assert "step 4/6" in terminal.text and "step 6/6" in terminal.text
+    assert f"/{len(x) // 64} steps" not in terminal.text
+
+
+def test_trainer_progress_with_epochs_counts_each_epochs_steps(digits, monkeypatch):
+    (x, y), _ = digits
+    terminal = _Terminal()
+    monkeypatch.setattr("sys.stderr", terminal)
+    make(epochs=2, progress=True).fit(x, y)
+    per_epoch = len(x) // 64
+    for epoch in (0, 1):  # an epoch's last step is shown as its last, not as 0/N
+        assert f"epoch {epoch}  {per_epoch}/{per_epoch} steps" in terminal.text
+    assert f"  0/{per_epoch} steps" not in terminal.text

@@ -59,20 +59,46 @@ class MetricsLog:
 
 
 class ProgressLine:
-    """A one-line progress display on rank 0, only when stderr is a terminal."""
+    """A one-line progress display on rank 0, only when stderr is a terminal.
 
-    def __init__(self, enabled: bool):
+    Args:
+        enabled: show it (on a terminal).
+        max_steps: the run's target (the Trainer's ``max_steps``): the line counts the run's
+            global steps towards it (``step 101/200``); None counts the epoch's steps
+            (``epoch 0  101/1170 steps``).
+    """
+
+    def __init__(self, enabled: bool, max_steps: int | None = None):
         self.enabled = enabled and sys.stderr.isatty()
+        self.max_steps = max_steps
         self._last = 0.0
 
-    def update(self, epoch: int, done: int, total: int, loss: Any) -> None:
+    def update(self, step: int, epoch: int, epoch_step: int, epoch_steps: int,
+               loss: Any) -> None:
+        """After global step ``step``, the ``epoch_step``-th of ``epoch_steps`` in ``epoch``."""
         if not self.enabled:  # the loss may be a framework scalar: float() only when shown
             return
         now = time.monotonic()
-        if now - self._last > 0.2 or done == total:
+        last = step == self.max_steps if self.max_steps is not None else (
+            epoch_step == epoch_steps)
+        if now - self._last > 0.2 or last:
             self._last = now
-            sys.stderr.write(f"\r  epoch {epoch}  {done}/{total} steps  loss {float(loss):.4f} ")
+            sys.stderr.write(f"\r  {self.text(step, epoch, epoch_step, epoch_steps)}  "
+                             f"loss {float(loss):.4f} ")
             sys.stderr.flush()
+
+    def text(self, step: int, epoch: int, epoch_step: int, epoch_steps: int) -> str:
+        """What the line counts: the run's steps when it has ``max_steps``, else the epoch's.
+
+        Example:
+            >>> ProgressLine(False, max_steps=200).text(101, 0, 101, 116988)
+            'step 101/200'
+            >>> ProgressLine(False).text(101, 0, 101, 116988)
+            'epoch 0  101/116988 steps'
+        """
+        if self.max_steps is not None:
+            return f"step {step}/{self.max_steps}"
+        return f"epoch {epoch}  {epoch_step}/{epoch_steps} steps"
 
     def clear(self) -> None:
         if self.enabled:

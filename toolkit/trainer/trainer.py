@@ -279,7 +279,7 @@ class Trainer:
         total = self.max_steps if self.max_steps is not None else self.epochs * len(sampler)
         self._history = History(first_step=self.global_step, world_size=env.world_size)
         self._losses = StepLosses(self._history, self._guard, self._log)
-        self._progress = ProgressLine(self.progress and env.rank == 0)
+        self._progress = ProgressLine(self.progress and env.rank == 0, self.max_steps)
         place = self.adapter.device_batch if isinstance(self.adapter, PlacesBatches) else None
         loader = BatchPrefetcher(train, sampler, max(0, total - self.global_step),
                                  prefetch=prefetches(train, self.prefetch), place=place)
@@ -334,7 +334,9 @@ class Trainer:
                 self._losses.add(loss, getattr(self.adapter, "grad_norm", None),
                                  self.skip_nonfinite and getattr(self.adapter, "skipped", False))
                 self.global_step += 1
-                progress.update(epoch, sampler.step, len(sampler), loss)
+                # (after an epoch's last batch the sampler is at the next epoch's start)
+                done = sampler.step if sampler.epoch == epoch else len(sampler)
+                progress.update(self.global_step, epoch, done, len(sampler), loss)
                 if self.log_every and self.global_step % self.log_every == 0:
                     self._flush()
                     print0(f"step {self.global_step}  loss {history.losses[-1]:.4f}"
