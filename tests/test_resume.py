@@ -12,7 +12,7 @@ from toolkit import CheckpointError, read_checkpoint
 from toolkit.datasets import load_digits
 
 SCRIPT = "tests/scripts/resumable.py"
-STEPS, KILL_AT = 100, 60  # 22 steps per epoch: step 60 is in the middle of epoch 3
+STEPS, KILL_AT = 100, 60  # 22 steps per epoch: step 60 is in the middle of epoch 2 (from 0)
 TOLERANCE = 1e-5
 OTHER_BACKENDS = ["jax-pjit", "horovod-tf", "jax-pmap"]
 IN_CI = {("horovod-torch", "horovod-tf"), ("horovod-torch", "jax-pjit"),

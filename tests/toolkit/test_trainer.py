@@ -255,3 +255,23 @@ def test_trainer_progress_with_epochs_counts_each_epochs_steps(digits, monkeypat
     for epoch in (0, 1):  # an epoch's last step is shown as its last, not as 0/N
         assert f"epoch {epoch}  {per_epoch}/{per_epoch} steps" in terminal.text
     assert f"  0/{per_epoch} steps" not in terminal.text
+
+
+def test_console_metrics_log_and_checkpoint_count_epochs_from_0(digits, tmp_path, capsys):
+    """One convention: the epoch line's number, the metrics log's and a checkpoint's
+    ``epoch`` (the sampler's) name the same epoch."""
+    (x, y), _ = digits
+    log = tmp_path / "m.jsonl"
+    per_epoch = len(x) // 64
+    make(epochs=2, metrics_log=log, checkpoint_dir=tmp_path / "ck", keep=5,
+         checkpoint_every=per_epoch + 3).fit(x, y)
+    out = capsys.readouterr().out
+    lines = [line for line in out.splitlines() if line.startswith("epoch ")]
+    assert [line.split()[:4] for line in lines] == [
+        ["epoch", "0", "step", str(per_epoch)], ["epoch", "1", "step", str(2 * per_epoch)]]
+    records = [json.loads(line) for line in log.read_text().splitlines()]
+    assert [(r["epoch"], r["step"]) for r in records if r["event"] == "epoch"] == [
+        (0, per_epoch), (1, 2 * per_epoch)]
+    mid = toolkit.CheckpointStore(tmp_path / "ck").load(
+        tmp_path / "ck" / f"step_{per_epoch + 3:09d}")
+    assert mid.meta["epoch"] == 1  # in the epoch the console and the log call 1

@@ -107,8 +107,9 @@ class ProgressLine:
 
 
 def epoch_line(record: dict, seconds: float) -> str:
-    """Rank 0's line at the end of an epoch."""
-    line = f"epoch {record['epoch'] + 1}  step {record['step']}  loss {record['loss']:.4f}"
+    """Rank 0's line at the end of an epoch, numbered from 0 as the metrics log, the
+    checkpoint and the sampler number it."""
+    line = f"epoch {record['epoch']}  step {record['step']}  loss {record['loss']:.4f}"
     if "val_loss" in record:
         line += f"  val_loss {record['val_loss']:.4f}"
         if "val_accuracy" in record:
