@@ -79,12 +79,11 @@ def main() -> None:
     toolkit.print0(f"done: world_size {trainer.env.world_size}  steps {trainer.global_step}  "
                    f"val_loss {final:.4f} nats/byte = {final / entropy:.2f} x the unigram "
                    f"entropy {entropy:.3f}")
-    if loaded > 0:
-        hidden = max(0.0, 1 - waited / loaded)
+    if loaded > 0:  # two clocks: the wait is not a part of the loading (prefetch.stats)
         wall = time.perf_counter() - started
-        toolkit.print0(f"input: {loaded:.2f} s loading batches, {waited:.2f} s of it waited for "
-                       f"({hidden:.0%} hidden behind compute by the prefetch thread); the "
-                       f"training loop waited {waited / wall:.2%} of its {wall:.0f} s for input")
+        toolkit.print0(f"input: the prefetch thread spent {loaded:.2f} s loading batches; the "
+                       f"training loop waited {waited:.2f} s for them ({waited / wall:.2%} of "
+                       f"its {wall:.0f} s; the wait includes each hand-over between the threads)")
     params = {k[len("params/"):]: v for k, v in trainer.adapter.state_dict().items()
               if k.startswith("params/")}
     text = sample(model, params, PROMPT, args.sample_bytes, args.seed)

@@ -43,11 +43,11 @@ def test_the_example_prints_what_a_user_needs(one_process):
                      r"(\d+\.\d+) x the unigram entropy", out)
     assert done and float(done.group(1)) < np.log(256), out
     assert "sample: def __init__(self" in out
-    hidden = re.search(r"^input: (\d+\.\d+) s loading batches, (\d+\.\d+) s of it waited for "
-                       r"\((\d+)% hidden behind compute.*; the training loop waited "
-                       r"(\d+\.\d+)% of its (\d+) s for input$", out, re.M)
-    assert hidden and 0 <= int(hidden.group(3)) <= 100, out
-    assert 0 <= float(hidden.group(4)) <= 100 and int(hidden.group(5)) >= 0, out
+    inputs = re.search(r"^input: the prefetch thread spent (\d+\.\d+) s loading batches; the "
+                       r"training loop waited (\d+\.\d+) s for them \((\d+\.\d+)% of its (\d+) "
+                       r"s; the wait includes each hand-over between the threads\)$", out, re.M)
+    assert inputs and float(inputs.group(2)) >= 0, out
+    assert 0 <= float(inputs.group(3)) <= 100 and int(inputs.group(4)) >= 0, out
     assert job.stderr.count("tensorflow") == 0, job.stderr  # no other framework's chatter
 
 

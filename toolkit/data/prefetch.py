@@ -49,8 +49,9 @@ class BatchPrefetcher:
                  prefetch: bool = True, place: Callable[[Any, Any], tuple[Any, Any]] | None = None):
         self.dataset, self.prefetch, self.place = dataset, prefetch and steps > 0, place
         self.batches = 0
-        self.load_seconds = 0.0  # spent making the batches handed out
-        self.wait_seconds = 0.0  # the training thread spent waiting for them
+        # Two different clocks, neither a part of the other (see stats()):
+        self.load_seconds = 0.0  # making the batches (in the thread, or in get without it)
+        self.wait_seconds = 0.0  # the training thread blocked in get() until each was there
         self._queue: queue.Queue = queue.Queue(maxsize=1)  # plus one in the making
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -137,13 +138,20 @@ class BatchPrefetcher:
             self._queue.get_nowait()
 
     def stats(self) -> dict[str, Any]:
-        """How much of the loading the thread hid behind compute.
+        """What loading the batches handed out so far cost, and what it cost training.
 
-        ``load_seconds`` is the time spent making the batches handed out (``dataset.batch``,
-        and in the thread also drawing the sampler's indices), ``wait_seconds`` the time
-        training waited for them; ``hidden_fraction`` is ``1 - wait / load`` (1: loading cost
-        training nothing; 0 without prefetch). The first batch is never hidden: nothing runs
-        while it loads.
+        - ``load_seconds``: the time spent making them: in the thread, from starting a batch
+          (drawing its indices, ``dataset.batch``, ``place``) until it is ready, not counting
+          the thread's waits to hand a batch over (the queue holds one); without the thread,
+          the time :meth:`get` spent loading.
+        - ``wait_seconds``: the time the training thread spent blocked in :meth:`get` until
+          its batch was there: the loading not yet done when training asked for it, plus
+          the hand-over between the threads (a wake-up, and the interpreter lock, which a
+          step that holds it keeps from the thread until training waits). It is not a part
+          of ``load_seconds`` and can exceed it; without the thread the two are equal.
+        - ``hidden_fraction``: ``1 - wait / load`` within [0, 1] (1: training never waited;
+          0 without the thread, or when the waits cost as much as the loading). The first
+          batch is never hidden: nothing runs while it loads.
         """
         load, wait = self.load_seconds, self.wait_seconds
         hidden = min(1.0, max(0.0, 1.0 - wait / load)) if load > 0 else (
