@@ -121,6 +121,11 @@ def run(main: Callable[[], object]) -> None:
     except ToolkitError as err:
         eprint(f"error: {err}")
         sys.exit(2)
+    if env.is_distributed and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:
+        # A launcher ending the job (another rank failed) sends SIGTERM; dying of it makes the
+        # shell between horovodrun and this rank print "Terminated". Exit with the same status
+        # quietly instead (a Trainer with a checkpoint directory handles it while it trains).
+        signal.signal(signal.SIGTERM, lambda *_: os._exit(128 + signal.SIGTERM))
     try:
         main()
     except TrainingPreempted as stop:

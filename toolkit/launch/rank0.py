@@ -107,5 +107,8 @@ def save0(
 
 
 def eprint(*args: Any) -> None:
-    """Prints to stderr, flushed (for errors every rank must report)."""
-    print(*args, file=sys.stderr, flush=True)
+    """Prints to stderr, flushed (for errors every rank must report), in one write: an
+    unbuffered stream (PYTHONUNBUFFERED) would otherwise write the newline apart, and a
+    launcher that tags each write (mpirun --tag-output) would tag it as a line of its own."""
+    sys.stderr.write(" ".join(str(a) for a in args) + "\n")
+    sys.stderr.flush()
