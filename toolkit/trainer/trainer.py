@@ -78,9 +78,8 @@ class Trainer:
         checkpoint_dir: where checkpoints go (shared storage for multi-node jobs);
             checkpoint_every: every this many steps (and at the end), checkpoint_every_seconds:
             or seconds of training; keep: how many to keep.
-        resume: ``"latest"`` (the newest intact checkpoint in ``checkpoint_dir``; an error when
-            there is none), ``"auto"`` (the newest if there is one, else a new run: for a job
-            that requeues itself) or the path of a checkpoint directory.
+        resume: ``"latest"`` (the newest checkpoint in ``checkpoint_dir``; an error if none),
+            ``"auto"`` (the newest, else a new run: for requeued jobs) or a checkpoint's path.
         async_checkpoint: write checkpoints in a background thread.
         allow_changes: resume even when the settings that define the trajectory (model,
             optimizer and schedule, global batch, seed, shuffling, lr scaling) differ from the
@@ -334,8 +333,7 @@ class Trainer:
                 self._losses.add(loss, getattr(self.adapter, "grad_norm", None),
                                  self.skip_nonfinite and getattr(self.adapter, "skipped", False))
                 self.global_step += 1
-                # (after an epoch's last batch the sampler is at the next epoch's start)
-                done = sampler.step if sampler.epoch == epoch else len(sampler)
+                done = sampler.step if sampler.epoch == epoch else len(sampler)  # at its end
                 progress.update(self.global_step, epoch, done, len(sampler), loss)
                 if self.log_every and self.global_step % self.log_every == 0:
                     self._flush()
