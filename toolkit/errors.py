@@ -35,9 +35,11 @@ def describe(obj: object, limit: int = 6) -> str:
         ...     defaults = {"lr": 0.001, "betas": (0.9, 0.999), "weight_decay": 0.01}
         >>> describe(AdamW())
         'AdamW(lr=0.001, weight_decay=0.01)'
-        >>> describe((1, 2))
-        'tuple of 2 (int, int)'
+        >>> describe((1, 2)), describe("lamb")
+        ('tuple of 2 (int, int)', "'lamb'")
     """
+    if obj is None or isinstance(obj, str | bool | int | float):  # a value: as written
+        return repr(obj)
     name = type(obj).__name__
     if isinstance(obj, tuple | list):
         return f"{name} of {len(obj)} ({', '.join(type(item).__name__ for item in obj)})"
