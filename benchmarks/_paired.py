@@ -63,13 +63,11 @@ def trainer_against_hand(trainer, hand, sync, x, y, env, *, steps: int, windows:
 
 def time_steps(adapter) -> list[float]:
     """Wraps ``adapter.train_step`` to time each step to the end of its computation (the loss
-    is converted: JAX returns before it ends); returns the list the times go to. The first
-    arrays each step received are kept in ``time_steps.first`` (keyed by the adapter)."""
+    is converted: JAX returns before it ends); returns the list the times go to."""
     times: list[float] = []
     real_step = adapter.train_step
 
     def timed(xb, yb, lr):
-        time_steps.first.setdefault(id(adapter), (xb, yb))
         start = time.perf_counter()
         loss = real_step(xb, yb, lr)
         float(loss)
@@ -79,5 +77,3 @@ def time_steps(adapter) -> list[float]:
     adapter.train_step = timed
     return times
 
-
-time_steps.first = {}

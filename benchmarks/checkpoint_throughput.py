@@ -1,7 +1,7 @@
 """Checkpoint write/read throughput for a 100 MB state, beside plain numpy in the same run,
 and the training-step slowdown while an asynchronous save runs.
 
-    .venv/bin/python benchmarks/checkpoint_throughput.py [--mb 100] [--repeats 5]
+    .venv/bin/python benchmarks/checkpoint_throughput.py [--mb 100] [--repeats 5] [--steps 40]
 
 Ratios are what to read: this machine is shared and noisy, so every variant runs in the same
 process, interleaved, and medians are reported.
@@ -60,8 +60,10 @@ def step_slowdown(state, tmp: Path, steps: int = 40) -> tuple[float, float, int]
     alone = [timed(lambda: adapter.train_step(x, y, 0.01)) for _ in range(steps)]
     store = toolkit.CheckpointStore(tmp / "async", keep=2)
     during = []
-    store.save(1, state, {}, blocking=False)
-    while store._thread is not None and store._thread.is_alive():
+    # save returns the checkpoint's final path at once; the background write renames its
+    # finished directory to that path, so the steps run until it exists.
+    final = store.save(1, state, {}, blocking=False)
+    while not final.exists():
         during.append(timed(lambda: adapter.train_step(x, y, 0.01)))
     store.wait()
     return statistics.median(alone), statistics.median(during or [float("nan")]), len(during)
@@ -71,6 +73,7 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--mb", type=int, default=100)
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--steps", type=int, default=40, help="training steps timed alone")
     args = p.parse_args()
     state = state_of(args.mb)
     mb = sum(a.nbytes for a in state.values()) / 2**20
@@ -85,7 +88,7 @@ def main() -> None:
             times["np.save+fsync"].append(timed(lambda: plain_save(state, tmp / "plainf", True)))
             times["toolkit load"].append(timed(lambda: store.load("latest")))
             times["np.load"].append(timed(lambda: plain_load(state, tmp / "plain")))
-        alone, during, n = step_slowdown(state, tmp)
+        alone, during, n = step_slowdown(state, tmp, args.steps)
     print(f"state: {mb:.0f} MB in {len(state)} float32 arrays; median of {args.repeats} runs")
     for k, v in times.items():
         med = statistics.median(v)
