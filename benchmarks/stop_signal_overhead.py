@@ -1,14 +1,15 @@
 """What listening for stop signals costs per step: one tiny allreduce so that all ranks agree.
 
-    .venv/bin/horovodrun -np 2 --gloo .venv/bin/python benchmarks/stop_signal_overhead.py
+    .venv/bin/horovodrun -np 2 --gloo .venv/bin/python benchmarks/stop_signal_overhead.py \
+        [BACKEND ...] [--steps 300] [--repeats 3]
 
-For each backend, trains the digits MLP without stop-signal handlers and with them (ranks
-agreeing every step, and every 10 steps, the default), interleaved, and prints (rank 0) the
-median time per step and the ratios.
+For each backend (every one by default), trains the digits MLP without stop-signal handlers and
+with them (ranks agreeing every step, and every 10 steps, the default), interleaved, ``--repeats``
+times each over ``--steps`` timed steps, and prints (rank 0) the median time per step and the
+ratios.
 """
 
 import statistics
-import sys
 import tempfile
 import time
 
@@ -35,14 +36,23 @@ SIGNALS = ("SIGUSR1", "SIGTERM")
 
 
 def main() -> None:
-    backends = sys.argv[1:] or list(adapters.BACKENDS)
-    for backend in backends:
+    p = toolkit.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("backends", nargs="*", metavar="BACKEND",
+                   help=f"any of {', '.join(adapters.BACKENDS)} (default: all)")
+    p.add_argument("--steps", type=int, default=300, help="timed steps per run")
+    p.add_argument("--repeats", type=int, default=3, help="runs of each variant")
+    args = p.parse_args()
+    unknown = [b for b in args.backends if b not in adapters.BACKENDS]
+    if unknown:  # (checked here: argparse's choices reject an empty list of positionals)
+        p.error(f"unknown backend {', '.join(unknown)}: choose from "
+                f"{', '.join(adapters.BACKENDS)}")
+    for backend in args.backends or adapters.BACKENDS:
         adapter = adapters.get(backend)
         runs: dict[str, list[float]] = {"none": [], "every 1": [], "every 10": []}
-        for _ in range(3):
-            runs["none"].append(per_step(adapter, ()))
-            runs["every 1"].append(per_step(adapter, SIGNALS, every=1))
-            runs["every 10"].append(per_step(adapter, SIGNALS, every=10))
+        for _ in range(args.repeats):
+            runs["none"].append(per_step(adapter, (), steps=args.steps))
+            runs["every 1"].append(per_step(adapter, SIGNALS, every=1, steps=args.steps))
+            runs["every 10"].append(per_step(adapter, SIGNALS, every=10, steps=args.steps))
         base = statistics.median(runs["none"])
         toolkit.print0(f"{backend:14s} world {toolkit.current_env().world_size}: "
                        f"{base * 1e3:.3f} ms/step without handlers; " + ", ".join(
