@@ -14,8 +14,8 @@ in :data:`NOT_RUN` with the reason. A command that fails as documented is listed
 How a documented command becomes its smoke run:
 - ``[--option value]`` (optional) groups are dropped and ``a|b`` alternatives take ``a``;
 - the rule's options are set (replacing the documented value, or added);
-- comma-separated backends keep their first, world sizes their smallest (a rule names the
-  backend or world sizes to use where the command gives none);
+- comma-separated backends and layouts keep their first, world sizes their smallest (a rule
+  names the backend, layout or world sizes to use where the command gives none);
 - files and folders a command writes (``--json``, ``--png``, ``TOOLKIT_PIPELINE_TIMELINE``, ...)
   go to the test's temporary folder, shared by the commands of one block, which run in order
   (a block that writes a timeline and then draws it);
@@ -60,7 +60,8 @@ EQUIVALENCE_TABLE = (r"^backend\s+world\s+launcher\s+layout\s+device\s+final los
                      r"^{backend}\s+{world}\s+\w+\s+\S+")
 SMOKE: dict[str, Smoke] = {
     "-m toolkit.equivalence": Smoke(
-        EQUIVALENCE_TABLE, options={"--steps": "2"}, first_of={"--backends": "jax-pmap"},
+        EQUIVALENCE_TABLE, options={"--steps": "2"},
+        first_of={"--backends": "jax-pmap", "--layout": "data"},
         smallest_of={"--world-sizes": "1"}, outputs=("--json", "--plot"),
         world_sizes="--world-sizes"),
     "-m toolkit.memory": Smoke((r"^per rank\s+bytes", r"^total\s+[\d,]+ ")),
@@ -94,9 +95,9 @@ SMOKE: dict[str, Smoke] = {
         options={"--steps": "2", "--warmup": "1", "--width": "64", "--batch-size": "32",
                  "--micro-batches": "2", "--timeline-dir": "{tmp}/timelines"}),
     "benchmarks/jax_collectives.py": Smoke(
-        (r"^data\s+jax-pjit\s+[\d.]+ ms/step\s+jax-pmap", r"^sharded:3\s+jax-pjit .*"
-         r"jax-pjit's collectives: \{.*all-reduce", r"^gradient all-reduce of 1 matrix"),
-        options={"--steps": "2", "--warmup": "1", "--repeats": "1"}),
+        (r"^sharded:3\s+jax-pjit\s+[\d.]+ ms/step\s+jax-pmap .*jax-pjit's collectives: "
+         r"\{.*all-reduce", r"^gradient all-reduce of 1 matrix"),
+        options={"--steps": "2", "--warmup": "1", "--repeats": "1", "--layouts": "sharded:3"}),
     "examples/train_gpt.py": Smoke(
         (r"^step\s+\d+\s+loss [\d.]+\s+val [\d.]+ nats/byte .* tokens/s",
          r"^done: world_size \d+ "),
@@ -380,7 +381,7 @@ def test_parse_reads_launchers_and_wrappers():
     run = smoke_run(parse("x", "python -m toolkit.equivalence --backends jax-pjit,jax-pmap "
                                "--world-sizes 4,2 --json eq.json"))
     assert run.argv == ["-m", "toolkit.equivalence", "--backends", "jax-pjit", "--world-sizes",
-                        "2", "--json", "{tmp}/eq.json", "--steps", "2"]
+                        "2", "--json", "{tmp}/eq.json", "--steps", "2", "--layout", "data"]
     assert run.multi_process and run.launcher == "python"
 
 
