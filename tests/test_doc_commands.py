@@ -8,8 +8,7 @@ and has options (a bare ``python -m toolkit.memory`` names the program, it is no
 newly documented command runs here as soon as its program has a rule in :data:`SMOKE` (the
 options that make it short, and the figure's lines);
 :func:`test_every_documented_command_has_a_rule` fails until it has one or its program is listed
-in :data:`NOT_RUN` with the reason. A command that fails as documented is listed in
-:data:`ERRATA` by its exact text: an expected failure until the page changes.
+in :data:`NOT_RUN` with the reason.
 
 How a documented command becomes its smoke run:
 - ``[--option value]`` (optional) groups are dropped and ``a|b`` alternatives take ``a``;
@@ -124,16 +123,6 @@ NOT_RUN: dict[str, str] = {
     "examples/bring_your_own/flax_cnn.py": "usage, no figure (tests/test_bring_your_own.py)",
 }
 GPU = "needs a GPU (tests/test_gpu.py, make test-gpu)"
-# Documented commands known to fail as written, by their exact text (so that the entry stops
-# applying once the page changes): expected failures, listed by pytest -ra with the reason.
-ERRATA: dict[str, str] = {
-    "srun -n 2 --mpi=pmix .venv/bin/python examples/train_gpt.py --backend jax-pjit --resume "
-    "latest --checkpoint-dir ckpt --checkpoint-every 250":
-        "docs/gpt.md: --resume latest exits 2 when the folder holds no checkpoint (a first "
-        "start); the toolkit's hint is --resume auto",
-}
-
-
 @dataclass
 class Command:
     """One documented command line, parsed."""
@@ -386,9 +375,7 @@ def test_parse_reads_launchers_and_wrappers():
 
 
 def _marks(runs: list[SmokeRun]) -> list:
-    marks = [pytest.mark.slow] if any(r.multi_process for r in runs) else []
-    errata = [ERRATA[r.command.text] for r in runs if r.command.text in ERRATA]
-    return marks + [pytest.mark.xfail(reason=errata[0], strict=True)] if errata else marks
+    return [pytest.mark.slow] if any(r.multi_process for r in runs) else []
 
 
 @pytest.mark.parametrize("where, runs", [pytest.param(where, runs, id=where, marks=_marks(runs))
