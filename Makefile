@@ -10,11 +10,8 @@ MUTATION_ARGS ?=
 .PHONY: example test test-long test-gpu test-fast faults mutation install install-slurm lint
 
 ## make example: install, then train the digits MLP with horovod-torch on $(NP) processes
-## (horovodrun checks its build by importing horovod.tensorflow in a subprocess, whose
-## TensorFlow logs before its logging starts, TF_CPP_MIN_LOG_LEVEL or not, unless the
-## oneDNN notice is off: TF_ENABLE_ONEDNN_OPTS=0, which the torch ranks ignore)
 example: install
-	TF_CPP_MIN_LOG_LEVEL=2 TF_ENABLE_ONEDNN_OPTS=0 $(VENV)/bin/horovodrun -np $(NP) --gloo $(PY) examples/train_digits.py
+	$(VENV)/bin/horovodrun -np $(NP) --gloo $(PY) examples/train_digits.py
 
 ## make test: install (with the Slurm daemons), then run the test suite (all but `long`)
 test: install-slurm

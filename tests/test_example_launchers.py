@@ -91,8 +91,9 @@ def test_sbatch_template_trains_on_two_tasks(sbatch, tmp_path, read_metrics, ref
 @pytest.mark.slow
 def test_make_example_prints_only_the_toolkits_lines():
     """The README's first command prints the installer's one line and rank 0's training lines,
-    nothing from another framework (horovodrun imports TensorFlow in a subprocess to check its
-    build; its start-up notices must not reach the user)."""
+    nothing from another framework: horovodrun's own build check (patched by the installer)
+    loads torch's extension first and silences what a framework prints while it loads, so no
+    TensorFlow start-up line reaches the user, with no log-level variable set."""
     import subprocess
     import sys
     from pathlib import Path
