@@ -27,6 +27,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from toolkit import ToolkitError
+from toolkit.contract import StepResult
 from toolkit.launch.env import LaunchEnv
 from toolkit.models.specs import DTYPES, check_choice
 from toolkit.parallel.layouts import DataParallel
@@ -58,7 +59,7 @@ class Strategy(Protocol):
     def build(self, model: Any, optimizer: Any, loss: Any, *, seed: int = 0,
               accumulation_steps: int = 1, sync_batchnorm: bool = False,
               metrics: dict[str, Any] | None = None) -> None: ...
-    def train_step(self, x: Any, y: Any, lr: float | None) -> float: ...
+    def train_step(self, x: Any, y: Any, lr: float | None) -> StepResult: ...
     def evaluate(self, x: np.ndarray, y: np.ndarray) -> dict[str, float]: ...
     def sync_state(self) -> None: ...
     def state_dict(self) -> dict[str, np.ndarray]: ...
@@ -146,19 +147,7 @@ class Backend:
                 "(docs/architecture.md)")
         strategy.build(model, optimizer, loss, **options)
 
-    @property
-    def grad_norm(self) -> Any:
-        """The latest step's gradient norm before clipping (None where the strategy does not
-        compute it); a framework scalar until ``float()``."""
-        return getattr(self.strategy, "grad_norm", None)
-
-    @property
-    def skipped(self) -> bool:
-        """Whether the latest step was skipped: built with ``skip_nonfinite``, a step whose
-        gradient norm is not finite changes no parameter, optimizer slot or count."""
-        return bool(getattr(self.strategy, "skipped", False))
-
-    def train_step(self, x: Any, y: Any, lr: float | None) -> float:
+    def train_step(self, x: Any, y: Any, lr: float | None) -> StepResult:
         return self.strategy.train_step(x, y, lr)
 
     def evaluate(self, x: np.ndarray, y: np.ndarray) -> dict[str, float]:
@@ -207,8 +196,8 @@ class StrategyBase:
     """What every strategy starts from: its runtime and layout, no layout check, and the
     position of a rank without stages."""
 
-    clips = False  # whether build takes clip_grad_norm (and train_step sets grad_norm)
-    skips = False  # whether build takes skip_nonfinite (and train_step sets skipped)
+    clips = False  # whether build takes clip_grad_norm (its StepResult then has grad_norm)
+    skips = False  # whether build takes skip_nonfinite (its StepResult then says skipped)
     grad_norm: Any = None
     skipped = False
 

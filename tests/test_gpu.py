@@ -56,7 +56,7 @@ def test_horovod_torch_keeps_every_tensor_on_the_rank_s_device(layout, device):
     else:
         assert staged[0] is x and staged[1] is y
         where = torch.device("cpu")
-    loss = adapter.train_step(*staged, lr=1e-2)
+    loss = float(adapter.train_step(*staged, lr=1e-2))
     assert np.isfinite(loss) and adapter.device_names() == [f"{device}:0" if device == "gpu"
                                                              else "cpu"]
     if layout == "data":
@@ -71,9 +71,9 @@ def test_horovod_torch_keeps_every_tensor_on_the_rank_s_device(layout, device):
     assert len(held) >= 4 and all(t.device == where for t in held)
     # the staged batch and the host arrays take the same step
     state = adapter.state_dict()
-    again = adapter.train_step(x, y, lr=1e-2)
+    again = float(adapter.train_step(x, y, lr=1e-2))
     adapter.load_state_dict(state)
-    assert adapter.train_step(*adapter.device_batch(x, y), lr=1e-2) == again
+    assert float(adapter.train_step(*adapter.device_batch(x, y), lr=1e-2)) == again
 
 
 @pytest.mark.gpu

@@ -5,7 +5,7 @@ Backends live in the ``adapters`` package and import their framework when chosen
 """
 
 from toolkit.checkpoint.store import Checkpoint, CheckpointError, CheckpointStore, read_checkpoint
-from toolkit.contract import Adapter, ShardedAdapter
+from toolkit.contract import Adapter, ShardedAdapter, StepResult
 from toolkit.data.dataset import ArrayDataset, Dataset, TokenWindows
 from toolkit.data.sampler import GlobalBatchSampler, shard_indices
 from toolkit.errors import ToolkitError
@@ -41,7 +41,8 @@ __all__ = [
     "CheckpointError", "CheckpointStore", "DIVERGED_EXIT_CODE", "DataParallel", "Dataset", "GPT",
     "GlobalBatchSampler", "History", "LaunchEnv", "LockstepRound", "MLP", "ModelPartition",
     "PREEMPTED_EXIT_CODE", "Pipeline", "PipelineGrid", "SGD", "Schedule", "Sharded",
-    "ShardedAdapter", "Simulation", "StageRecorder", "TokenWindows", "ToolkitError", "Trainer",
+    "ShardedAdapter", "Simulation", "StageRecorder", "StepResult", "TokenWindows", "ToolkitError",
+    "Trainer",
     "TrainingDiverged", "TrainingPreempted", "UsageError", "WarmupCosine", "add_trainer_options",
     "atomic_open",
     "bubble_formula", "current_env", "detect_launch_env", "expand_nodelist", "learning_rate",

@@ -8,12 +8,50 @@ imports a framework.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
 from toolkit.launch.env import LaunchEnv
 from toolkit.models.specs import OptimizerSpec
+
+
+@dataclasses.dataclass(frozen=True)
+class StepResult:
+    """What one training step returns: the only values the Trainer reads of a step.
+
+    Args:
+        loss: this rank's mean loss over its local batch: a float, or a framework scalar that
+            ``float()`` reads (the Trainer converts it when it averages losses, so a step need
+            not wait for the device).
+        grad_norm: the whole model's gradient norm before clipping, when the step was built
+            with ``clip_grad_norm`` or ``skip_nonfinite`` (None otherwise); a framework scalar
+            until ``float()``.
+        skipped: with ``skip_nonfinite``, whether the step's norm was not finite and nothing
+            was updated (no parameter, optimizer slot, count or statistic).
+        loss_scale: the loss scale the step used (1.0 without fp16 loss scaling).
+
+    Example:
+        >>> StepResult.of(0.25)
+        StepResult(loss=0.25, grad_norm=None, skipped=False, loss_scale=1.0)
+        >>> float(StepResult(0.5, grad_norm=2.0))
+        0.5
+    """
+
+    loss: Any
+    grad_norm: Any = None
+    skipped: Any = False
+    loss_scale: float = 1.0
+
+    @classmethod
+    def of(cls, value: Any) -> StepResult:
+        """``value`` if it is a StepResult, else a plain loss as one (an adapter of one's own
+        may return just its loss)."""
+        return value if isinstance(value, StepResult) else cls(value)
+
+    def __float__(self) -> float:
+        return float(self.loss)
 
 
 @runtime_checkable
@@ -56,14 +94,15 @@ class Adapter(Protocol):
 
         Two options are passed only when the user asks for them, so an adapter without them
         still serves every other run: ``clip_grad_norm=c`` (clip each step's averaged
-        gradient by its whole-model norm; ``train_step`` then leaves that norm, before
-        clipping, in an attribute ``grad_norm``) and ``skip_nonfinite=True`` (a step whose
-        norm is not finite updates nothing; ``train_step`` then sets a bool ``skipped``).
+        gradient by its whole-model norm; the step's :class:`StepResult` then carries that
+        norm, before clipping, as ``grad_norm``) and ``skip_nonfinite=True`` (a step whose
+        norm is not finite updates nothing; its result then says ``skipped``).
         docs/architecture.md#build-options-a-strategy-declares.
         """
 
-    def train_step(self, x: np.ndarray, y: np.ndarray, lr: float) -> float:
-        """One optimizer step on this rank's local batch; returns the local mean loss.
+    def train_step(self, x: np.ndarray, y: np.ndarray, lr: float) -> StepResult:
+        """One optimizer step on this rank's local batch; returns its :class:`StepResult`
+        (the local mean loss, and the norm and skip the build options ask for).
 
         Gradients are averaged across ranks before the update, so every rank applies the same
         update. ``lr`` is this step's learning rate (the Trainer evaluates schedules).

@@ -20,6 +20,7 @@ from adapters._jax.rounds import RoundPlan
 from adapters._jax.stages import eval_sums, stage_model
 from adapters._jax.strategy import JaxStrategy, LocalMean, make_optimizer
 from toolkit import Adam, Pipeline, ToolkitError
+from toolkit.contract import StepResult
 from toolkit.errors import describe
 from toolkit.models.reference import optimizer_slots
 from toolkit.parallel.pipeline.partition import micro_batch_size
@@ -172,7 +173,7 @@ class PipelineExecutor:
         return progs
 
     # ------------------------------------------------------------------ training
-    def train_step(self, x: np.ndarray, y: np.ndarray, lr: float | None) -> LocalMean:
+    def train_step(self, x: np.ndarray, y: np.ndarray, lr: float | None) -> StepResult:
         """One step on this process's samples; returns the global batch's mean loss (the same
         on every process, so the Trainer's average over processes is that mean)."""
         a, jax = self.host, self.host.jax
@@ -262,7 +263,7 @@ class PipelineExecutor:
                 append_timeline([r for r in rec.records if r["step"] == step], folder, s,
                                 rec.replica)
             rec.records = [r for r in rec.records if r["step"] > step - self.keep_steps]
-        return LocalMean([loss.addressable_data(0)])
+        return StepResult(LocalMean([loss.addressable_data(0)]), self.grad_norm, self.skipped)
 
     def _named_params(self) -> dict:
         """Local device -> its stage's parameters by name, sliced out of ``self.params``' flat

@@ -32,6 +32,7 @@ from adapters.horovod_tf.models.keras_native import KerasNative
 from adapters.horovod_tf.models.spec import spec_forward
 from adapters.horovod_tf.ops import TFOps, TFState, clip_by_norm, sum_squares, update_if_finite
 from adapters.horovod_tf.update import apply_update
+from toolkit.contract import StepResult
 
 
 class TFDataParallel(StrategyBase):
@@ -134,7 +135,7 @@ class TFDataParallel(StrategyBase):
         return self.ops.eval_sums(self._forward(x, training=False), y)
 
     # -------------------------------------------------------------------------- steps
-    def train_step(self, x: np.ndarray, y: np.ndarray, lr: float | None) -> float:
+    def train_step(self, x: np.ndarray, y: np.ndarray, lr: float | None) -> StepResult:
         """One step; ``lr`` is ignored with a Keras optimizer (its own rate or schedule)."""
         scalars = self.state.scalars(lr, self.dtype)
         seeds = (self.keras_model.seeds(self.seed, self.state.steps, self.env.rank)
@@ -143,7 +144,8 @@ class TFDataParallel(StrategyBase):
             loss, norm = self._step(*self.ops.inputs(x, y), scalars, seeds)
         self._note_norm(norm)
         self.state.steps += 1
-        return loss  # a scalar tensor: the Trainer converts it when it averages losses
+        # a scalar tensor: the Trainer converts it when it averages losses
+        return StepResult(loss, self.grad_norm, self.skipped)
 
     def _note_norm(self, norm: Any) -> None:
         """The step's gradient norm for the Trainer (computed when clipping or skipping), and

@@ -44,6 +44,7 @@ from adapters.horovod_tf.models.keras_native import assign
 from adapters.horovod_tf.ops import TFOps, TFState
 from adapters.horovod_tf.stages import cut_model
 from adapters.horovod_tf.update import apply_update
+from toolkit.contract import StepResult
 from toolkit.models.reference import optimizer_slots
 from toolkit.parallel.layouts import Pipeline
 from toolkit.parallel.pipeline.partition import micro_batch_size
@@ -311,7 +312,7 @@ class TFPipeline(HvdPipeline):
                     np.add(self.sums[n], g, out=self.acc[n])
                     self.sums[n] = self.acc[n]
 
-    def train_step(self, x: np.ndarray, y: np.ndarray, lr: float | None) -> float:
+    def train_step(self, x: np.ndarray, y: np.ndarray, lr: float | None) -> StepResult:
         """One pipelined step on this replica's local batch; returns the replica's mean loss
         (on every rank of it)."""
         tf, state, M = self.tf, self.state, self.layout.micro_batches
@@ -333,7 +334,7 @@ class TFPipeline(HvdPipeline):
             self.update(grads, scalars)
         self.steps += 1
         self.xs = self.ys = self.reduced = self.sums = grads = None
-        return loss
+        return StepResult(loss, self.grad_norm, self.skipped)
 
     def evaluate(self, x: np.ndarray, y: np.ndarray) -> dict[str, float]:
         """Every rank's ``(x, y)`` runs through its replica's pipeline (inputs gathered on the

@@ -38,6 +38,7 @@ from adapters.horovod_torch.ops import (
 )
 from adapters.horovod_torch.scheduler import load_scheduler_state, scheduler_state, split_scheduler
 from toolkit import ToolkitError
+from toolkit.contract import StepResult
 from toolkit.models.specs import ModelSpec
 
 
@@ -131,7 +132,7 @@ class TorchDataParallel(StrategyBase):
                 self.opt.step()
 
     # -------------------------------------------------------------------------- steps
-    def train_step(self, x: np.ndarray, y: np.ndarray, lr: float | None) -> float:
+    def train_step(self, x: np.ndarray, y: np.ndarray, lr: float | None) -> StepResult:
         if self.native:
             self.torch.manual_seed(step_seed(self.seed, self.steps, self.env.rank))
         self.net.train()
@@ -159,7 +160,7 @@ class TorchDataParallel(StrategyBase):
         if self.scheduler is not None and not self.skipped:  # (as Keras' and optax's own
             self.scheduler.step()  # schedules, which count updates)
         self.steps += 1
-        return total
+        return StepResult(total, self.grad_norm, self.skipped)
 
     def evaluate(self, x: np.ndarray, y: np.ndarray) -> dict[str, float]:
         self.net.eval()

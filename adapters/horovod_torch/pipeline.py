@@ -35,6 +35,7 @@ from adapters.horovod_torch.ops import (
     zero_slots,
 )
 from adapters.horovod_torch.stages import cut_model
+from toolkit.contract import StepResult
 from toolkit.models.reference import optimizer_slots
 from toolkit.parallel.layouts import Pipeline
 from toolkit.parallel.pipeline.partition import micro_batch_size
@@ -172,7 +173,7 @@ class TorchPipeline(HvdPipeline):
             if k > 0:
                 self.outbox[("SEND_B", m, c)] = inp.grad
 
-    def train_step(self, x: np.ndarray, y: np.ndarray, lr: float | None) -> float:
+    def train_step(self, x: np.ndarray, y: np.ndarray, lr: float | None) -> StepResult:
         """One pipelined step on this replica's local batch; returns the replica's mean loss
         (on every rank of the replica)."""
         M = self.layout.micro_batches
@@ -191,7 +192,7 @@ class TorchPipeline(HvdPipeline):
             self.opt.step()
         self.steps += 1
         self.xs = self.ys = None
-        return loss
+        return StepResult(loss, self.grad_norm, self.skipped)
 
     def evaluate(self, x: np.ndarray, y: np.ndarray) -> dict[str, float]:
         """Every rank's ``(x, y)`` runs through its replica's pipeline (inputs gathered on the

@@ -16,6 +16,7 @@ from adapters._jax.strategy import (
     squares,
 )
 from toolkit import ToolkitError
+from toolkit.contract import StepResult
 
 
 class PjitDataParallel(JaxStrategy):
@@ -99,7 +100,7 @@ class PjitDataParallel(JaxStrategy):
                 f"{rows * self.accumulation_steps}, or change --local-devices")
         return self._global(self.inputs(x), rows), self._global(self.labels(y), rows)
 
-    def train_step(self, x: np.ndarray, y: np.ndarray, lr: float | None) -> float:
+    def train_step(self, x: np.ndarray, y: np.ndarray, lr: float | None) -> StepResult:
         if not (isinstance(x, self.jax.Array) and x.sharding == self.batch):
             x, y = self.device_batch(x, y)
         # The step's scalars go in as numpy arrays: jit copies them to its replicated sharding
@@ -114,7 +115,7 @@ class PjitDataParallel(JaxStrategy):
         # Per-sample losses stay sharded like the batch: this process's shards are its samples,
         # each once (a shard is on every device of its data row's ``model`` group).
         shards = {(s.index[0].start, s.index[0].stop): s.data for s in losses.addressable_shards}
-        return LocalMean(list(shards.values()))
+        return StepResult(LocalMean(list(shards.values())), self.grad_norm, self.skipped)
 
     def _keep(self, out) -> None:
         """(hook) What a layout keeps of the step's outputs beyond the state."""

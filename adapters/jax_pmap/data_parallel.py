@@ -16,6 +16,7 @@ from adapters._jax.strategy import (
     squares,
 )
 from toolkit import ToolkitError
+from toolkit.contract import StepResult
 
 
 class PmapDataParallel(JaxStrategy):
@@ -67,7 +68,7 @@ class PmapDataParallel(JaxStrategy):
                 self.jnp, norm, (params, opt_state, model_state), before)
         return params, opt_state, model_state, total, norm
 
-    def train_step(self, x: np.ndarray, y: np.ndarray, lr: float | None) -> float:
+    def train_step(self, x: np.ndarray, y: np.ndarray, lr: float | None) -> StepResult:
         # (No device_batch here, unlike jax-pjit: copying the batch to the devices in the
         # prefetch thread measured no faster than pmap copying numpy inputs itself, within
         # the 2% the benchmark moves between runs.)
@@ -86,7 +87,7 @@ class PmapDataParallel(JaxStrategy):
         self.params, self.opt_state, self.model_state, losses = out[:4]
         self.note_norm(LocalMean([out[-1]]))  # the same on every device
         self._keep(out)
-        return LocalMean([losses])  # one mean per device, of equal shares
+        return StepResult(LocalMean([losses]), self.grad_norm, self.skipped)  # a mean per device
 
     def _keep(self, out) -> None:
         """(hook) What a layout keeps of the step's outputs beyond the state."""

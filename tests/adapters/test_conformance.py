@@ -230,3 +230,29 @@ def test_two_ranks_broadcast_reduce_and_update_identically(backend, launch):
         want = np.array(r0["single_process"][k])
         assert not np.array_equal(want, seed0[k]), k  # every tensor moves in this step
         np.testing.assert_allclose(a0, want, rtol=1e-12, atol=1e-14, err_msg=k)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("layout", ["data", "sharded:3", "pipeline:1:2"])
+def test_every_strategy_returns_a_step_result(backend, layout):
+    """A step returns one StepResult: the loss, and the norm and skip only where the build asked
+    for them (the Trainer reads nothing else of a step)."""
+    from toolkit import StepResult, parse_layout
+    from toolkit.models.reference import global_norm
+
+    x, y = data()
+    for options in ({}, {"clip_grad_norm": 1e9, "skip_nonfinite": True}):
+        adapter = adapters.get(backend, dtype="float64")
+        adapter.setup(ENV, parse_layout(layout))
+        adapter.build(SPEC, SGD(lr=0.1), "cross_entropy", seed=3, **options)
+        before = {k: v for k, v in adapter.state_dict().items() if k.startswith("params/")}
+        result = adapter.train_step(x, y, 0.1)
+        assert isinstance(result, StepResult), type(result)
+        assert np.isfinite(float(result)) and float(result) == float(result.loss)
+        assert not result.skipped and result.loss_scale == 1.0
+        if not options:
+            assert result.grad_norm is None
+            continue
+        params = {k[len("params/"):]: v for k, v in before.items()}
+        _, grads = SPEC.loss_and_grads(params, x, y, "cross_entropy")
+        assert float(result.grad_norm) == pytest.approx(global_norm(grads), rel=1e-10)

@@ -142,7 +142,7 @@ def test_micro_batches_must_divide_the_local_batch(tf_adapter):
     adapter = pipelined(tf_adapter, Pipeline(1, 5), MLP((64, 16, 10)))
     with pytest.raises(ToolkitError, match="5 micro-batches do not divide the local batch of 16"):
         adapter.train_step(x[:16], y[:16], 0.1)
-    assert adapter.train_step(x[:15], y[:15], 0.1) > 0  # 5 micro-batches of 3 run
+    assert float(adapter.train_step(x[:15], y[:15], 0.1)) > 0  # 5 micro-batches of 3 run
 
 
 def test_a_backward_sums_its_gradients_in_the_next_wait(tf_adapter):
@@ -198,7 +198,7 @@ def test_a_keras_sequential_runs_on_one_stage(tf_adapter):
     adapter = pipelined(tf_adapter, Pipeline(1, 2, "gpipe"), net)
     x = np.random.default_rng(0).normal(size=(6, 4)).astype(np.float32)
     y = np.array([0, 1, 2, 0, 1, 2])
-    loss = adapter.train_step(x, y, 0.1)
+    loss = float(adapter.train_step(x, y, 0.1))
     assert np.isfinite(loss)
     state = adapter.state_dict()
     names = {k.split("/", 1)[1] for k in state if k.startswith("params/")}
@@ -209,9 +209,9 @@ def test_a_keras_sequential_runs_on_one_stage(tf_adapter):
     assert {"rng/step", *(f"opt/momentum/{n}" for n in names)} <= set(state)
     sums = adapter.evaluate(x, y)
     assert sums["count"] == 6.0 and np.isfinite(sums["loss_sum"])
-    second = adapter.train_step(x, y, 0.1)
+    second = float(adapter.train_step(x, y, 0.1))
     adapter.load_state_dict(state)  # back to after the first step: the same second step
-    assert adapter.train_step(x, y, 0.1) == second
+    assert float(adapter.train_step(x, y, 0.1)) == second
 
 
 @pytest.mark.long

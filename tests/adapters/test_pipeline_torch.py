@@ -170,7 +170,7 @@ def test_a_native_sequential_runs_on_one_stage(torch_adapter):
     pipe.build(net, SGD(lr=0.1, momentum=0.9), "cross_entropy")
     x = np.random.default_rng(0).normal(size=(6, 4)).astype(np.float32)
     y = np.array([0, 1, 2, 0, 1, 2])
-    loss = pipe.train_step(x, y, 0.1)
+    loss = float(pipe.train_step(x, y, 0.1))
     assert np.isfinite(loss)
     state = pipe.state_dict()
     assert {"params/0.weight", "params/2.bias", "opt/momentum/2.weight", "rng/step"} <= set(state)

@@ -12,7 +12,7 @@ import numpy as np
 
 from toolkit.checkpoint.resume import describe as _describe
 from toolkit.checkpoint.settings import run_settings
-from toolkit.contract import Adapter, DrivesDevices, PlacesBatches
+from toolkit.contract import Adapter, DrivesDevices, PlacesBatches, StepResult
 from toolkit.data.dataset import Dataset, as_dataset
 from toolkit.data.prefetch import BatchPrefetcher, check_prefetch, prefetches
 from toolkit.data.sampler import GlobalBatchSampler
@@ -328,13 +328,12 @@ class Trainer:
             for idx in sampler:
                 lr = learning_rate(self.optimizer, self.global_step) * scale \
                     if not _is_native(self.optimizer) else None
-                loss = self.adapter.train_step(*loader.get(idx), lr)
-                # (the norm where a backend computes it; the same on every rank)
-                self._losses.add(loss, getattr(self.adapter, "grad_norm", None),
-                                 self.skip_nonfinite and getattr(self.adapter, "skipped", False))
+                step = StepResult.of(self.adapter.train_step(*loader.get(idx), lr))
+                self._losses.add(step.loss, step.grad_norm,  # (norm: the same on every rank)
+                                 self.skip_nonfinite and bool(step.skipped))
                 self.global_step += 1
                 done = sampler.step if sampler.epoch == epoch else len(sampler)  # at its end
-                progress.update(self.global_step, epoch, done, len(sampler), loss)
+                progress.update(self.global_step, epoch, done, len(sampler), step.loss)
                 if self.log_every and self.global_step % self.log_every == 0:
                     self._flush()
                     print0(f"step {self.global_step}  loss {history.losses[-1]:.4f}"
