@@ -1,0 +1,61 @@
+"""horovodrun's launcher as the installer patches it (tools/patches/horovod-runner.patch)."""
+
+import importlib.util
+import signal
+import subprocess
+import sys
+import sysconfig
+import threading
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+PATCH = ROOT / "tools" / "patches" / "horovod-runner.patch"
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("horovod") is None,
+                                reason="Horovod is not installed here (tools/install.sh)")
+
+
+def test_the_installed_launcher_carries_the_current_patch():
+    """Taking the patch back would apply cleanly: every hunk is in the installed files."""
+    site = sysconfig.get_paths()["purelib"]
+    proc = subprocess.run(["patch", "-p1", "-R", "--dry-run", "-f", "-d", site],
+                          input=PATCH.read_bytes(), capture_output=True)
+    assert proc.returncode == 0, proc.stdout.decode() + proc.stderr.decode()
+
+
+def test_a_signal_while_the_event_is_being_set_does_not_wait_for_its_lock():
+    """The hang: a first SIGINT's handler holds the event's lock inside Event.set() when a
+    second signal runs the handler again in the same thread. Here the lock is held on purpose
+    while the handler runs: it must return at once, and the event be set once it is free."""
+    from horovod.runner.gloo_run import register_shutdown_event
+
+    saved = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)}
+    try:
+        event = register_shutdown_event()
+        handler = signal.getsignal(signal.SIGINT)
+        done = threading.Event()
+        with event._cond:  # as Event.set() holds it when the first handler is interrupted
+            caller = threading.Thread(target=lambda: (handler(signal.SIGINT, None),
+                                                      handler(signal.SIGTERM, None),
+                                                      done.set()), daemon=True)
+            caller.start()
+            assert done.wait(5), "the signal handler waited for the event's lock"
+        assert event.wait(5) and event.signum == signal.SIGINT  # the first signal is kept
+    finally:
+        for signum, old in saved.items():
+            signal.signal(signum, old)
+
+
+def test_the_build_check_prints_nothing_and_asks_torch_first():
+    """horovodrun's build check loads an extension in a forked process; what the framework
+    writes to the file descriptors themselves (TensorFlow's start-up lines) goes nowhere."""
+    code = ("from horovod.common import util; print('order', util._CHECK_ORDER); "
+            "print('gloo', util.gloo_built(), 'mpi', util.mpi_built())")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env={"PATH": "/usr/bin:/bin", "TF_CPP_MIN_LOG_LEVEL": "0"},
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines() == ["order ['torch', 'tensorflow', 'mxnet']",
+                                        "gloo True mpi True"], proc.stdout
+    assert proc.stderr == "", proc.stderr
