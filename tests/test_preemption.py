@@ -91,7 +91,7 @@ def rank_process(launcher_proc, rank: int, script: str, timeout=60):
 @pytest.mark.slow
 def test_a_signal_on_one_rank_stops_every_rank_at_the_same_step(start, tmp_path):
     """Only rank 1 receives SIGUSR1 (a node-local signal): both ranks agree to stop, write one
-    complete checkpoint at the same step, and rank 0 says another rank was signalled."""
+    complete checkpoint at the same step, and rank 0 names the signal another rank got."""
     ckpt = tmp_path / "ckpt"
     proc = start("any", 2, [EXAMPLE, "--steps", "1000000", "--checkpoint-dir", str(ckpt),
                             "--checkpoint-every", "1000", "--layout", "sharded:2"])
@@ -100,7 +100,7 @@ def test_a_signal_on_one_rank_stops_every_rank_at_the_same_step(start, tmp_path)
     _, stderr = proc.communicate(timeout=120)
     assert proc.returncode == toolkit.PREEMPTED_EXIT_CODE, stderr
     latest = toolkit.CheckpointStore(ckpt).load("latest")  # every rank's pieces are there
-    assert f"preempted: stopped by a signal on another rank after step {latest.step}" in stderr
+    assert f"preempted: stopped by SIGUSR1 on another rank after step {latest.step}" in stderr
     assert latest.step % 1000 != 0
 
 

@@ -20,31 +20,39 @@ class TrainingPreempted(Exception):
     ``slurm/train_preemptible.sbatch`` answers with ``scontrol requeue``.
     """
 
-    def __init__(self, signame: str, step: int, path):
+    def __init__(self, signame: str, step: int, path, elsewhere: bool = False):
         self.signame, self.step, self.path = signame, step, path
-        super().__init__(f"stopped by {signame} after step {step}; checkpoint {path}; "
+        where = " on another rank" if elsewhere else ""
+        super().__init__(f"stopped by {signame}{where} after step {step}; checkpoint {path}; "
                          "rerun with --resume latest (a requeued job does so by itself)")
 
 
 class StopAgreement:
     """Ranks agreeing to stop: a signal may reach ranks at different steps, so every
-    ``check_every`` steps one tiny allreduce tells all of them whether any rank got one."""
+    ``check_every`` steps one tiny allreduce tells all of them which stop signals any rank
+    got, and every rank then names the same one (Ctrl-C's SIGINT first: the user's own stop),
+    so every rank exits with the same status."""
 
-    def __init__(self, check_every: int):
+    def __init__(self, check_every: int, names: tuple[str, ...] = ()):
         self.check_every = check_every
+        self.names = ("SIGINT", *(n for n in names if n != "SIGINT"))
         self.signal: str | None = None  # the signal this rank received, if any
+        self.agreed_signal: str | None = None  # the one every rank names once they agree
 
     def note(self, signame: str) -> None:  # from the handler: the step in flight finishes first
         self.signal = signame
 
     def agreed(self, step: int, adapter: Any, distributed: bool) -> bool:
         """True on every rank as soon as any rank has received a stop signal."""
-        local = np.asarray([1.0 if self.signal else 0.0])
-        if not distributed:
-            return bool(local[0])
-        if step % self.check_every:  # the same steps on every rank
-            return False
-        return bool(adapter.allreduce(local, "sum")[0] > 0)
+        local = np.asarray([float(self.signal == name) for name in self.names])
+        if distributed:
+            if step % self.check_every:  # the same steps on every rank
+                return False
+            local = adapter.allreduce(local, "sum")
+        got = [name for name, count in zip(self.names, local, strict=True) if count > 0]
+        if got:
+            self.agreed_signal = got[0]
+        return bool(got)
 
 
 @contextlib.contextmanager

@@ -174,7 +174,7 @@ class Trainer:
         at_least_one("eval_batch_size", eval_batch_size,
                      "the default of 1024 samples per call suits most models")
         self.stop_signals = tuple(stop_signals) if checkpoint_dir is not None else ()
-        self._stop = StopAgreement(stop_check_every)
+        self._stop = StopAgreement(stop_check_every, self.stop_signals)
         self.skip_nonfinite = check_choice("on_nonfinite", on_nonfinite, ("stop", "skip")) == "skip"
         self._guard = DivergenceGuard(divergence_factor, divergence_window, max_consecutive_skips)
         self.prefetch, self.eval_batch_size = check_prefetch(prefetch), eval_batch_size
@@ -362,14 +362,15 @@ class Trainer:
         self._progress.clear()
         self.prefetch_stats = loader.stats()
         self._log.write([{"event": "prefetch", **self.prefetch_stats}])
-        path = self.save_checkpoint()
+        path = self.save_checkpoint() or self.checkpoints.directory
         self.checkpoints.wait()
-        signame = self._stop.signal or "a signal on another rank"
+        signame = self._stop.agreed_signal  # the same on every rank
         self._log.write([{"event": "stopped", "signal": signame, "step": self.global_step,
-                          "checkpoint": str(path or self.checkpoints.directory)}])
+                          "checkpoint": str(path)}])
         self.adapter.barrier()
         self.adapter.shutdown()
-        raise TrainingPreempted(signame, self.global_step, path or self.checkpoints.directory)
+        raise TrainingPreempted(signame, self.global_step, path,
+                                elsewhere=self._stop.signal is None)
 
     def _loss_settled(self) -> bool:
         """False while the loss is above ``divergence_factor`` x its best: a scheduled
