@@ -20,7 +20,10 @@ INTERRUPTED_EXIT_CODE = 130  # 128 + SIGINT, what a shell reports for Ctrl-C
 
 # How long the other ranks wait before exiting on a usage error or bad input, so that rank 0
 # prints it before the launcher (which ends the job when any rank exits) can stop it.
-USAGE_GRACE_SECONDS = 2.0
+USAGE_GRACE_SECONDS = 3.0
+# How long rank 0 stays after saying it, so that ranks a little behind reach the same verdict
+# (and exit quietly when the launcher ends them) before the launcher stops them mid-start.
+RANK0_LINGER_SECONDS = 1.0
 
 
 # Shutdowns of the communicators this process started (``close_on_input_error``), called before
@@ -162,8 +165,9 @@ def run(main: Callable[[], object]) -> None:
 def _said_by_rank0(env, text: str, alone: str | None) -> None:
     """Says a mistake in the user's input once, on rank 0, and exits with status 2.
 
-    Every rank reaches the same verdict from the same input, so the others say nothing: they
-    wait a moment, so that a launcher which ends the job as soon as one rank exits cannot stop
+    Every rank reaches the same verdict from the same input, so the others say nothing: rank 0
+    stays a second (ranks a little behind reach the verdict meanwhile); the others wait a
+    moment longer, so that a launcher which ends the job as soon as one rank exits cannot stop
     rank 0 before it has printed, and exit with status 2 when the launcher ends them. A rank
     still running after that wait failed alone (a file or GPU its node lacks) and says
     ``alone`` itself, prefixed with its rank.
@@ -171,6 +175,8 @@ def _said_by_rank0(env, text: str, alone: str | None) -> None:
     if env.rank == 0:
         eprint(text)
         _close()
+        if env.is_distributed:
+            time.sleep(RANK0_LINGER_SECONDS)
     elif env.is_distributed:
         for signum in (signal.SIGTERM, signal.SIGINT):
             signal.signal(signum, lambda *_: os._exit(2))
