@@ -37,6 +37,7 @@ from pathlib import Path
 import numpy as np
 
 import toolkit
+from toolkit.checkpoint.resume import directory_contents
 from toolkit.models.specs import spec_from_dict
 
 FORMATS = ("torch", "tf", "orbax", "hf")
@@ -59,29 +60,23 @@ def load(path: str | os.PathLike) -> toolkit.Checkpoint:
         if (path / "manifest.json").is_file():
             return toolkit.read_checkpoint(path)
         # ``latest`` is a small text file naming the newest step_* directory beside it
-        store = path.parent if path.name == "latest" and path.is_file() else path
-        if toolkit.CheckpointStore(store).checkpoints():
-            return toolkit.CheckpointStore(store).load("latest")
+        store = toolkit.CheckpointStore(path.parent if path.name == "latest" and path.is_file()
+                                        else path)
+        if store.checkpoints():
+            return store.load("latest")
     except toolkit.CheckpointError as err:  # its hint speaks of --resume, which export lacks
         raise toolkit.ToolkitError(err.message, _USAGE) from None
     raise toolkit.ToolkitError(f"no checkpoint in {path}: {_found(path)}", _USAGE)
 
 
-def _found(path: Path, limit: int = 5) -> str:
+def _found(path: Path) -> str:
     """What ``path`` is, for an error saying it holds no checkpoint."""
-    if not path.exists():
-        return "it does not exist"
     if path.name == "latest" and path.is_file():
         named = path.read_text(errors="replace").strip() or "nothing"
-        return (f"it names {named}, and {path.parent} has no step_* directory")
-    if not path.is_dir():
-        return "it is a file, not a directory"
-    entries = sorted(p.name + ("/" if p.is_dir() else "") for p in path.iterdir())
-    if not entries:
-        return "the directory is empty"
-    more = f" and {len(entries) - limit} more" if len(entries) > limit else ""
-    return (f"no manifest.json and no step_* directory; it holds "
-            f"{', '.join(entries[:limit])}{more}")
+        return f"it names {named}, and {path.parent} has no step_* directory"
+    what = directory_contents(path)
+    return f"no manifest.json and no step_* directory; it {what}" if what.startswith(
+        "holds ") else f"it {what}"
 
 
 def weights(ckpt: toolkit.Checkpoint) -> dict[str, np.ndarray]:

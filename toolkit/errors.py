@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 
 class ToolkitError(RuntimeError):
     """A problem the user can fix. ``str(err)`` ends with a ``HINT:`` line saying how.
@@ -53,8 +55,6 @@ def describe(obj: object, limit: int = 6) -> str:
 
 
 def _settings(obj: object) -> dict:
-    import dataclasses
-
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         return {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)}
     defaults = getattr(obj, "defaults", None)  # torch.optim.Optimizer

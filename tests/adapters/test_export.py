@@ -133,7 +133,7 @@ def test_export_of_a_path_without_a_checkpoint_says_what_it_found(tmp_path):
     (tmp_path / "other" / "runs").mkdir()
     (tmp_path / "gone").mkdir()
     (tmp_path / "gone" / "latest").write_text("step_000000020\n")
-    found = {"empty": "the directory is empty", "missing": "does not exist",
+    found = {"empty": "it is empty", "missing": "it does not exist",
              "other": "it holds notes.txt, runs/",
              "gone/latest": "names step_000000020, and " + str(tmp_path / "gone")}
     for given, said in found.items():

@@ -13,6 +13,20 @@ from toolkit.contract import Adapter
 from toolkit.data.sampler import GlobalBatchSampler
 
 
+def directory_contents(path: Path, limit: int = 5) -> str:
+    """What ``path`` is, for an error saying it holds no checkpoint: ``does not exist``, ``is a
+    file, not a directory``, ``is empty`` or ``holds a, b/ and 3 more`` (folders end in /)."""
+    if not path.exists():
+        return "does not exist"
+    if not path.is_dir():
+        return "is a file, not a directory"
+    found = sorted(p.name + ("/" if p.is_dir() else "") for p in path.iterdir())
+    if not found:
+        return "is empty"
+    more = f" and {len(found) - limit} more" if len(found) > limit else ""
+    return f"holds {', '.join(found[:limit])}{more}"
+
+
 def find_checkpoint(resume: str | os.PathLike, store: CheckpointStore | None
                     ) -> Checkpoint | None:
     """The checkpoint ``resume`` names (``"latest"``: the store's newest; None if it is empty)."""

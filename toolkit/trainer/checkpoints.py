@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from toolkit.checkpoint.resume import find_checkpoint, restore
+from toolkit.checkpoint.resume import directory_contents, find_checkpoint, restore
 from toolkit.checkpoint.settings import (
     classify,
     describe_changes,
@@ -26,15 +26,10 @@ from toolkit.launch.rank0 import print0
 
 def nothing_to_resume(directory: Path) -> str:
     """Why ``directory`` has no checkpoint to resume, naming what it found."""
-    if not directory.exists():
-        return f"the checkpoint directory {directory} does not exist"
-    if not directory.is_dir():
-        return f"{directory} is a file, not a checkpoint directory"
-    found = sorted(p.name + ("/" if p.is_dir() else "") for p in directory.iterdir())
-    if not found:
-        return f"the checkpoint directory {directory} is empty"
-    shown = ", ".join(found[:5]) + (f" and {len(found) - 5} more" if len(found) > 5 else "")
-    return f"{directory} holds no checkpoint (it holds {shown})"
+    what = directory_contents(directory)
+    if what.startswith("holds "):
+        return f"{directory} holds no checkpoint (it {what})"
+    return f"the checkpoint directory {directory} {what}"
 
 
 class RunCheckpoints:

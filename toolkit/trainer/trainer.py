@@ -369,8 +369,7 @@ class Trainer:
                           "checkpoint": str(path)}])
         self.adapter.barrier()
         self.adapter.shutdown()
-        raise TrainingPreempted(signame, self.global_step, path,
-                                elsewhere=self._stop.signal is None)
+        raise TrainingPreempted(signame, self.global_step, path, self._stop.signal is None)
 
     def _loss_settled(self) -> bool:
         """False while the loss is above ``divergence_factor`` x its best: a scheduled
