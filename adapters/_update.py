@@ -1,0 +1,86 @@
+"""The host side of the one update path, the same in every framework family.
+
+Each family writes the update once, on its devices (``adapters/_jax/update.py``,
+``adapters/horovod_torch/update.py``, ``adapters/horovod_tf/update.py``, and numpy for the
+Horovod pipelines in ``adapters/_horovod/pipeline.py``): the layout supplies the reduced
+gradient and the sum of its squares, then
+
+    norm -> clip and finite check -> apply -> the old state kept when the step is skipped.
+
+What stays on the host is this class, :class:`UpdateRule`: the build's ``clip_grad_norm`` and
+``skip_nonfinite``, a spec optimizer's step count (Adam's ``t``) and each step's optimizer
+scalars, and, after the step, its :class:`toolkit.StepResult` (reading the norm only when a
+skip must be known, and taking the count back for a skipped step). Every strategy of every
+backend keeps one, so the bookkeeping of a skipped step exists once.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from adapters._common import nonfinite
+from toolkit import SGD, Adam
+from toolkit.contract import StepResult
+from toolkit.models.reference import adam_scalars
+
+
+class UpdateRule:
+    """One build's update settings and its host-side state.
+
+    Args:
+        optimizer: the build's optimizer: a spec (``toolkit.SGD``/``toolkit.Adam``: the count
+            and scalars are kept here) or a native one (its framework counts).
+        clip: ``clip_grad_norm`` (None: no clipping).
+        skip: ``skip_nonfinite``: a step whose gradient norm is not finite changes nothing.
+
+    Example:
+        >>> rule = UpdateRule(Adam(lr=0.1), clip=1.0, skip=True)
+        >>> rule.scalars(0.1)[0], rule.count
+        (0.1, 1)
+        >>> rule.result(0.5, float("nan")).skipped, rule.count
+        (True, 0)
+    """
+
+    def __init__(self, optimizer: Any = None, clip: float | None = None, skip: bool = False):
+        self.spec = optimizer if isinstance(optimizer, SGD | Adam) else None
+        self.clip, self.skip = clip, bool(skip)
+        self.count = 0  # optimizer steps of a spec optimizer (Adam's t)
+
+    @property
+    def needs_norm(self) -> bool:
+        """Whether a step computes the gradient norm (to clip, or to know a skip): the
+        reduction over every gradient costs 4-7% of a small CPU step, so only then."""
+        return self.clip is not None or self.skip
+
+    def scalars(self, lr: float) -> tuple[float, float, float]:
+        """Counts one optimizer step of the spec and returns its ``(lr, step_size, c2_sqrt)``
+        (``toolkit.models.reference.adam_scalars``; SGD: ``(lr, 0, 1)``)."""
+        self.count += 1
+        if isinstance(self.spec, Adam):
+            return (lr, *adam_scalars(self.spec, self.count, lr))
+        return lr, 0.0, 1.0
+
+    def result(self, loss: Any, norm: Any, skipped: bool | None = None) -> StepResult:
+        """The step's :class:`StepResult` from its ``loss`` and gradient ``norm`` (a framework
+        scalar; ignored unless :attr:`needs_norm`). ``skipped`` None: read from the norm when
+        skipping (one device-to-host copy); a skipped step's optimizer count is taken back."""
+        if not self.needs_norm:
+            return StepResult(loss)
+        if skipped is None:
+            skipped = self.skip and nonfinite(norm)
+        if skipped and self.spec is not None:
+            self.count -= 1
+        return StepResult(loss, norm, bool(skipped))
+
+    # -------------------------------------------------------------------------- state
+    def counters(self) -> dict[str, np.ndarray]:
+        """``opt/count`` for an Adam spec (what the checkpoint stores), else nothing."""
+        return {"opt/count": np.asarray(self.count, np.int64)} \
+            if isinstance(self.spec, Adam) else {}
+
+    def load(self, state: dict[str, np.ndarray]) -> None:
+        """The count from a checkpoint's state, when it has one."""
+        if "opt/count" in state:
+            self.count = int(state["opt/count"])
