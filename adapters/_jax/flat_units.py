@@ -4,7 +4,7 @@ A model's parameters are grouped into units (``toolkit.parallel.shards.units_of`
 models: ``layers.i``, ``convs.i``, ``blocks.i``; a native Flax module's top-level submodules),
 and each unit is one flat buffer padded to a multiple of the shard count
 (``toolkit.parallel.shards.FlatLayout``). The optimizer
-(``adapters._jax.strategy.make_optimizer``) is elementwise, so it runs on flat shards unchanged,
+(``adapters._jax.update.make_optimizer``) is elementwise, so it runs on flat shards unchanged,
 and padding stays zero: its gradient is zero, and so is every update of it.
 
 Both backends keep their state as ``{unit: flat array}`` dicts: jax-pjit as global arrays
@@ -109,9 +109,7 @@ def state_head(adapter: Any, model_state: dict, named_params: Any):
     stores)``, where ``replicated`` holds the model state (host arrays), Adam's step count
     and, below stage 3, the parameters (``named_params()``: name -> host array), and
     ``stores`` lists the ``(prefix, sharded store)`` pairs each process cuts into pieces."""
-    replicated = dict(adapter.model.flat_state(model_state))
-    if isinstance(adapter.opt_spec, Adam):
-        replicated["opt/count"] = np.asarray(adapter.count, np.int64)
+    replicated = {**adapter.model.flat_state(model_state), **adapter.rule.counters()}
     stores = [(f"opt/{slot}", s) for slot, s in adapter.opt_state.items()]
     if adapter.layout.stage == 3:
         stores.append(("params", adapter.params))

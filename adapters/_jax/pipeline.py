@@ -18,8 +18,9 @@ from adapters._common import check_build, loss_name
 from adapters._jax.programs import LocalComputes, StagePrograms
 from adapters._jax.rounds import RoundPlan
 from adapters._jax.stages import eval_sums, stage_model
-from adapters._jax.strategy import JaxStrategy, LocalMean, make_optimizer
-from toolkit import Adam, Pipeline, ToolkitError
+from adapters._jax.strategy import JaxStrategy, LocalMean
+from adapters._jax.update import make_optimizer
+from toolkit import Pipeline, ToolkitError
 from toolkit.contract import StepResult
 from toolkit.errors import describe
 from toolkit.models.reference import optimizer_slots
@@ -82,7 +83,7 @@ class PipelineExecutor:
     """
 
     clips = True  # build takes clip_grad_norm
-    skips = True  # build takes skip_nonfinite; train_step then sets skipped
+    skips = True  # build takes skip_nonfinite; its StepResult then says skipped
 
     @staticmethod
     def check_layout(layout: Pipeline) -> None:
@@ -103,9 +104,6 @@ class PipelineExecutor:
         self.plan = RoundPlan(self.schedule)
         self.step_index = 0
         self.recorders: dict[int, StageRecorder] = {}
-        self.clip: float | None = None  # clip_grad_norm of the build
-        self.grad_norm: Any = None  # the latest step's gradient norm before clipping
-        self.skipped = False  # whether the latest step was skipped (skip_nonfinite)
 
     # ------------------------------------------------------------------ build
     def build(self, model: Any, optimizer: Any, loss: Any, *, seed: int = 0,
@@ -113,8 +111,6 @@ class PipelineExecutor:
               metrics: Any = None, clip_grad_norm: float | None = None,
               skip_nonfinite: bool = False) -> None:
         a, jax = self.host, self.host.jax
-        self.clip = a.clip = clip_grad_norm
-        a.skip_nonfinite = skip_nonfinite
         name, S = a.name, self.layout.stages
         check_build(name, optimizer, accumulation_steps, sync_batchnorm)
         devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
@@ -131,7 +127,8 @@ class PipelineExecutor:
                 "pipeline replica of processes its samples)")
         self.staged = stage_model(model, self.layout, seed, a.dtype_name, name)
         self.loss_name, self.loss_fn = loss_name(loss), loss
-        a.start_counting(loss, optimizer)  # its labels and optimizer_scalars read them
+        # its labels, optimizer_scalars and update rule read them
+        a.start_counting(loss, optimizer, clip_grad_norm, skip_nonfinite)
         self.metrics = dict(metrics or {})
         self.tx = make_optimizer(optimizer, name)
         self.D = len(devices) // S
@@ -168,7 +165,7 @@ class PipelineExecutor:
         progs = StagePrograms(jax, self.staged, self.loss_fn, self.tx, self._collectives(), M,
                               mb, 1.0 / n if gather else S / n, gather,
                               jax.ShapeDtypeStruct((mb,) + tuple(x_shape[1:]), x_dtype),
-                              self.host.dtype, clip=self.clip, skip=self.host.skip_nonfinite)
+                              self.host.dtype, self.host.rule)
         self.local = LocalComputes(jax, progs)
         return progs
 
@@ -253,8 +250,6 @@ class PipelineExecutor:
         a.count_step()
         self.params, self.opt_state, self.grads, loss, norm = self._update(
             self.params, self.opt_state, self.grads, self.losses, scalars)
-        a.note_norm(LocalMean([norm.addressable_data(0)]))
-        self.grad_norm, self.skipped = a.grad_norm, a.skipped
         self._named_params()  # the next step's, queued behind the update (see there)
         self.step_index += 1
         folder = os.environ.get(TIMELINE_ENV)
@@ -263,7 +258,8 @@ class PipelineExecutor:
                 append_timeline([r for r in rec.records if r["step"] == step], folder, s,
                                 rec.replica)
             rec.records = [r for r in rec.records if r["step"] > step - self.keep_steps]
-        return StepResult(LocalMean([loss.addressable_data(0)]), self.grad_norm, self.skipped)
+        return self.host.rule.result(LocalMean([loss.addressable_data(0)]),
+                                     LocalMean([norm.addressable_data(0)]))
 
     def _named_params(self) -> dict:
         """Local device -> its stage's parameters by name, sliced out of ``self.params``' flat
@@ -324,9 +320,7 @@ class PipelineExecutor:
         out = {f"params/{n}": v for n, v in self._named(self.params).items()}
         for slot, flat in self.opt_state.items():
             out.update({f"opt/{slot}/{n}": v for n, v in self._named(flat).items()})
-        if isinstance(self.host.opt_spec, Adam):
-            out["opt/count"] = np.asarray(self.host.count, np.int64)
-        return out
+        return {**out, **self.host.rule.counters()}
 
     def load_state_dict(self, state: dict[str, np.ndarray]) -> None:
         dtype, names = self.host.dtype_name, self.staged.names()
@@ -338,7 +332,7 @@ class PipelineExecutor:
         opt = {s: self.staged.flatten({n: state[f"opt/{s}/{n}"] for n in names}, dtype)
                for s in self.slots}
         self._set_state(params, opt)
-        self.host.load_count(state)
+        self.host.rule.load(state)
 
     def _replica0_rows(self, arr) -> dict[int, np.ndarray]:
         """Stage -> its flat vector, for the stages whose replica 0 is a local device."""
@@ -353,8 +347,7 @@ class PipelineExecutor:
         """``(replicated, pieces)`` for a checkpoint: replica 0 of each stage gives each of its
         parameters (and optimizer slots) whole as one flat piece, a shared one only from its
         first holder; every other process gives an empty piece of every name."""
-        replicated = ({"opt/count": np.asarray(self.host.count, np.int64)}
-                      if isinstance(self.host.opt_spec, Adam) else {})
+        replicated = self.host.rule.counters()
         trees = {"params": self.params, **{f"opt/{s}": v for s, v in self.opt_state.items()}}
         pieces = {}
         for prefix, arr in trees.items():

@@ -26,7 +26,7 @@ from __future__ import annotations
 import numpy as np
 
 from adapters._jax.models.spec import per_sample_loss
-from adapters._jax.strategy import apply_optimizer, clip_by_norm, keep_if_finite
+from adapters._jax.update import apply_optimizer, update
 
 
 class StagePrograms:
@@ -38,17 +38,16 @@ class StagePrograms:
         inv_b: ``1 / global batch`` (each backward scales by it). gather: the replica's batch is
         its ``S`` devices' inputs gathered (``gather_replica``), else each device's own.
         x_struct: one micro-batch of inputs (``jax.ShapeDtypeStruct``). dtype: the parameters'.
-        clip: ``clip_grad_norm`` (None: none); skip: ``skip_nonfinite`` (keep the state of a
-            step whose gradient norm is not finite).
+        rule: the update rule (``adapters._update.UpdateRule``: ``clip_grad_norm`` and
+            ``skip_nonfinite``).
     """
 
     def __init__(self, jax, staged, loss_fn, tx, coll, micro_batches: int, mb: int,
-                 inv_b: float, gather: bool, x_struct, dtype, clip: float | None = None,
-                 skip: bool = False):
+                 inv_b: float, gather: bool, x_struct, dtype, rule):
         self.jax, self.jnp, self.lax = jax, jax.numpy, jax.lax
         self.staged, self.loss_fn, self.tx, self.coll = staged, loss_fn, tx, coll
         self.M, self.mb, self.inv_b, self.gather = micro_batches, mb, inv_b, gather
-        self.clip, self.skip = clip, skip
+        self.rule = rule
         # The tied parameter counts once in the norm: on the first stage holding it.
         holders = sorted({s for stages in staged.shared.values() for s in stages})
         self.repeats = np.asarray([1.0 if s in holders[1:] else 0.0
@@ -146,10 +145,8 @@ class StagePrograms:
                 sq = sq - repeat * jnp.sum(jnp.square(g[:shared]))
             return coll.holder_sum(sq)
 
-        g, norm = clip_by_norm(jnp, g, squares, self.clip, self.skip)
-        new_p, new_opt = apply_optimizer(self.tx, g, opt, p, scalars)
-        p, opt = keep_if_finite(jnp, norm, (new_p, new_opt), (p, opt)) if self.skip \
-            else (new_p, new_opt)
+        (p, opt), norm = update(jnp, self.rule, g, squares,
+                                lambda g: apply_optimizer(self.tx, g, opt, p, scalars), (p, opt))
         return p, opt, jnp.zeros_like(g), coll.total(jnp.sum(ls)) * self.inv_b, norm
 
 

@@ -3,111 +3,17 @@ host side and state naming (``JaxStrategy``). The runtime is ``adapters/_jax/run
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
 from adapters._backend import StrategyBase
-from adapters._common import check_per_sample, loss_name, nonfinite, step_seed
+from adapters._common import check_per_sample, loss_name, step_seed
 from adapters._jax.models.spec import JaxModel, correct_per_sample, per_sample_loss
 from adapters._jax.runtime import gloo_connect_line_silenced
+from adapters._jax.update import make_optimizer
+from adapters._update import UpdateRule
 from toolkit import SGD, Adam, ToolkitError
-from toolkit.errors import describe
-from toolkit.models.reference import adam_scalars, optimizer_slots
-
-
-def make_optimizer(spec: Any, backend: str):
-    """An optax GradientTransformationExtraArgs doing toolkit.models.reference's arithmetic.
-
-    ``update(grads, state, params, lr=, step_size=, c2_sqrt=)``: the step's learning rate and
-    Adam's host-computed scalars arrive as arguments, as in torch.optim, instead of being
-    recomputed in float32 inside the graph (optax.adam's way, about 1e-5 away from torch).
-    A native optax transformation is used as it is.
-    """
-    import jax
-    import jax.numpy as jnp
-    import optax
-
-    if isinstance(spec, optax.GradientTransformation):
-        return spec
-    if not isinstance(spec, SGD | Adam):
-        raise ToolkitError(f"{backend} cannot build an optimizer from {describe(spec)}",
-                           "pass toolkit.SGD(...)/toolkit.Adam(...) or an optax transformation")
-    slots = optimizer_slots(spec)
-    tmap = jax.tree_util.tree_map
-
-    def init(params):
-        return {slot: tmap(jnp.zeros_like, params) for slot in slots}
-
-    def update(grads, state, params, *, lr, step_size, c2_sqrt, **_):
-        if isinstance(spec, SGD):
-            if spec.weight_decay:
-                grads = tmap(lambda g, p: g + spec.weight_decay * p, grads, params)
-            if spec.momentum:
-                buf = tmap(lambda b, g: spec.momentum * b + g, state["momentum"], grads)
-                state = {"momentum": buf}
-                grads = (tmap(lambda g, b: g + spec.momentum * b, grads, buf)
-                         if spec.nesterov else buf)
-            return tmap(lambda g: -lr * g, grads), state
-        if spec.weight_decay and not spec.decoupled:
-            grads = tmap(lambda g, p: g + spec.weight_decay * p, grads, params)
-        m = tmap(lambda m, g: spec.b1 * m + (1 - spec.b1) * g, state["mu"], grads)
-        v = tmap(lambda v, g: spec.b2 * v + (1 - spec.b2) * g * g, state["nu"], grads)
-
-        def delta(p, m, v):
-            decayed = p * (1 - lr * spec.weight_decay) if spec.decoupled else p
-            return decayed - step_size * m / (jnp.sqrt(v) / c2_sqrt + spec.eps) - p
-
-        return tmap(delta, params, m, v), {"mu": m, "nu": v}
-
-    return optax.GradientTransformationExtraArgs(init, update)
-
-
-def apply_optimizer(tx, grads, opt_state, params, scalars):
-    """One update with either our transformation (``scalars`` is the vector ``[lr, step_size,
-    c2_sqrt]``, one host-to-device copy per step) or a native optax one (an empty vector)."""
-    import optax
-
-    if scalars.shape[0]:
-        updates, opt_state = tx.update(grads, opt_state, params, lr=scalars[0],
-                                       step_size=scalars[1], c2_sqrt=scalars[2])
-    else:
-        updates, opt_state = tx.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state
-
-
-def squares(jnp, tree) -> Any:
-    """The sum of the squares of every element of ``tree`` (a gradient, or a shard of it)."""
-    import jax
-
-    return sum(jnp.sum(jnp.square(g)) for g in jax.tree_util.tree_leaves(tree))
-
-
-def clip_by_norm(jnp, tree, sum_squares: Callable[[], Any], clip: float | None,
-                 need_norm: bool = False):
-    """``(tree scaled by clip / max(norm, clip), norm)`` for the whole gradient's
-    ``sum_squares()`` (``toolkit.models.reference.clip_scale``); ``clip`` None: ``tree`` as it
-    is, and the norm only with ``need_norm`` (skipping non-finite steps), else a zero in its
-    place (a reduction over every gradient costs 4-7% of a small step on a CPU)."""
-    import jax
-
-    if clip is None and not need_norm:
-        return tree, jnp.zeros(())
-    norm = jnp.sqrt(sum_squares())
-    if clip is None:
-        return tree, norm
-    scale = clip / jnp.maximum(norm, clip)
-    return jax.tree_util.tree_map(lambda g: g * scale.astype(g.dtype), tree), norm
-
-
-def keep_if_finite(jnp, norm, new, old):
-    """``new`` where the gradient ``norm`` (the same on every device) is finite, else ``old``:
-    a skipped step (``on_nonfinite="skip"``) changes no parameter, slot or statistic."""
-    import jax
-
-    ok = jnp.isfinite(norm)
-    return jax.tree_util.tree_map(lambda n, o: jnp.where(ok, n, o), new, old)
 
 
 class LocalMean:
@@ -137,17 +43,14 @@ class JaxStrategy(StrategyBase):
     state under the checkpoint's names. The pipeline executors keep one as their host side."""
 
     clips = True  # build takes clip_grad_norm
-    skips = True  # build takes skip_nonfinite; train_step then sets skipped
+    skips = True  # build takes skip_nonfinite; its StepResult then says skipped
 
     def __init__(self, runtime, layout):
         super().__init__(runtime, layout)
         self.name = runtime.backend
         self.jax, self.jnp = runtime.jax, runtime.jnp
         self.dtype, self.dtype_name = runtime.dtype, runtime.dtype_name
-        self.clip: float | None = None  # clip_grad_norm of the build
-        self.grad_norm: Any = None  # the latest step's gradient norm before clipping
-        self.skip_nonfinite = False  # skip_nonfinite of the build
-        self.skipped = False  # whether the latest step was skipped (skip_nonfinite)
+        self.rule = UpdateRule()  # the build's clip, skip and spec optimizer count
 
     def barrier(self) -> None:
         self.runtime.barrier()
@@ -156,36 +59,18 @@ class JaxStrategy(StrategyBase):
         """Nothing to do: every device holds the same BatchNorm statistics (jax-pmap averages
         them each step, jax-pjit computes them over the global batch)."""
 
-    @property
-    def needs_norm(self) -> bool:
-        """Whether the step computes the gradient norm (to clip, or to skip a step)."""
-        return self.clip is not None or self.skip_nonfinite
-
-    def note_norm(self, norm: Any) -> None:
-        """After a step: its gradient norm for the Trainer (when computed), and under
-        ``skip_nonfinite`` whether the step was skipped (the host reads the norm: one
-        device-to-host copy per step); a skipped step does not count as an optimizer step."""
-        self.grad_norm = norm if self.needs_norm else None
-        if self.skip_nonfinite:
-            self.skipped = nonfinite(norm)
-            if self.skipped and self.opt_spec is not None:
-                self.count -= 1
-
-    def start_counting(self, loss, optimizer) -> None:
-        """The loss and a spec optimizer's step count for a build made elsewhere (a pipeline
-        executor's): ``labels`` and ``optimizer_scalars`` then work as after ``_build_common``."""
+    def start_counting(self, loss, optimizer, clip: float | None = None,
+                       skip: bool = False) -> None:
+        """The loss and the update rule for a build made elsewhere (a pipeline executor's):
+        ``labels`` and ``optimizer_scalars`` then work as after ``_build_common``."""
         self.loss_name, self.loss_fn = loss_name(loss), loss
         self.opt_spec = optimizer if isinstance(optimizer, SGD | Adam) else None
-        self.count = self.steps = 0
+        self.rule = UpdateRule(optimizer, clip, skip)
+        self.steps = 0
 
     def count_step(self) -> None:
         """One more training step taken (a step that draws no dropout key)."""
         self.steps += 1
-
-    def load_count(self, state: dict[str, np.ndarray]) -> None:
-        """A spec optimizer's step count from a checkpoint's state (when it has one)."""
-        if "opt/count" in state:
-            self.count = int(state["opt/count"])
 
     def _build_common(self, model, optimizer, loss, seed, accumulation_steps, metrics=None,
                       init_opt: bool = True):
@@ -197,7 +82,6 @@ class JaxStrategy(StrategyBase):
         self.model = JaxModel(model, seed, self.dtype_name, self.name)
         self.tx = make_optimizer(optimizer, self.name)
         self.opt_spec = optimizer if isinstance(optimizer, SGD | Adam) else None
-        self.count = 0  # optimizer steps of a spec optimizer (Adam's t)
         self.steps = 0  # training steps taken: the next step's dropout key derives from it
         tmap = self.jax.tree_util.tree_map
         params = tmap(self._cast, self.model.params)
@@ -222,10 +106,7 @@ class JaxStrategy(StrategyBase):
         if lr is None:
             raise ToolkitError(f"{self.name} needs the learning rate of each step",
                                "pass an optimizer spec (toolkit.SGD/Adam)")
-        self.count += 1
-        step_size, c2_sqrt = (adam_scalars(self.opt_spec, self.count, lr)
-                              if isinstance(self.opt_spec, Adam) else (0.0, 1.0))
-        return np.asarray([lr, step_size, c2_sqrt], self.dtype_name)
+        return np.asarray(self.rule.scalars(lr), self.dtype_name)
 
     def _step_seed(self) -> np.ndarray:
         """The seed of this step's dropout key, from (seed, step): a resume draws the same."""
@@ -317,8 +198,7 @@ class JaxStrategy(StrategyBase):
             for slot, tree in opt_state.items():
                 out.update({f"opt/{slot}/{n}": np.array(v)
                             for n, v in self.model.flat(tree).items()})
-            if isinstance(self.opt_spec, Adam):
-                out["opt/count"] = np.asarray(self.count, np.int64)
+            out.update(self.rule.counters())
         else:  # a native optax state: every leaf under its tree path ("opt/0.mu.Dense_0.kernel")
             out.update({n: np.array(v) for n, v in self._optax_leaves(opt_state)})
         out.update({n: np.array(v) for n, v in self.model.flat_state(model_state).items()})
@@ -350,8 +230,7 @@ class JaxStrategy(StrategyBase):
         model_state = self.model.unflat_state(
             {n: np.asarray(state[n], np.asarray(v).dtype) for n, v in like.items()},
             model_state_like)
-        if "opt/count" in state:
-            self.count = int(state["opt/count"])
+        self.rule.load(state)
         if self.model.native:
             self.steps = int(state["rng/step"])
         return params, opt_state, model_state

@@ -7,14 +7,9 @@ from typing import Any
 import numpy as np
 
 from adapters._jax.flat_units import nbytes
-from adapters._jax.strategy import (
-    JaxStrategy,
-    LocalMean,
-    apply_optimizer,
-    clip_by_norm,
-    keep_if_finite,
-    squares,
-)
+from adapters._jax.strategy import JaxStrategy, LocalMean
+from adapters._jax.update import apply_optimizer, squares, update
+from adapters._update import UpdateRule
 from toolkit import ToolkitError
 from toolkit.contract import StepResult
 
@@ -27,7 +22,7 @@ class PjitDataParallel(JaxStrategy):
               metrics: Any = None, clip_grad_norm: float | None = None,
               skip_nonfinite: bool = False) -> None:
         self._compiled_for = None  # the step compiles anew for this model
-        self.clip, self.skip_nonfinite = clip_grad_norm, skip_nonfinite
+        self.rule = UpdateRule(optimizer, clip_grad_norm, skip_nonfinite)
         self._build_layout(model, optimizer, loss, seed, accumulation_steps, metrics)
 
     def _build_layout(self, model, optimizer, loss, seed, accumulation_steps, metrics) -> None:
@@ -62,14 +57,12 @@ class PjitDataParallel(JaxStrategy):
         # One program over the global batch: BatchNorm statistics span every rank's samples
         # (synchronised by construction) and dropout masks do not depend on the world size.
         key = self.jax.random.PRNGKey(seed)
-        before = (params, opt_state, model_state)
-        grads, losses, model_state = self._accumulated_grads(params, model_state, x, y, key)
-        grads, norm = clip_by_norm(self.jnp, grads, lambda: squares(self.jnp, grads), self.clip,
-                                   self.skip_nonfinite)
-        params, opt_state = apply_optimizer(self.tx, grads, opt_state, params, scalars)
-        if self.skip_nonfinite:
-            params, opt_state, model_state = keep_if_finite(
-                self.jnp, norm, (params, opt_state, model_state), before)
+        jnp, before = self.jnp, (params, opt_state, model_state)
+        grads, losses, new_state = self._accumulated_grads(params, model_state, x, y, key)
+        (params, opt_state, model_state), norm = update(
+            jnp, self.rule, grads, lambda: squares(jnp, grads),
+            lambda g: (*apply_optimizer(self.tx, g, opt_state, params, scalars), new_state),
+            before)
         return params, opt_state, model_state, losses, norm
 
     def _local_rows(self) -> int:
@@ -110,12 +103,12 @@ class PjitDataParallel(JaxStrategy):
         out = self._run_step(self._jstep, (self.params, self.opt_state, self.model_state, x, y,
                                            self.optimizer_scalars(lr), self._step_seed()))
         self.params, self.opt_state, self.model_state, losses = out[:4]
-        self.note_norm(out[-1])  # replicated: float() reads this process's copy
         self._keep(out)
         # Per-sample losses stay sharded like the batch: this process's shards are its samples,
         # each once (a shard is on every device of its data row's ``model`` group).
         shards = {(s.index[0].start, s.index[0].stop): s.data for s in losses.addressable_shards}
-        return StepResult(LocalMean(list(shards.values())), self.grad_norm, self.skipped)
+        # the norm is replicated: float() reads this process's copy
+        return self.rule.result(LocalMean(list(shards.values())), out[-1])
 
     def _keep(self, out) -> None:
         """(hook) What a layout keeps of the step's outputs beyond the state."""

@@ -38,7 +38,7 @@ from adapters._jax.flat_units import (
     nbytes,
     state_head,
 )
-from adapters._jax.strategy import apply_optimizer, clip_by_norm, keep_if_finite, squares
+from adapters._jax.update import apply_optimizer, squares, update
 from adapters.jax_pjit.data_parallel import PjitDataParallel
 from toolkit.models.reference import optimizer_slots
 
@@ -162,21 +162,19 @@ class PjitSharded(PjitDataParallel):
     def _sharded_step(self, params, opt_state, model_state, x, y, scalars, seed):
         wsc = self.jax.lax.with_sharding_constraint
         key = self.jax.random.PRNGKey(seed)
-        before = (params, opt_state, model_state)
-        grads, losses, model_state = self._accumulated_grads(
+        jnp, before = self.jnp, (params, opt_state, model_state)
+        grads, losses, new_state = self._accumulated_grads(
             params, model_state, x, y, key, forward=self._sharded_forward)
         # stage 1: the full gradient (all-reduced) is kept; 2 and 3: only its shard
         # (reduce-scattered). Either way each device updates its own shard.
         grads = wsc(grads, self.grad_sharding)
-        # every element once: flat buffers (zero padding) and the split kernels' (k, M) views
-        grads, norm = clip_by_norm(self.jnp, grads, lambda: squares(self.jnp, grads), self.clip,
-                                   self.skip_nonfinite)
         shards = self._store_shardings(True)
-        params, opt_state = apply_optimizer(self.tx, wsc(grads, shards), opt_state,
-                                            wsc(params, shards), scalars)
-        if self.skip_nonfinite:
-            params, opt_state, model_state = keep_if_finite(
-                self.jnp, norm, (params, opt_state, model_state), before)
+        # the norm: every element once (flat buffers with zero padding, and the split kernels'
+        # (k, M) views)
+        (params, opt_state, model_state), norm = update(
+            jnp, self.rule, grads, lambda: squares(jnp, grads),
+            lambda g: (*apply_optimizer(self.tx, wsc(g, shards), opt_state, wsc(params, shards),
+                                        scalars), new_state), before)
         return params, opt_state, model_state, losses, grads, norm
 
     # ------------------------------------------------------------------ host side

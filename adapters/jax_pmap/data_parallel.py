@@ -7,14 +7,9 @@ from typing import Any
 import numpy as np
 
 from adapters._jax.flat_units import nbytes
-from adapters._jax.strategy import (
-    JaxStrategy,
-    LocalMean,
-    apply_optimizer,
-    clip_by_norm,
-    keep_if_finite,
-    squares,
-)
+from adapters._jax.strategy import JaxStrategy, LocalMean
+from adapters._jax.update import apply_optimizer, squares, update
+from adapters._update import UpdateRule
 from toolkit import ToolkitError
 from toolkit.contract import StepResult
 
@@ -27,7 +22,7 @@ class PmapDataParallel(JaxStrategy):
               metrics: Any = None, clip_grad_norm: float | None = None,
               skip_nonfinite: bool = False) -> None:
         self._compiled_for = None  # the step compiles anew for this model
-        self.clip, self.skip_nonfinite = clip_grad_norm, skip_nonfinite
+        self.rule = UpdateRule(optimizer, clip_grad_norm, skip_nonfinite)
         jax = self.jax
         from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
@@ -52,21 +47,18 @@ class PmapDataParallel(JaxStrategy):
         lax = self.jax.lax
         # Each device draws its own dropout masks: the key folds in the device's index.
         key = self.jax.random.fold_in(self.jax.random.PRNGKey(seed), lax.axis_index("batch"))
-        before = (params, opt_state, model_state)
-        grads, losses, model_state = self._accumulated_grads(params, model_state, x, y, key)
-        total = self.jnp.mean(losses)
+        jnp, before = self.jnp, (params, opt_state, model_state)
+        grads, losses, new_state = self._accumulated_grads(params, model_state, x, y, key)
         grads = lax.pmean(grads, axis_name="batch")
-        grads, norm = clip_by_norm(self.jnp, grads, lambda: squares(self.jnp, grads), self.clip,
-                                   self.skip_nonfinite)
         # BatchNorm statistics are averaged over every device (of every process) each step, so
         # the replicas never drift apart (a module built with axis_name="batch" syncs them in
         # the forward pass already; then this changes nothing).
-        model_state = lax.pmean(model_state, axis_name="batch")
-        params, opt_state = apply_optimizer(self.tx, grads, opt_state, params, scalars)
-        if self.skip_nonfinite:
-            params, opt_state, model_state = keep_if_finite(
-                self.jnp, norm, (params, opt_state, model_state), before)
-        return params, opt_state, model_state, total, norm
+        new_state = lax.pmean(new_state, axis_name="batch")
+        (params, opt_state, model_state), norm = update(
+            jnp, self.rule, grads, lambda: squares(jnp, grads),
+            lambda g: (*apply_optimizer(self.tx, g, opt_state, params, scalars), new_state),
+            before)
+        return params, opt_state, model_state, jnp.mean(losses), norm
 
     def train_step(self, x: np.ndarray, y: np.ndarray, lr: float | None) -> StepResult:
         # (No device_batch here, unlike jax-pjit: copying the batch to the devices in the
@@ -85,9 +77,9 @@ class PmapDataParallel(JaxStrategy):
                 self.optimizer_scalars(lr), self._step_seed())
         out = self._run_step(self._pstep, args, ahead=False)
         self.params, self.opt_state, self.model_state, losses = out[:4]
-        self.note_norm(LocalMean([out[-1]]))  # the same on every device
         self._keep(out)
-        return StepResult(LocalMean([losses]), self.grad_norm, self.skipped)  # a mean per device
+        # a mean per device; the norm is the same on every device
+        return self.rule.result(LocalMean([losses]), LocalMean([out[-1]]))
 
     def _keep(self, out) -> None:
         """(hook) What a layout keeps of the step's outputs beyond the state."""

@@ -34,7 +34,7 @@ from adapters._jax.flat_units import (
     unit_forward,
     unit_named,
 )
-from adapters._jax.strategy import apply_optimizer, clip_by_norm, keep_if_finite, squares
+from adapters._jax.update import apply_optimizer, squares, update
 from adapters.jax_pmap.data_parallel import PmapDataParallel
 from toolkit import ToolkitError
 from toolkit.models.reference import optimizer_slots
@@ -131,9 +131,10 @@ class PmapSharded(PmapDataParallel):
         key = jax.random.fold_in(jax.random.PRNGKey(seed), index)
         stage = self.layout.stage
         forward = self._fsdp_forward if stage == 3 else self._flat_forward
-        before, skip = (params, opt_state, model_state), self.skip_nonfinite
-        grads, losses, model_state = self._accumulated_grads(params, model_state, x, y, key,
-                                                             forward=forward)
+        before = (params, opt_state, model_state)
+        grads, losses, new_state = self._accumulated_grads(params, model_state, x, y, key,
+                                                           forward=forward)
+        new_state = lax.pmean(new_state, AXIS)
 
         def mine(full, unit):  # this device's slice of a full flat buffer
             size = self.units.layouts[unit].shard_size
@@ -142,28 +143,25 @@ class PmapSharded(PmapDataParallel):
         jnp = self.jnp
         if stage == 3:  # the all-gathers' transposes summed every device's gradient
             grads = tmap(lambda g: g / n, grads)
-            grads, norm = clip_by_norm(jnp, grads, lambda: lax.psum(squares(jnp, grads), AXIS),
-                                       self.clip, skip)
-            params, opt_state = apply_optimizer(self.tx, grads, opt_state, params, scalars)
-        else:
-            if stage == 1:  # the full gradient on every device
-                grads = lax.pmean(grads, AXIS)
-                grads, norm = clip_by_norm(jnp, grads, lambda: squares(jnp, grads), self.clip,
-                                           skip)
-                shard = {u: mine(g, u) for u, g in grads.items()}
-            else:  # each device's shard (zero padding)
-                grads = tmap(lambda g: lax.psum_scatter(g, AXIS, tiled=True) / n, grads)
-                grads, norm = clip_by_norm(jnp, grads, lambda: lax.psum(squares(jnp, grads), AXIS),
-                                           self.clip, skip)
-                shard = grads
-            updated, opt_state = apply_optimizer(self.tx, shard, opt_state,
-                                                 {u: mine(p, u) for u, p in params.items()},
-                                                 scalars)
-            params = tmap(lambda s: lax.all_gather(s, AXIS, tiled=True), updated)
-        model_state = lax.pmean(model_state, AXIS)
-        if skip:
-            params, opt_state, model_state = keep_if_finite(
-                jnp, norm, (params, opt_state, model_state), before)
+        elif stage == 1:  # the full gradient on every device
+            grads = lax.pmean(grads, AXIS)
+        else:  # each device's shard (zero padding)
+            grads = tmap(lambda g: lax.psum_scatter(g, AXIS, tiled=True) / n, grads)
+
+        def sum_squares():  # stage 1: every device holds the whole gradient; 2, 3: a shard
+            sq = squares(jnp, grads)
+            return sq if stage == 1 else lax.psum(sq, AXIS)
+
+        def apply(g):  # stage 3 updates its own shards; 1 and 2 gather the updated ones
+            if stage == 3:
+                return (*apply_optimizer(self.tx, g, opt_state, params, scalars), new_state)
+            shard = {u: mine(a, u) for u, a in g.items()} if stage == 1 else g
+            updated, opt = apply_optimizer(self.tx, shard, opt_state,
+                                           {u: mine(p, u) for u, p in params.items()}, scalars)
+            return tmap(lambda s: lax.all_gather(s, AXIS, tiled=True), updated), opt, new_state
+
+        (params, opt_state, model_state), norm = update(jnp, self.rule, grads, sum_squares,
+                                                        apply, before)
         return params, opt_state, model_state, self.jnp.mean(losses), grads, norm
 
     # ------------------------------------------------------------------ host side
