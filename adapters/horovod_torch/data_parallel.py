@@ -1,7 +1,8 @@
 """Data parallelism for ``horovod-torch``: every rank holds the whole model and optimizer.
 
 One step is forward, backward, Horovod's gradient allreduce (averaged; hooks fire as each
-gradient is ready and ``DistributedOptimizer.step`` waits for them), then the optimizer update.
+gradient is ready and ``DistributedOptimizer.synchronize`` waits for them), then the family's
+update path (``update.py``: norm, finite check, clip) and the optimizer's step.
 
 A native ``nn.Module`` brings all of its state: parameters under ``params/<torch name>``,
 registered buffers (BatchNorm running statistics and counters) under ``buffers/<torch name>``.
@@ -24,19 +25,20 @@ from typing import Any
 import numpy as np
 
 from adapters._backend import StrategyBase
-from adapters._common import nonfinite, step_seed
+from adapters._common import step_seed
+from adapters._update import UpdateRule
 from adapters.horovod_torch.models.spec import build_spec_model, from_host, same, to_host
 from adapters.horovod_torch.models.sync_bn import convert_sync_batchnorm
 from adapters.horovod_torch.ops import (
     NEUTRAL_SLOTS,
     TorchOps,
-    clip_by_norm,
     count_like,
     make_optimizer,
     set_lr,
     zero_slots,
 )
 from adapters.horovod_torch.scheduler import load_scheduler_state, scheduler_state, split_scheduler
+from adapters.horovod_torch.update import norm_of_norms, update
 from toolkit import ToolkitError
 from toolkit.contract import StepResult
 from toolkit.models.specs import ModelSpec
@@ -45,8 +47,9 @@ from toolkit.models.specs import ModelSpec
 class TorchDataParallel(StrategyBase):
     """``toolkit.DataParallel`` for ``horovod-torch`` (see :class:`toolkit.Adapter`)."""
 
-    clips = True  # build takes clip_grad_norm; train_step sets grad_norm
-    skips = True  # build takes skip_nonfinite; train_step sets skipped
+    clips = True  # build takes clip_grad_norm; train_step's StepResult has grad_norm
+    skips = True  # build takes skip_nonfinite; train_step's StepResult says skipped
+    counts = False  # whether the UpdateRule keeps a spec optimizer's count (else torch.optim)
 
     scheduler = None  # a torch LR scheduler given with a native optimizer, after build
 
@@ -61,7 +64,6 @@ class TorchDataParallel(StrategyBase):
               metrics: Any = None, clip_grad_norm: float | None = None,
               skip_nonfinite: bool = False) -> None:
         torch = self.torch
-        self.clip, self.skip_nonfinite = clip_grad_norm, skip_nonfinite
         self.ops = TorchOps(self.runtime, loss, metrics)
         self.accumulation_steps, self.seed = accumulation_steps, seed
         self.native = not isinstance(model, ModelSpec)
@@ -80,6 +82,7 @@ class TorchDataParallel(StrategyBase):
         self.buffers = [(n, b) for n, b in self.net.named_buffers() if b is not None]
         self.steps = 0  # optimizer steps taken: the randomness of the next one derives from it
         optimizer, self.scheduler = split_scheduler(torch, optimizer)
+        self.rule = UpdateRule(optimizer if self.counts else None, clip_grad_norm, skip_nonfinite)
         self._build_optimizer(model, optimizer, seed)
 
     def _build_optimizer(self, model: Any, optimizer: Any, seed: int) -> None:
@@ -115,21 +118,19 @@ class TorchDataParallel(StrategyBase):
         """(hook)"""
         self.opt.zero_grad()
 
-    def _apply(self, lr: float | None) -> None:
-        """(hook) The update with this step's learning rate; when clipping, the averaged
-        gradients are clipped by their norm first (Horovod's documented way to clip); with
-        ``skip_nonfinite``, no update when that norm is not finite (``skipped``)."""
+    def _apply(self, lr: float | None) -> tuple[Any, bool]:
+        """(hook) The update with this step's learning rate, through ``update.update``: the
+        averaged gradients (synchronized first, Horovod's documented way to clip), their norm,
+        clip and finite check, then the optimizer's step. Returns ``(norm, skipped)``."""
         set_lr(self.opt, lr)
-        if self.clip is None and not self.skip_nonfinite:  # (the norm costs 4-7% of a small
-            self.opt.step()  # CPU step: only when clipping or skipping)
-            return
-        self.opt.synchronize()
+        self.opt.synchronize()  # (what step() would do first: the same update)
         grads = [p.grad for p in self.net.parameters() if p.grad is not None]
-        self.grad_norm = clip_by_norm(self.torch, grads, self.clip)
-        self.skipped = self.skip_nonfinite and nonfinite(self.grad_norm)
-        if not self.skipped:
-            with self.opt.skip_synchronize():
-                self.opt.step()
+        return update(self.torch, self.rule, grads, lambda: norm_of_norms(self.torch, grads),
+                      self._step_optimizer)
+
+    def _step_optimizer(self) -> None:
+        with self.opt.skip_synchronize():
+            self.opt.step()
 
     # -------------------------------------------------------------------------- steps
     def train_step(self, x: np.ndarray, y: np.ndarray, lr: float | None) -> StepResult:
@@ -139,7 +140,7 @@ class TorchDataParallel(StrategyBase):
         xt, yt = self.ops.tensors(x, y)
         k = self.accumulation_steps
         # (a skipped step keeps the BatchNorm statistics its forward passes moved)
-        kept = [b.clone() for _, b in self.buffers] if self.skip_nonfinite else []
+        kept = [b.clone() for _, b in self.buffers] if self.rule.skip else []
         self._zero_grad()
         losses = []
         for xc, yc in zip(xt.chunk(k), yt.chunk(k), strict=True):
@@ -149,18 +150,18 @@ class TorchDataParallel(StrategyBase):
                 loss = loss / k
             loss.backward()
             losses.append(loss.detach())
-        self._apply(lr)
+        norm, skipped = self._apply(lr)
         # read after the update is queued: on a GPU the first read waits for the step (as a
         # hand-written loop's loss.item()), the others are ready; float64 sum, in order
         total = sum(loss.item() for loss in losses)
-        if self.skipped:
+        if skipped:
             with self.torch.no_grad():
                 for (_, b), old in zip(self.buffers, kept, strict=True):
                     b.copy_(old)
-        if self.scheduler is not None and not self.skipped:  # (as Keras' and optax's own
+        if self.scheduler is not None and not skipped:  # (as Keras' and optax's own
             self.scheduler.step()  # schedules, which count updates)
         self.steps += 1
-        return StepResult(total, self.grad_norm, self.skipped)
+        return self.rule.result(total, norm, skipped)
 
     def evaluate(self, x: np.ndarray, y: np.ndarray) -> dict[str, float]:
         self.net.eval()

@@ -36,11 +36,12 @@ rank must touch the units in the same order (a native module's forward must not 
 rank's data), since each first touch is a collective.
 
 The optimizer is ``toolkit/models/reference.py``'s arithmetic on flat shards (Adam's bias
-corrections computed on the host in float64, as the data-parallel path's
-``torch.optim``
-does); padding elements get zero gradients and stay zero. Stages 1 and 2 then re-assemble the
-parameters with
-one grouped ``allgather`` of the updated shards.
+corrections computed on the host in float64, as the data-parallel path's ``torch.optim`` does;
+the step count and those scalars are the strategy's ``adapters._update.UpdateRule``); padding
+elements get zero gradients and stay zero. A step is :meth:`ShardedParameters.reduce`, the
+family's update path (``update.py``) with :meth:`ShardedParameters.norm`, then
+:meth:`ShardedParameters.step`; stages 1 and 2 then re-assemble the parameters with one
+grouped ``allgather`` of the updated shards.
 """
 
 from __future__ import annotations
@@ -50,10 +51,9 @@ import itertools
 
 import numpy as np
 
-from adapters._common import nonfinite
 from adapters.horovod_torch.models.units import SHARDABLE, native_units, spec_units, update_shard
 from toolkit import SGD, Adam, ToolkitError
-from toolkit.models.reference import adam_scalars, optimizer_slots
+from toolkit.models.reference import optimizer_slots
 from toolkit.parallel.shards import FlatLayout
 
 __all__ = ["SHARDABLE", "ShardedParameters", "native_units", "spec_units"]
@@ -113,7 +113,8 @@ class ShardedParameters:
     """A module's parameters, gradients and optimizer state sharded as ``Sharded(stage)``.
 
     Duck-types the optimizer for the adapter's step: :meth:`zero_grad`, then every forward
-    inside :meth:`forwarding` and its backward, then :meth:`step`.
+    inside :meth:`forwarding` and its backward, then :meth:`reduce`, and :meth:`step` with the
+    (clipped) :attr:`grads` (``update.update``, with :meth:`norm` as the gradient's norm).
 
     Args:
         torch, hvd: the modules (imported by the adapter).
@@ -135,7 +136,6 @@ class ShardedParameters:
         self.layouts = [FlatLayout.from_shapes({n: np.shape(arrays[n]) for n in names},
                                                self.size) for names in units.values()]
         self.slot_names = optimizer_slots(optimizer)
-        self.count = 0  # Adam's step count
         self.sources, self.grads, self.slots = [], [], []
         for unit, flat_layout in enumerate(self.layouts):
             flat = flat_layout.flatten({n: arrays[n] for n in flat_layout.names})
@@ -253,29 +253,27 @@ class ShardedParameters:
         for g in self.grads:
             g.zero_()
 
-    def step(self, lr: float, clip: float | None = None, skip: bool = False):
-        """Reduces (stage 1), clips by the global norm, updates this rank's shards,
-        re-assembles (stages 1/2). Returns ``(the gradient's norm before clipping, skipped)``
-        (the norm a tensor; None without ``clip`` or ``skip``). With ``skip``, a non-finite
-        norm updates nothing (the same on every rank: the norm is global)."""
-        torch, hvd, spec = self.torch, self.hvd, self.spec
+    def reduce(self) -> None:
+        """Stage 1 averages the full gradient buffers across ranks (stages 2 and 3 reduced
+        theirs in the backward)."""
         if self.stage == 1:
+            hvd = self.hvd
             hvd.grouped_allreduce_(self.grads, op=hvd.Average, name="zero.grads")
-        norm = None
-        if clip is not None or skip:  # stage 1: every rank holds the whole gradient; 2 and
-            # 3: its shards (zero padding), whose squares add up across ranks
-            sq = torch.stack([g.square().sum() for g in self.grads]).sum().reshape(1)
-            if self.stage > 1:
-                sq = hvd.allreduce(sq, op=hvd.Sum, name="zero.grad_norm")
-            norm = sq.sqrt()[0]
-            if skip and nonfinite(norm):
-                return norm, True
-            if clip is not None:
-                torch._foreach_mul_(self.grads, clip / torch.clamp(norm, min=clip))
-        step_size, c2_sqrt = 0.0, 1.0
-        if isinstance(spec, Adam):
-            self.count += 1
-            step_size, c2_sqrt = adam_scalars(spec, self.count, lr)
+
+    def norm(self):
+        """The whole gradient's norm (a tensor, the same on every rank), after
+        :meth:`reduce`: stage 1's ranks each hold the whole gradient; stages 2 and 3 their
+        shards (zero padding), whose squares add up across ranks."""
+        torch, hvd = self.torch, self.hvd
+        sq = torch.stack([g.square().sum() for g in self.grads]).sum().reshape(1)
+        if self.stage > 1:
+            sq = hvd.allreduce(sq, op=hvd.Sum, name="zero.grad_norm")
+        return sq.sqrt()[0]
+
+    def step(self, lr: float, step_size: float, c2_sqrt: float) -> None:
+        """Updates this rank's shards from :attr:`grads` with this step's optimizer scalars
+        (``UpdateRule.scalars``), then re-assembles the parameters (stages 1/2)."""
+        torch, hvd, spec = self.torch, self.hvd, self.spec
         with torch.no_grad():
             for unit, (source, grad, slots) in enumerate(
                     zip(self.sources, self.grads, self.slots, strict=True)):
@@ -289,7 +287,6 @@ class ShardedParameters:
                     name="zero.params")
                 for source, full in zip(self.sources, gathered, strict=True):
                     source.copy_(full)
-        return norm, False
 
     # ---------------------------------------------------------------------- state
     def _full(self, unit: int, shard, what: str) -> np.ndarray:
@@ -298,7 +295,8 @@ class ShardedParameters:
             return full.cpu().numpy()
 
     def state_dict(self) -> dict[str, np.ndarray]:
-        """Full tensors under the neutral names, on every rank (gathers the shards)."""
+        """Full tensors under the neutral names, on every rank (gathers the shards); the
+        step count is the strategy's."""
         out: dict[str, np.ndarray] = {}
         for unit, fl in enumerate(self.layouts):
             source = self.sources[unit].detach()
@@ -307,8 +305,6 @@ class ShardedParameters:
             for slot, shard in self.slots[unit].items():
                 full = fl.unflatten(self._full(unit, shard, slot))
                 out.update({f"opt/{slot}/{n}": a for n, a in full.items()})
-        if isinstance(self.spec, Adam):
-            out["opt/count"] = np.asarray(self.count, np.int64)
         return out
 
     def load_state_dict(self, state: dict[str, np.ndarray]) -> None:
@@ -322,12 +318,10 @@ class ShardedParameters:
                 for slot, shard in self.slots[unit].items():
                     values = {n: state[f"opt/{slot}/{n}"] for n in fl.names}
                     shard.copy_(torch.as_tensor(fl.shard(values, self.rank)))
-        if isinstance(self.spec, Adam):
-            self.count = int(state["opt/count"])
 
     def sharded_state(self) -> tuple[dict[str, np.ndarray], dict[str, tuple]]:
-        """``(replicated, pieces)`` as ``toolkit.ShardedAdapter`` says (no buffers: the
-        adapter adds them)."""
+        """``(replicated, pieces)`` as ``toolkit.ShardedAdapter`` says (no buffers or step
+        count: the adapter adds them)."""
         replicated: dict[str, np.ndarray] = {}
         pieces: dict[str, tuple] = {}
         for unit, fl in enumerate(self.layouts):
@@ -345,8 +339,6 @@ class ShardedParameters:
                 replicated.update({f"params/{n}": a for n, a in fl.unflatten(source).items()})
             for slot, shard in self.slots[unit].items():
                 cut(shard.cpu().numpy(), f"opt/{slot}/")
-        if isinstance(self.spec, Adam):
-            replicated["opt/count"] = np.asarray(self.count, np.int64)
         return replicated, pieces
 
     def memory_bytes(self) -> dict[str, int]:

@@ -145,16 +145,3 @@ def set_lr(opt, lr: float | None) -> None:
         for group in opt.param_groups:
             group["lr"] = lr
 
-
-def clip_by_norm(torch, grads: list, clip: float | None):
-    """The norm of ``grads`` (every element once, in their dtype), the gradients scaled in
-    place by ``clip / max(norm, clip)`` (``toolkit.models.reference``'s rule;
-    ``torch.nn.utils.clip_grad_norm_`` divides by ``norm + 1e-6`` instead; ``clip`` None:
-    the norm only). The norm is a tensor, read on the host only when the Trainer logs it."""
-    if not grads:
-        return None
-    norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)))
-    if clip is not None:
-        torch._foreach_mul_(grads, clip / torch.clamp(norm, min=clip))
-    return norm
-

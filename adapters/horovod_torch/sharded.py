@@ -1,7 +1,8 @@
 """ZeRO stages 1-3 / FSDP for ``horovod-torch``: the data-parallel step with the model's
 parameters, gradients and optimizer state in flat per-unit shards (``flat_shards.py``:
 ``ShardedParameters``, which re-routes the module's parameters to its buffers) in the place of
-Horovod's ``DistributedOptimizer``."""
+Horovod's ``DistributedOptimizer``, through the same update path (``update.py``); the spec
+optimizer's step count is the strategy's ``UpdateRule``'s (``opt/count``)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import numpy as np
 from adapters.horovod_torch.data_parallel import TorchDataParallel
 from adapters.horovod_torch.flat_shards import ShardedParameters, native_units, spec_units
 from adapters.horovod_torch.models.spec import same, to_host
+from adapters.horovod_torch.update import update
 from toolkit import SGD, Adam, ToolkitError
 
 
@@ -19,6 +21,7 @@ class TorchSharded(TorchDataParallel):
     """``toolkit.Sharded(stage)`` for ``horovod-torch`` (see :class:`toolkit.Adapter`)."""
 
     shards: ShardedParameters
+    counts = True  # the spec optimizer's step count is the UpdateRule's
 
     @staticmethod
     def check_layout(layout: Any) -> None:
@@ -49,21 +52,27 @@ class TorchSharded(TorchDataParallel):
     def _zero_grad(self) -> None:
         self.shards.zero_grad()
 
-    def _apply(self, lr: float | None) -> None:
-        self.grad_norm, self.skipped = self.shards.step(lr, self.clip, self.skip_nonfinite)
+    def _apply(self, lr: float | None) -> tuple[Any, bool]:
+        # the count advances here and UpdateRule.result takes it back for a skipped step
+        scalars = self.rule.scalars(lr)
+        shards = self.shards
+        shards.reduce()
+        return update(self.torch, self.rule, shards.grads, shards.norm,
+                      lambda: shards.step(*scalars))
 
     def memory_bytes(self) -> dict[str, int]:
         return self.shards.memory_bytes()
 
     def state_dict(self) -> dict[str, np.ndarray]:
-        return {**self.shards.state_dict(), **self._model_state()}
+        return {**self.shards.state_dict(), **self.rule.counters(), **self._model_state()}
 
     def sharded_state(self) -> tuple[dict[str, np.ndarray], dict[str, tuple]]:
         """This rank's pieces of the sharded state (see ``toolkit.ShardedAdapter``)."""
         replicated, pieces = self.shards.sharded_state()
-        return {**replicated, **self._model_state()}, pieces
+        return {**replicated, **self.rule.counters(), **self._model_state()}, pieces
 
     def _load(self, state: dict[str, np.ndarray], params_only: bool = False) -> None:
         with self.torch.no_grad():
             self.shards.load_state_dict(state)
+        self.rule.load(state)
         self._load_model_state(state)  # (a sharded build takes optimizer specs: no scheduler)
