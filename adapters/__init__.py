@@ -22,12 +22,15 @@ BACKENDS = tuple(_REGISTRY)
 IMPLEMENTED = tuple(name for name, module in _REGISTRY.items() if module)
 
 
-def get(name: str, *, dtype: str = "float32", local_devices: int | None = None) -> Adapter:
+def get(name: str, *, dtype: str | None = None, precision: str | None = None,
+        local_devices: int | None = None) -> Adapter:
     """The adapter for backend ``name``; its framework is imported when it is set up.
 
     Args:
         name: one of :data:`BACKENDS`.
-        dtype: ``float32`` or ``float64`` parameters and arithmetic.
+        dtype: ``float32`` or ``float64`` parameters (None: the precision's, else float32).
+        precision: a policy of ``toolkit.precision`` (``"32"``, ``"64"``, ``"bf16-mixed"``,
+            ``"fp16-mixed"``); None: the plain one of ``dtype``.
         local_devices: JAX backends only: CPU devices per process (``jax_num_cpu_devices``);
             None keeps JAX's own count.
 
@@ -46,4 +49,5 @@ def get(name: str, *, dtype: str = "float32", local_devices: int | None = None) 
         raise ToolkitError(f"local_devices={local_devices} applies to the JAX backends only",
                            f"drop it for {name!r} (one device per process)")
     module, cls = entry
-    return getattr(importlib.import_module(module), cls)(dtype=dtype, **options)
+    return getattr(importlib.import_module(module), cls)(dtype=dtype, precision=precision,
+                                                         **options)

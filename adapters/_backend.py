@@ -29,8 +29,10 @@ import numpy as np
 from toolkit import ToolkitError
 from toolkit.contract import StepResult
 from toolkit.launch.env import LaunchEnv
-from toolkit.models.specs import DTYPES, check_choice
 from toolkit.parallel.layouts import DataParallel
+from toolkit.precision import Precision
+
+PLAIN = ("32", "64")  # the policies without a narrower compute dtype: every strategy runs them
 
 
 class Runtime(Protocol):
@@ -93,12 +95,32 @@ class Backend:
     runtime_class = ""  # "module:Class" of its Runtime, made with (dtype, **options) at once
     strategies: dict[str, str] = {}  # layout kind -> "module:Class" of its Strategy
 
-    def __init__(self, dtype: str = "float32", **options: Any):
-        check_choice("dtype", dtype, DTYPES)
-        self.dtype_name = dtype
-        self.runtime: Any = load(self.runtime_class)(dtype, **options)  # checks the options
+    def __init__(self, dtype: str | None = None, precision: str | None = None,
+                 **options: Any):
+        self._precision = Precision.of(precision, dtype)
+        self.dtype_name = self._precision.param_dtype
+        # (checks the options)
+        self.runtime: Any = load(self.runtime_class)(self.dtype_name, **options)
         self.strategy: Any = None
         self.layout: Any = None
+
+    @property
+    def precision(self) -> Precision:
+        """The precision policy (``toolkit.precision``) this backend hands to its strategies."""
+        return self._precision
+
+    @precision.setter
+    def precision(self, precision: str | Precision) -> None:
+        """Another policy with the same parameter dtype (the runtime's), before ``build``."""
+        chosen = Precision.of(precision)
+        if chosen.param_dtype != self.dtype_name:
+            raise ToolkitError(
+                f"precision {chosen.name!r} keeps its parameters in {chosen.param_dtype}, but "
+                f"this {self.name} backend was made for {self.dtype_name} parameters",
+                f"make it with adapters.get({self.name!r}, precision={chosen.name!r})")
+        self._precision = chosen
+        if self.strategy is not None:
+            self.strategy.precision = chosen
 
     @property
     def layouts(self) -> tuple[str, ...]:
@@ -122,6 +144,7 @@ class Backend:
         strategy_class.check_layout(layout)  # refused before any communicator starts
         self.runtime.setup(env, layout, device)
         self.strategy, self.layout = strategy_class(self.runtime, layout), layout
+        self.strategy.precision = self.precision
 
     def _started(self) -> Any:
         if self.strategy is None:
@@ -145,6 +168,11 @@ class Backend:
                 "(on_nonfinite='skip')",
                 "use on_nonfinite='stop', or give this strategy a skip_nonfinite build option "
                 "(docs/architecture.md)")
+        runs = getattr(strategy, "precisions", PLAIN)
+        if self.precision.name not in runs:
+            raise ToolkitError(
+                f"{self.name} does not run precision {self.precision.name!r} under "
+                f"{self.layout.name}", f"this strategy runs: {', '.join(runs)}")
         strategy.build(model, optimizer, loss, **options)
 
     def train_step(self, x: Any, y: Any, lr: float | None) -> StepResult:
@@ -198,11 +226,14 @@ class StrategyBase:
 
     clips = False  # whether build takes clip_grad_norm (its StepResult then has grad_norm)
     skips = False  # whether build takes skip_nonfinite (its StepResult then says skipped)
+    precisions = PLAIN  # the precision policies it runs (toolkit.precision)
     grad_norm: Any = None
     skipped = False
 
     def __init__(self, runtime: Any, layout: Any):
         self.runtime, self.layout, self.env = runtime, layout, runtime.env
+        # the backend's policy replaces this one (Backend.setup)
+        self.precision = Precision.of(None, runtime.dtype_name)
 
     @staticmethod
     def check_layout(layout: Any) -> None:

@@ -22,19 +22,21 @@ def main() -> None:
                         help=f"one of {', '.join(adapters.BACKENDS)}")
     parser.add_argument("--lr", type=float, default=0.05)
     parser.add_argument("--optimizer", choices=("sgd", "adam"), default="sgd")
-    parser.add_argument("--dtype", choices=("float32", "float64"), default="float32")
+    parser.add_argument("--dtype", choices=("float32", "float64"), default=None,
+                        help="the parameters' dtype (float64: as --precision 64)")
     parser.add_argument("--local-devices", type=int, default=None,
                         help="JAX backends: CPU devices per process")
     parser.add_argument("--lr-scaling", choices=("none", "linear", "sqrt"), default="none")
     parser.add_argument("--save-model", default=None, help="write final weights (.npz) here")
     args = parser.parse_args()
 
-    (x_train, y_train), validation = load_digits(seed=args.seed, dtype=args.dtype)
+    backend = adapters.get(args.backend, dtype=args.dtype, precision=args.precision,
+                           local_devices=args.local_devices)
+    (x_train, y_train), validation = load_digits(seed=args.seed, dtype=backend.dtype_name)
     optimizer = (toolkit.SGD(lr=args.lr, momentum=0.9) if args.optimizer == "sgd"
                  else toolkit.Adam(lr=args.lr))
     trainer = toolkit.Trainer(
-        adapters.get(args.backend, dtype=args.dtype, local_devices=args.local_devices),
-        toolkit.MLP((64, 128, 10)), optimizer, lr_scaling=args.lr_scaling,
+        backend, toolkit.MLP((64, 128, 10)), optimizer, lr_scaling=args.lr_scaling,
         **toolkit.trainer_options(args))
     history = trainer.fit(x_train, y_train, validation)
 

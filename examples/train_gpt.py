@@ -33,7 +33,8 @@ def main() -> None:
     # steps, batch, layout, checkpoints, resume, clipping, the divergence guard, the device
     toolkit.add_trainer_options(p, skip=("epochs",), steps=1500, batch_size=32)
     p.add_argument("--lr", type=float, default=3e-3, help="peak (AdamW, warm-up + cosine)")
-    p.add_argument("--dtype", choices=("float32", "float64"), default="float32")
+    p.add_argument("--dtype", choices=("float32", "float64"), default=None,
+                   help="the parameters' dtype (float64: as --precision 64)")
     p.add_argument("--local-devices", type=int, default=None,
                    help="JAX backends: CPU devices per process")
     p.add_argument("--eval-every", type=int, default=250, help="steps between evaluations")
@@ -53,7 +54,8 @@ def main() -> None:
     schedule = toolkit.WarmupCosine(args.lr, max(1, args.steps // 20), args.steps,
                                     end=args.lr / 10)
     trainer = toolkit.Trainer(
-        adapters.get(args.backend, dtype=args.dtype, local_devices=args.local_devices),
+        adapters.get(args.backend, dtype=args.dtype, precision=args.precision,
+                     local_devices=args.local_devices),
         model, toolkit.Adam(lr=schedule, b2=0.99, weight_decay=0.1, decoupled=True),
         **{**toolkit.trainer_options(args), "max_steps": 0})
     toolkit.print0(f"GPT {model.num_params:,} parameters; corpus {corpus.files} files, "

@@ -104,7 +104,7 @@ def test_jax_device_count_that_does_not_divide_the_batch(backend):
 def test_dtype_a_backend_cannot_run():
     with pytest.raises(ToolkitError, match="unknown dtype 'bfloat16'") as err:
         adapters.get("jax-pjit", dtype="bfloat16")
-    assert "float32, float64" in str(err.value)
+    assert "float32, float64" in str(err.value) and "precision='bf16-mixed'" in str(err.value)
 
 
 def _torch_net_and_schedule(kind):

@@ -33,6 +33,9 @@ OPTIONS: dict[str, tuple[str, dict[str, Any]]] = {
     "--allow-changes": ("allow_changes", dict(action="store_true", help="resume even if the "
                                               "schedule, batch, seed or optimizer differ")),
     "--metrics-log": ("metrics_log", dict(default=None, help="JSON-lines file (rank 0)")),
+    "--precision": ("precision", dict(
+        choices=("32", "64", "bf16-mixed", "fp16-mixed"), default=None,
+        help="the arithmetic's precision (docs/precision.md); default: the backend's dtype")),
     "--device": ("device", dict(choices=("auto", "cpu", "gpu"), default="auto",
                                 help="auto: the rank's GPU when the framework sees one, else "
                                      "the CPU")),

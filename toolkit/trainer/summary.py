@@ -18,14 +18,31 @@ def parameter_count(model: Any) -> int | None:
     return None
 
 
+def run_facts(trainer: Any, samples: int) -> dict[str, Any]:
+    """The start facts of ``trainer`` (a ``toolkit.Trainer`` after its set-up)."""
+    from toolkit.contract import DrivesDevices
+
+    t, env = trainer, trainer.env
+    drives = isinstance(t.adapter, DrivesDevices)
+    return start_facts(
+        backend=t.adapter.name, layout=t.layout, world_size=env.world_size,
+        local_size=env.local_size, dtype=t.adapter.dtype_name if drives else None,
+        precision=t.precision.name, devices=t.adapter.device_names() if drives else ["1 device"],
+        global_batch=t.global_batch_size, local_batch=t.sampler.local_batch_size,
+        accumulation_steps=t.accumulation_steps, model=t.model, samples=samples,
+        steps_per_epoch=len(t.sampler), checkpoint_dir=t.checkpoints.directory,
+        resumed_from=t.checkpoints.resumed_from, resumed_step=t.global_step)
+
+
 def start_facts(*, backend: str, layout: Any, world_size: int, local_size: int,
                 devices: list[str], dtype: str | None, global_batch: int, local_batch: int,
                 accumulation_steps: int, model: Any, samples: int, steps_per_epoch: int,
-                checkpoint_dir: Any, resumed_from: Any, resumed_step: int) -> dict[str, Any]:
+                checkpoint_dir: Any, resumed_from: Any, resumed_step: int,
+                precision: str | None = None) -> dict[str, Any]:
     """The facts of a run's start, as JSON values."""
     micro = layout.micro_batch(local_batch, accumulation_steps)
     return {
-        "backend": backend, "dtype": dtype,
+        "backend": backend, "dtype": dtype, "precision": precision,
         "layout": layout.name, "layout_words": layout.describe(world_size, len(devices)),
         "world_size": world_size, "nodes": max(1, world_size // max(1, local_size)),
         "ranks_per_node": local_size, "devices_per_rank": devices,
@@ -43,6 +60,8 @@ def format_facts(f: dict[str, Any]) -> str:
     params = f"{f['parameters']:,} parameters" if f["parameters"] is not None else \
         "a native model"
     dtype = f", {f['dtype']}" if f["dtype"] else ""
+    if f.get("precision", "").endswith("-mixed"):  # (the master parameters' dtype, then)
+        dtype += f" parameters, {f['precision']}"
     if f["checkpoint_dir"] is None:
         ckpt = "none"
     elif f["resumed_from"] is None:

@@ -23,6 +23,7 @@ from toolkit.launch.rank0 import current_env, print0
 from toolkit.models.reference import check_clip
 from toolkit.models.specs import LOSSES, OptimizerSpec, check_choice, learning_rate, lr_scale
 from toolkit.parallel.layouts import DataShare, resolve_layout
+from toolkit.precision import use_precision
 from toolkit.trainer.checkpoints import RunCheckpoints
 from toolkit.trainer.evaluation import check_metrics, evaluate
 from toolkit.trainer.guard import DivergenceGuard, TrainingDiverged
@@ -35,7 +36,7 @@ from toolkit.trainer.preemption import (
     check_signals,
     noting_signals,
 )
-from toolkit.trainer.summary import format_facts, start_facts
+from toolkit.trainer.summary import format_facts, run_facts
 
 __all__ = ["PREEMPTED_EXIT_CODE", "History", "Trainer", "TrainingPreempted"]
 
@@ -75,6 +76,8 @@ class Trainer:
         clip_grad_norm: scale each step's averaged gradient by ``clip / max(norm, clip)``, its
             norm over the whole model (every shard, stage and split part once); the norm before
             clipping goes to the metrics log (``grad_norm``) and the interval line.
+        precision: a ``toolkit.precision`` policy (``"32"``, ``"bf16-mixed"``, ...); None:
+            the adapter's.
         checkpoint_dir: where checkpoints go (shared storage for multi-node jobs);
             checkpoint_every: every this many steps (and at the end), checkpoint_every_seconds:
             or seconds of training; keep: how many to keep.
@@ -127,6 +130,7 @@ class Trainer:
         lr_scaling: str = "none",
         accumulation_steps: int = 1,
         clip_grad_norm: float | None = None,
+        precision: str | None = None,
         device: str = "auto",
         checkpoint_dir: str | os.PathLike | None = None,
         checkpoint_every: int | None = None,
@@ -167,6 +171,7 @@ class Trainer:
         self.seed, self.shuffle, self.drop_last = seed, shuffle, drop_last
         self.lr_scaling, self.accumulation_steps = lr_scaling, accumulation_steps
         self.clip_grad_norm = check_clip(clip_grad_norm)
+        self.precision = use_precision(adapter, precision)
         self.metrics_log = Path(metrics_log) if metrics_log else None
         self.log_every, self.progress = log_every, progress
         check_signals(stop_signals)
@@ -241,15 +246,7 @@ class Trainer:
 
     def _say_what_runs(self, samples: int) -> None:
         """The start-up block on rank 0, and the metrics log's first record."""
-        drives = isinstance(self.adapter, DrivesDevices)
-        facts = start_facts(
-            backend=self.adapter.name, layout=self.layout, world_size=self.env.world_size,
-            local_size=self.env.local_size, dtype=self.adapter.dtype_name if drives else None,
-            devices=self.adapter.device_names() if drives else ["1 device"],
-            global_batch=self.global_batch_size, local_batch=self.sampler.local_batch_size,
-            accumulation_steps=self.accumulation_steps, model=self.model, samples=samples,
-            steps_per_epoch=len(self.sampler), checkpoint_dir=self.checkpoints.directory,
-            resumed_from=self.checkpoints.resumed_from, resumed_step=self.global_step)
+        facts = run_facts(self, samples)
         print0(format_facts(facts), env=self.env)
         self._log.write([{"event": "start", **facts}])
 

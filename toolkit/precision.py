@@ -1,0 +1,111 @@
+"""Precision policies: which dtype the parameters, the arithmetic and the gradient collectives
+use, and whether the loss is scaled. Framework-free: each framework family applies a policy in
+its own way (torch autocast, Keras dtype policies, casts inside the jitted step in JAX).
+
+    "32"          float32 everywhere (the default)
+    "64"          float64 everywhere (the equivalence tests' precision)
+    "bf16-mixed"  float32 master parameters and optimizer state; matmuls and activations in
+                  bfloat16; gradients reduced in float32; the loss, softmax and normalisation
+                  statistics in float32
+    "fp16-mixed"  as bf16-mixed with float16, and dynamic loss scaling
+
+A backend holds one policy (``adapters.get(name, precision=...)``, or the Trainer's
+``precision=``) and hands it to the strategy of its layout; a strategy declares the policies it
+runs, and any other is refused when the model is built.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from toolkit.errors import ToolkitError
+
+PRECISIONS = ("32", "64", "bf16-mixed", "fp16-mixed")
+_BY_DTYPE = {"float32": "32", "float64": "64"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Precision:
+    """One precision policy.
+
+    Attributes:
+        name: one of :data:`PRECISIONS`.
+        param_dtype: the master parameters' and the optimizer state's dtype.
+        compute_dtype: the dtype of matmuls and activations.
+        reduce_dtype: the dtype the gradient collectives carry.
+        loss_scaling: whether the loss is scaled dynamically (fp16).
+
+    Example:
+        >>> p = Precision.of("bf16-mixed")
+        >>> p.param_dtype, p.compute_dtype, p.reduce_dtype, p.loss_scaling
+        ('float32', 'bfloat16', 'float32', False)
+        >>> Precision.of(None, dtype="float64").name
+        '64'
+        >>> Precision.of("bf16-mixed").mixed
+        True
+    """
+
+    name: str
+    param_dtype: str
+    compute_dtype: str
+    reduce_dtype: str
+    loss_scaling: bool = False
+
+    @property
+    def mixed(self) -> bool:
+        """Whether the arithmetic runs in a narrower dtype than the master parameters."""
+        return self.compute_dtype != self.param_dtype
+
+    @classmethod
+    def of(cls, precision: str | Precision | None = None, dtype: str | None = None) -> Precision:
+        """The policy ``precision`` names; None: the plain policy of ``dtype`` (float32 when
+        that is None too). A ToolkitError when the name is unknown, or when ``dtype``
+        contradicts the policy's parameter dtype."""
+        if isinstance(precision, Precision):
+            chosen = precision
+        elif precision is None:
+            if dtype not in (None, *_BY_DTYPE):
+                raise ToolkitError(f"unknown dtype {dtype!r}",
+                                   "use one of: float32, float64 (the parameters' dtype); for "
+                                   "bfloat16 or float16 arithmetic use precision='bf16-mixed' "
+                                   "or 'fp16-mixed'")
+            return cls.of(_BY_DTYPE[dtype or "float32"])
+        else:
+            chosen = _policy(str(precision))
+        if dtype is not None and dtype != chosen.param_dtype:
+            raise ToolkitError(
+                f"precision {chosen.name!r} keeps its parameters in {chosen.param_dtype}, but "
+                f"dtype {dtype!r} was asked for", f"drop dtype, or use precision "
+                f"{_BY_DTYPE.get(dtype, '32')!r} for {dtype} parameters")
+        return chosen
+
+
+def _policy(name: str) -> Precision:
+    if name == "32":
+        return Precision("32", "float32", "float32", "float32")
+    if name == "64":
+        return Precision("64", "float64", "float64", "float64")
+    if name == "bf16-mixed":
+        return Precision(name, "float32", "bfloat16", "float32")
+    if name == "fp16-mixed":
+        return Precision(name, "float32", "float16", "float32", loss_scaling=True)
+    raise ToolkitError(f"unknown precision {name!r}", f"use one of: {', '.join(PRECISIONS)}")
+
+
+def use_precision(adapter, precision: str | Precision | None) -> Precision:
+    """The run's policy: ``precision`` set on ``adapter`` (which checks it against its
+    parameters' dtype), or None: the adapter's own (an adapter of one's own without a
+    ``precision`` attribute: the plain policy of its ``dtype_name``)."""
+    held = getattr(adapter, "precision", None)
+    plain = Precision.of(None, getattr(adapter, "dtype_name", None))
+    if precision is None:
+        return held if isinstance(held, Precision) else plain
+    chosen = Precision.of(precision)
+    if isinstance(held, Precision):
+        adapter.precision = chosen
+    elif chosen != plain:
+        raise ToolkitError(f"the adapter {type(adapter).__name__} holds no precision policy, so "
+                           f"it cannot run precision {chosen.name!r}",
+                           f"drop precision (it runs {plain.name!r}), or give the adapter a "
+                           "settable precision attribute (adapters._backend.Backend has one)")
+    return chosen
