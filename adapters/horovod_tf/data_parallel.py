@@ -27,19 +27,20 @@ from typing import Any
 import numpy as np
 
 from adapters._backend import StrategyBase
-from adapters._common import nonfinite, unwrapped_toolkit_errors
+from adapters._common import unwrapped_toolkit_errors
+from adapters._update import UpdateRule
 from adapters.horovod_tf.models.keras_native import KerasNative
 from adapters.horovod_tf.models.spec import spec_forward
-from adapters.horovod_tf.ops import TFOps, TFState, clip_by_norm, sum_squares, update_if_finite
-from adapters.horovod_tf.update import apply_update
+from adapters.horovod_tf.ops import TFOps, TFState
+from adapters.horovod_tf.update import apply_update, sum_squares, update
 from toolkit.contract import StepResult
 
 
 class TFDataParallel(StrategyBase):
     """``toolkit.DataParallel`` for ``horovod-tf`` (see :class:`toolkit.Adapter`)."""
 
-    clips = True  # build takes clip_grad_norm; train_step sets grad_norm
-    skips = True  # build takes skip_nonfinite; train_step sets skipped
+    clips = True  # build takes clip_grad_norm; the StepResult then has grad_norm
+    skips = True  # build takes skip_nonfinite; the StepResult then says skipped
 
     def __init__(self, runtime, layout):
         super().__init__(runtime, layout)
@@ -51,13 +52,13 @@ class TFDataParallel(StrategyBase):
               metrics: Any = None, clip_grad_norm: float | None = None,
               skip_nonfinite: bool = False) -> None:
         tf = self.tf
-        self.clip, self.skip_nonfinite = clip_grad_norm, skip_nonfinite
+        self.rule = UpdateRule(optimizer, clip_grad_norm, skip_nonfinite)
         self.ops = TFOps(self.runtime, model, loss, metrics)
         self.spec, self.native = model, self.ops.native
         self.accumulation_steps, self.seed = accumulation_steps, seed
         self.sync_batchnorm = sync_batchnorm and self.native
         self.keras_model: KerasNative | None = None
-        self.state = TFState(tf, self.native)
+        self.state = TFState(tf, self.native, self.rule)
         self._make_variables(model, optimizer, seed)
         self._step = tf.function(self._step_fn, reduce_retracing=True)
         self._no_seeds = tf.zeros((0, 2), tf.int64)
@@ -111,24 +112,19 @@ class TFDataParallel(StrategyBase):
         names = state.names
         variables = [state.vars[n] for n in names]
         kept = ([(b, tf.identity(b)) for b in state.buffers.values()]
-                if self.skip_nonfinite else [])
+                if self.rule.skip else [])
         grads, total = self.local_grads(x, y, variables)
         grads = [hvd.allreduce(g, op=hvd.Average, name=f"grad_{i}")
                  for i, g in enumerate(grads)]
-        grads, norm = clip_by_norm(tf, grads, lambda: sum_squares(tf, grads), self.clip,
-                                   self.skip_nonfinite)
 
-        def update() -> None:
+        def apply(grads: list) -> None:
             if state.keras_opt is not None:
                 state.keras_opt.apply_gradients(zip(grads, variables, strict=True))
             else:
-                apply_update(tf, state.opt_spec, state.vars, state.slots,
+                apply_update(tf, self.rule.spec, state.vars, state.slots,
                              dict(zip(names, grads, strict=True)), lr, step_size, c2_sqrt)
 
-        if self.skip_nonfinite:
-            update_if_finite(tf, norm, update, kept)
-        else:
-            update()
+        _, norm = update(tf, self.rule, grads, lambda g: sum_squares(tf, g), apply, kept)
         return total, norm
 
     def _eval_fn(self, x, y):
@@ -142,20 +138,10 @@ class TFDataParallel(StrategyBase):
                  if self.native else self._no_seeds)
         with unwrapped_toolkit_errors():
             loss, norm = self._step(*self.ops.inputs(x, y), scalars, seeds)
-        self._note_norm(norm)
         self.state.steps += 1
-        # a scalar tensor: the Trainer converts it when it averages losses
-        return StepResult(loss, self.grad_norm, self.skipped)
-
-    def _note_norm(self, norm: Any) -> None:
-        """The step's gradient norm for the Trainer (computed when clipping or skipping), and
-        under ``skip_nonfinite`` whether the step was skipped (read on the host: one copy per
-        step), which then does not count as an optimizer step."""
-        self.grad_norm = norm if self.clip is not None or self.skip_nonfinite else None
-        if self.skip_nonfinite:
-            self.skipped = nonfinite(norm)
-            if self.skipped:
-                self.state.count -= 1
+        # the loss a scalar tensor: the Trainer converts it when it averages losses; the norm
+        # read on the host only under skip_nonfinite (a skipped step is no optimizer step)
+        return self.rule.result(loss, norm)
 
     def evaluate(self, x: np.ndarray, y: np.ndarray) -> dict[str, float]:
         with unwrapped_toolkit_errors():

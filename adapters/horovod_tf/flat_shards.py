@@ -12,7 +12,8 @@ the semantics (units, flat padded shards, checkpoint pieces) are ``toolkit.paral
 - Stage 1: each rank keeps the optimizer slots of its shard only. The local gradient of a unit
   is flattened and averaged in full (``hvd.allreduce``) into a persistent full-size gradient
   buffer; each rank updates its shard of the parameters with ``toolkit.models.reference``'s
-  arithmetic and the updated shards are re-assembled with ``hvd.allgather``.
+  arithmetic (``update.spec_update``, as data parallel) and the updated shards are
+  re-assembled with ``hvd.allgather``.
 - Stage 2: as 1, but the flat gradient is ``hvd.reducescatter(op=hvd.Average)``-ed: each rank
   keeps only its gradient shard (in a persistent buffer, so its size is real and measured).
 - Stage 3 (FSDP): the parameters live only as shards. Each unit's forward is one
@@ -48,9 +49,10 @@ from typing import Any
 
 import numpy as np
 
+from adapters._update import UpdateRule
 from adapters.horovod_tf.models.units import unit_functions
-from adapters.horovod_tf.ops import clip_by_norm, sum_squares, update_if_finite
-from toolkit import GPT, SGD, Sharded
+from adapters.horovod_tf.update import spec_update, sum_squares, update
+from toolkit import GPT, Sharded
 from toolkit.models.reference import optimizer_slots
 from toolkit.parallel.shards import FlatLayout, unit_layouts
 
@@ -58,14 +60,14 @@ from toolkit.parallel.shards import FlatLayout, unit_layouts
 class ShardedTF:
     """The sharded state of a spec model and optimizer on one rank, and its compiled step.
 
-    Made by ``sharded.TFSharded`` (the strategy), which keeps the host side (Adam's step count
-    and scalars, inputs, losses).
+    Made by ``sharded.TFSharded`` (the strategy), which keeps the host side (the update rule's
+    step count and Adam's scalars, inputs, losses).
 
     Args:
         runtime: the started runtime (its ``tf``, ``hvd``, ``dtype``).
         layout: the ``toolkit.Sharded`` layout.
         spec: the model spec.
-        optimizer: the optimizer spec.
+        rule: the build's ``adapters._update.UpdateRule`` (its optimizer spec, clip, skip).
         init: the spec's initial parameters (neutral name -> array, in ``init`` order).
         local_grads: ``(x, y, variables) -> (gradients, mean loss)`` of this rank's batch.
 
@@ -74,11 +76,10 @@ class ShardedTF:
         names: the parameters' neutral names, in ``init`` order.
     """
 
-    def __init__(self, runtime: Any, layout: Sharded, spec: Any, optimizer: Any,
-                 init: dict[str, np.ndarray], local_grads: Callable,
-                 clip: float | None = None, skip: bool = False):
+    def __init__(self, runtime: Any, layout: Sharded, spec: Any, rule: UpdateRule,
+                 init: dict[str, np.ndarray], local_grads: Callable):
         tf, hvd = runtime.tf, runtime.hvd
-        self.clip, self.skip = clip, skip
+        self.rule, optimizer = rule, rule.spec
         self.tf, self.hvd, self.local_grads = tf, hvd, local_grads
         self.dtype, self.np_dtype = runtime.dtype, runtime.dtype_name
         self.stage, self.spec, self.opt = layout.stage, spec, optimizer
@@ -210,17 +211,13 @@ class ShardedTF:
                      else self._reduce_scatter(u, self._flatten(u, full)) for u in self.units]
         # stage 1: the whole gradient on every rank; 2 and 3: this rank's shards (zero
         # padding), whose squares add up across ranks
-        def squares():
+        def squares(grads: list) -> Any:
             sq = sum_squares(tf, grads)
             if self.stage > 1:
                 sq = hvd.allreduce(tf.reshape(sq, [1]), op=hvd.Sum, name="zero.grad_norm")[0]
             return sq
 
-        grads, norm = clip_by_norm(tf, grads, squares, self.clip, self.skip)
-        for u, g in zip(self.units, grads, strict=True):
-            self.grads[u].assign(g)
-
-        def update() -> None:
+        def apply(grads: list) -> None:
             for u, g in zip(self.units, grads, strict=True):
                 if self.stage == 3:
                     self.params[u].assign(self._update(u, tf.convert_to_tensor(self.params[u]),
@@ -233,35 +230,15 @@ class ShardedTF:
                 for n, t in self._unflatten(u, hvd.allgather(new)).items():
                     self.vars[n].assign(t)
 
-        if self.skip:  # the norm is global: every rank takes the same branch
-            update_if_finite(tf, norm, update, [])
-        else:
-            update()
+        grads, norm = update(tf, self.rule, grads, squares, apply)
+        for u, g in zip(self.units, grads, strict=True):  # a skipped step's too
+            self.grads[u].assign(g)
         return total, norm
 
-    def _update(self, unit, p, g, lr, step_size, c2_sqrt):
-        """``toolkit.models.reference.apply_update`` on a flat shard (``horovod_tf._apply``'s TF
-        ops, in the same order); returns the new shard. Padding stays zero."""
-        tf, spec = self.tf, self.opt
-        if isinstance(spec, SGD):
-            if spec.weight_decay:
-                g = g + spec.weight_decay * p
-            if spec.momentum:
-                buf = self.slots[("momentum", unit)]
-                new_buf = spec.momentum * buf + g
-                buf.assign(new_buf)
-                g = g + spec.momentum * new_buf if spec.nesterov else new_buf
-            return p - lr * g
-        if spec.decoupled:
-            p = p * (1 - lr * spec.weight_decay)
-        elif spec.weight_decay:
-            g = g + spec.weight_decay * p
-        m, v = self.slots[("mu", unit)], self.slots[("nu", unit)]
-        new_m = spec.b1 * m + (1 - spec.b1) * g
-        new_v = spec.b2 * v + (1 - spec.b2) * g * g
-        m.assign(new_m)
-        v.assign(new_v)
-        return p - step_size * new_m / (tf.sqrt(new_v) / c2_sqrt + spec.eps)
+    def _update(self, unit: str, p, g, lr, step_size, c2_sqrt):
+        """The unit's new flat shard ``p`` (``update.spec_update``, its slots assigned)."""
+        slots = {slot: self.slots[(slot, unit)] for slot in optimizer_slots(self.opt)}
+        return spec_update(self.tf, self.opt, p, g, slots, lr, step_size, c2_sqrt)
 
     # ----------------------------------------------------------------------- state
     def _gather_host(self, var: Any) -> np.ndarray:

@@ -4,16 +4,16 @@ their state under the checkpoint's neutral names (``TFState``)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
 from adapters._common import check_per_sample, loss_name
+from adapters._update import UpdateRule
 from adapters.horovod_tf.models.keras_native import assign, is_keras_optimizer, to_host
 from toolkit import GPT, SGD, Adam, ToolkitError
 from toolkit.errors import describe
-from toolkit.models.reference import adam_scalars, optimizer_slots
+from toolkit.models.reference import optimizer_slots
 from toolkit.models.specs import ModelSpec
 
 
@@ -91,17 +91,17 @@ class TFOps:
 
 class TFState:
     """One rank's variables (``vars``: trainable, ``buffers``: non-trainable), optimizer
-    (a spec's ``slots`` or a Keras optimizer's) and host counters: ``count`` (spec optimizer
-    steps, Adam's t) and ``steps`` (a native model's randomness derives from it)."""
+    (a spec's ``slots`` or a Keras optimizer's) and host counters: ``rule`` (the build's
+    ``adapters._update.UpdateRule``, which counts a spec optimizer's steps, Adam's t; by default
+    one without an optimizer) and ``steps`` (a native model's randomness derives from it)."""
 
-    def __init__(self, tf, native: bool):
+    def __init__(self, tf, native: bool, rule: UpdateRule | None = None):
         self.tf, self.native = tf, native
+        self.rule = rule if rule is not None else UpdateRule()
         self.vars: dict[str, Any] = {}
         self.buffers: dict[str, Any] = {}
         self.slots: dict[str, Any] = {}
-        self.opt_spec: Any = None
         self.keras_opt: Any = None
-        self.count = 0
         self.steps = 0
 
     @property
@@ -112,7 +112,6 @@ class TFState:
         """Zero slots of a spec optimizer over ``vars``, or a Keras optimizer's own."""
         tf = self.tf
         if isinstance(optimizer, SGD | Adam):
-            self.opt_spec = optimizer
             self.slots = {f"opt/{slot}/{n}": tf.Variable(tf.zeros_like(v))
                           for slot in optimizer_slots(optimizer) for n, v in self.vars.items()}
         elif keras_model is not None and is_keras_optimizer(optimizer):
@@ -132,26 +131,21 @@ class TFState:
         tf = self.tf
         for var in [*self.vars.values(), *self.buffers.values(), *self.slots.values()]:
             var.assign(hvd.broadcast(tf.convert_to_tensor(var), root_rank=0))
-        self.count = int(hvd.broadcast(tf.constant(self.count, tf.int64), 0))
+        count = hvd.broadcast(tf.constant(self.rule.count, tf.int64), 0)
+        self.rule.load({"opt/count": np.asarray(count)})
 
     def scalars(self, lr: float | None, dtype) -> Any:
         """Counts the step and returns its ``[lr, step_size, c2_sqrt]`` as one tensor (one host
         copy per step); ``lr`` is ignored with a Keras optimizer (its own rate or schedule)."""
-        if lr is None and self.opt_spec is not None:
+        if lr is None and self.rule.spec is not None:
             raise ToolkitError("horovod-tf needs the learning rate of each step",
                                "pass an optimizer spec (toolkit.SGD/Adam) to the Trainer, which "
                                "evaluates its schedule, or a Keras optimizer")
-        lr = 0.0 if lr is None else lr
-        self.count += 1
-        step_size, c2_sqrt = (adam_scalars(self.opt_spec, self.count, lr)
-                              if isinstance(self.opt_spec, Adam) else (0.0, 1.0))
-        return self.tf.constant([lr, step_size, c2_sqrt], dtype)
+        return self.tf.constant(self.rule.scalars(0.0 if lr is None else lr), dtype)
 
     def counters(self) -> dict[str, np.ndarray]:
         """``opt/count`` (Adam) and ``rng/step`` (native models), as the checkpoint names them."""
-        out = {}
-        if isinstance(self.opt_spec, Adam):
-            out["opt/count"] = np.asarray(self.count, np.int64)
+        out = self.rule.counters()
         if self.native:
             out["rng/step"] = np.asarray(self.steps, np.int64)
         return out
@@ -171,8 +165,7 @@ class TFState:
             assign(v, state[n])
         for n, v in self.buffers.items():
             assign(v, state[f"buffers/{n}"])
-        if "opt/count" in state:
-            self.count = int(state["opt/count"])
+        self.rule.load(state)
         if self.native:
             self.steps = int(state["rng/step"])
 
@@ -182,32 +175,3 @@ class TFState:
         return {"params": params, "grads": params,
                 "optimizer": sum(to_host(v).nbytes for v in self.slots.values())}
 
-
-def update_if_finite(tf, norm, update: Callable[[], None], keep: list) -> None:
-    """Inside a compiled step: ``update()`` when the gradient ``norm`` is finite; otherwise no
-    update, and each ``(variable, value)`` of ``keep`` (a BatchNorm statistic and its value
-    before the forward pass moved it) is assigned back."""
-    def skip():
-        for variable, before in keep:
-            variable.assign(before)
-
-    tf.cond(tf.math.is_finite(norm), update, skip)
-
-
-def sum_squares(tf, grads: list) -> Any:
-    """The sum of the squares of every element of ``grads``."""
-    return tf.add_n([tf.reduce_sum(tf.square(g)) for g in grads])
-
-
-def clip_by_norm(tf, grads: list, sum_sq: Callable[[], Any], clip: float | None,
-                 need_norm: bool = False):
-    """``(grads scaled by clip / max(norm, clip), norm)`` for the whole gradient's
-    ``sum_sq()`` (``toolkit.models.reference.clip_scale``); ``clip`` None: ``grads`` as they
-    are, and the norm only with ``need_norm`` (skipping non-finite steps), else a zero."""
-    if clip is None and not need_norm:
-        return grads, tf.zeros(())
-    norm = tf.sqrt(sum_sq())
-    if clip is None:
-        return grads, norm
-    scale = clip / tf.maximum(norm, clip)
-    return [g * tf.cast(scale, g.dtype) for g in grads], norm

@@ -40,6 +40,7 @@ import numpy as np
 from adapters._common import check_build
 from adapters._horovod.pipeline import HvdPipeline
 from adapters._horovod.rounds import ALIGNMENT, aligned_empty
+from adapters._update import UpdateRule
 from adapters.horovod_tf.models.keras_native import assign
 from adapters.horovod_tf.ops import TFOps, TFState
 from adapters.horovod_tf.stages import cut_model
@@ -135,7 +136,8 @@ class TFPipeline(HvdPipeline):
         self.metric_names, self.seed = tuple(self.ops.metrics), seed
         self.cut = cut_model(self.tf, model, self.layout, self.stage, self.runtime, seed)
         self.keras_model, self.native = self.cut.keras, self.cut.native
-        state = self.state = TFState(self.tf, self.native)
+        state = self.state = TFState(self.tf, self.native,
+                                     UpdateRule(optimizer, clip_grad_norm, skip_nonfinite))
         state.vars, state.buffers = self.cut.variables, dict(self.cut.buffers)
         state.build_optimizer(model, optimizer)  # zero slots over this stage's variables
         self.slots = optimizer_slots(optimizer)
@@ -167,7 +169,7 @@ class TFPipeline(HvdPipeline):
         self.loss_of = {c: compiled(with_loss(p.forward))
                         for c, p in enumerate(self.cut.pieces) if self._is_last(c)}
         self.update = tf.function(
-            lambda grads, s: apply_update(tf, state.opt_spec, state.vars, state.slots, grads,
+            lambda grads, s: apply_update(tf, state.rule.spec, state.vars, state.slots, grads,
                                           s[0], s[1], s[2]), reduce_retracing=True)
         self._start(state.names)
 
@@ -329,7 +331,7 @@ class TFPipeline(HvdPipeline):
         grads = self.reduced or {n: self._tensor(self.sums[n]) if n in self.sums else
                                  tf.zeros_like(state.vars[n]) for n in state.names}
         if self.skipped:  # no update: the optimizer's count goes back too
-            state.count -= 1
+            state.rule.count -= 1
         else:
             self.update(grads, scalars)
         self.steps += 1

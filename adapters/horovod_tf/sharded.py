@@ -47,11 +47,9 @@ class TFSharded(TFDataParallel):
 
     def _make_variables(self, model: Any, optimizer: Any, seed: int) -> None:
         """Rank 0's initial parameters, cut into this rank's shards (``ShardedTF``)."""
-        self.shards = ShardedTF(self.runtime, self.layout, model, optimizer,
-                                model.init(seed, self.runtime.dtype_name), self.local_grads,
-                                clip=self.clip, skip=self.skip_nonfinite)
+        self.shards = ShardedTF(self.runtime, self.layout, model, self.rule,
+                                model.init(seed, self.runtime.dtype_name), self.local_grads)
         self.state.vars = self.shards.vars  # stages 1/2: the full parameters; 3: none
-        self.state.opt_spec = optimizer
 
     def _forward(self, x, training: bool):
         if self.shards.stage == 3:  # parameters gathered unit by unit
@@ -66,7 +64,7 @@ class TFSharded(TFDataParallel):
 
     def load_state_dict(self, state: dict[str, np.ndarray]) -> None:
         self.shards.load_state_dict(state)
-        self.state.count = int(state.get("opt/count", self.state.count))
+        self.rule.load(state)
 
     def sharded_state(self) -> tuple[dict, dict]:
         """``(replicated, pieces)`` (see ``toolkit.ShardedAdapter``)."""
