@@ -227,8 +227,6 @@ class StrategyBase:
     clips = False  # whether build takes clip_grad_norm (its StepResult then has grad_norm)
     skips = False  # whether build takes skip_nonfinite (its StepResult then says skipped)
     precisions = PLAIN  # the precision policies it runs (toolkit.precision)
-    grad_norm: Any = None
-    skipped = False
 
     def __init__(self, runtime: Any, layout: Any):
         self.runtime, self.layout, self.env = runtime, layout, runtime.env

@@ -1,9 +1,9 @@
 """The host side of the one update path, the same in every framework family.
 
 Each family writes the update once, on its devices (``adapters/_jax/update.py``,
-``adapters/horovod_torch/update.py``, ``adapters/horovod_tf/update.py``, and numpy for the
-Horovod pipelines in ``adapters/_horovod/pipeline.py``): the layout supplies the reduced
-gradient and the sum of its squares, then
+``adapters/horovod_torch/update.py``, ``adapters/horovod_tf/update.py``; the Horovod pipelines
+reduce, measure and clip on the host, in numpy: :func:`clip_host`, then the framework's
+optimizer applies): the layout supplies the reduced gradient and the sum of its squares, then
 
     norm -> clip and finite check -> apply -> the old state kept when the step is skipped.
 
@@ -23,7 +23,7 @@ import numpy as np
 from adapters._common import nonfinite
 from toolkit import SGD, Adam
 from toolkit.contract import StepResult
-from toolkit.models.reference import adam_scalars
+from toolkit.models.reference import adam_scalars, clip_scale
 
 
 class UpdateRule:
@@ -84,3 +84,14 @@ class UpdateRule:
         """The count from a checkpoint's state, when it has one."""
         if "opt/count" in state:
             self.count = int(state["opt/count"])
+
+
+def clip_host(rule: UpdateRule, grads: dict[str, np.ndarray], norm: float
+              ) -> dict[str, np.ndarray]:
+    """The numpy form of the clip, for gradients on the host (the Horovod pipelines): each
+    scaled by ``clip / max(norm, clip)`` in its own dtype; as they are without a clip, or when
+    the step will be skipped (``rule.skip`` and the norm not finite)."""
+    if rule.clip is None or (rule.skip and nonfinite(norm)):
+        return grads
+    scale = clip_scale(norm, rule.clip)
+    return {n: (g * scale).astype(g.dtype) for n, g in grads.items()}

@@ -34,11 +34,10 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from adapters._common import nonfinite
 from adapters._horovod.rounds import RoundMessages, unpack
+from adapters._update import UpdateRule, clip_host
 from toolkit import ToolkitError
 from toolkit.errors import describe
-from toolkit.models.reference import clip_scale
 from toolkit.parallel.layouts import Pipeline
 from toolkit.parallel.pipeline.partition import PipelineGrid
 from toolkit.parallel.pipeline.schedules import pipeline_schedule
@@ -102,12 +101,9 @@ class HvdPipeline(RoundMessages):
     subclass is a :class:`StageCompute`."""
 
     metric_names: tuple[str, ...] = ()  # the build's metrics (their sums on idle ranks: 0)
-    clips = True  # build takes clip_grad_norm (then train_step sets grad_norm)
-    skips = True  # build takes skip_nonfinite (then train_step sets skipped)
-    clip: float | None = None
-    skip_nonfinite = False
-    grad_norm: float | None = None
-    skipped = False  # the latest step's update was skipped (its gradient norm not finite)
+    clips = True  # build takes clip_grad_norm (then the StepResult has grad_norm)
+    skips = True  # build takes skip_nonfinite (then the StepResult says skipped)
+    rule = UpdateRule()  # the build's (the subclass sets it)
 
     def __init__(self, runtime, layout: Pipeline):
         """``runtime``: the started Horovod runtime (``env``, ``dtype_name``, ``barrier``,
@@ -178,9 +174,10 @@ class HvdPipeline(RoundMessages):
         """Whether this stage's local ``chunk`` is the model's last piece."""
         return chunk * self.grid.stages + self.stage == self.grid.stages * self.layout.chunks - 1
 
-    def _run_rounds(self) -> float:
-        """The schedule's rounds (fresh in/outboxes), then the gradient reduction (the
-        subclass's ``_gradients``/``_set_gradients``); returns the replica's loss."""
+    def _run_rounds(self) -> tuple[float, float | None]:
+        """The schedule's rounds (fresh in/outboxes), then the gradient reduction, norm and
+        clip (the subclass's ``_gradients``/``_set_gradients``); returns the replica's loss
+        and the gradient's norm before clipping (None unless ``rule.needs_norm``)."""
         self.inputs, self.outputs, self.loss = {}, {}, 0.0
         self.deferred: tuple | None = None  # see _defer
         first = len(self.recorder.records)
@@ -193,23 +190,21 @@ class HvdPipeline(RoundMessages):
                     self._compute(action)
             self._after_compute(index)
         self._await()
-        if self.reduce or self.clip is not None or self.skip_nonfinite:
+        norm = None
+        if self.reduce or self.rule.needs_norm:
             grads = self._gradients()
             if self.reduce:
                 grads = self._reduce_gradients(grads)
-            if self.clip is not None or self.skip_nonfinite:
-                self.grad_norm = self._global_norm(grads)
-                self.skipped = self.skip_nonfinite and nonfinite(self.grad_norm)
-                if self.clip is not None and not self.skipped:
-                    scale = clip_scale(self.grad_norm, self.clip)
-                    grads = {n: (g * scale).astype(g.dtype) for n, g in grads.items()}
+            if self.rule.needs_norm:
+                norm = self._global_norm(grads)
+                grads = clip_host(self.rule, grads, norm)
             self._set_gradients(grads)
         losses = self._allgather(np.asarray([self.loss], np.float64), "pipeline.loss")
         if self.timeline_dir:
             append_timeline(self.recorder.records[first:], self.timeline_dir, self.stage,
                             self.replica)
         del self.recorder.records[:first]  # keep the latest step's records only
-        return float(losses[self.grid.rank(self.grid.stages - 1, self.replica)])
+        return float(losses[self.grid.rank(self.grid.stages - 1, self.replica)]), norm
 
     # ------------------------------------------------------------------------------ deferred sums
     def _defer(self, action: Any, gradients: Any) -> None:

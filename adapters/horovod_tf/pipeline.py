@@ -130,14 +130,13 @@ class TFPipeline(HvdPipeline):
               accumulation_steps: int = 1, sync_batchnorm: bool = False,
               metrics: Any = None, clip_grad_norm: float | None = None,
               skip_nonfinite: bool = False) -> None:
-        self.clip, self.skip_nonfinite = clip_grad_norm, skip_nonfinite
         check_build("horovod-tf", optimizer, accumulation_steps, sync_batchnorm)
         self.ops = TFOps(self.runtime, model, loss, metrics)
         self.metric_names, self.seed = tuple(self.ops.metrics), seed
         self.cut = cut_model(self.tf, model, self.layout, self.stage, self.runtime, seed)
         self.keras_model, self.native = self.cut.keras, self.cut.native
-        state = self.state = TFState(self.tf, self.native,
-                                     UpdateRule(optimizer, clip_grad_norm, skip_nonfinite))
+        self.rule = UpdateRule(optimizer, clip_grad_norm, skip_nonfinite)
+        state = self.state = TFState(self.tf, self.native, self.rule)
         state.vars, state.buffers = self.cut.variables, dict(self.cut.buffers)
         state.build_optimizer(model, optimizer)  # zero slots over this stage's variables
         self.slots = optimizer_slots(optimizer)
@@ -327,16 +326,14 @@ class TFPipeline(HvdPipeline):
         self.xs, self.ys = tf.split(xt, M), tf.split(yt, M)
         self.sums: dict[str, np.ndarray] = {}  # each gradient summed over the micro-batches
         self.reduced: dict[str, Any] | None = None  # the gradients averaged across replicas
-        loss = self._run_rounds()
+        result = self.rule.result(*self._run_rounds())  # (a skip takes the count back)
         grads = self.reduced or {n: self._tensor(self.sums[n]) if n in self.sums else
                                  tf.zeros_like(state.vars[n]) for n in state.names}
-        if self.skipped:  # no update: the optimizer's count goes back too
-            state.rule.count -= 1
-        else:
+        if not result.skipped:
             self.update(grads, scalars)
         self.steps += 1
         self.xs = self.ys = self.reduced = self.sums = grads = None
-        return StepResult(loss, self.grad_norm, self.skipped)
+        return result
 
     def evaluate(self, x: np.ndarray, y: np.ndarray) -> dict[str, float]:
         """Every rank's ``(x, y)`` runs through its replica's pipeline (inputs gathered on the

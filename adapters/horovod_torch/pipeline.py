@@ -25,6 +25,7 @@ import numpy as np
 
 from adapters._common import check_build, step_seed
 from adapters._horovod.pipeline import HvdPipeline, check_pipeline
+from adapters._update import UpdateRule
 from adapters.horovod_torch.models.spec import from_host, same, to_host
 from adapters.horovod_torch.ops import (
     TORCH_SLOTS,
@@ -76,7 +77,8 @@ class TorchPipeline(HvdPipeline):
               accumulation_steps: int = 1, sync_batchnorm: bool = False,
               metrics: Any = None, clip_grad_norm: float | None = None,
               skip_nonfinite: bool = False) -> None:
-        self.clip, self.skip_nonfinite = clip_grad_norm, skip_nonfinite
+        # (torch.optim counts its own steps)
+        self.rule = UpdateRule(None, clip_grad_norm, skip_nonfinite)
         torch, hvd = self.torch, self.hvd
         check_build("horovod-torch", optimizer, accumulation_steps, sync_batchnorm)
         self.ops = TorchOps(self.runtime, loss, metrics)
@@ -187,12 +189,12 @@ class TorchPipeline(HvdPipeline):
         xt, yt = self.ops.tensors(x, y)
         self.xs, self.ys = xt.chunk(M), yt.chunk(M)
         self.opt.zero_grad(set_to_none=False)
-        loss = self._run_rounds()
-        if not self.skipped:
+        result = self.rule.result(*self._run_rounds())
+        if not result.skipped:
             self.opt.step()
         self.steps += 1
         self.xs = self.ys = None
-        return StepResult(loss, self.grad_norm, self.skipped)
+        return result
 
     def evaluate(self, x: np.ndarray, y: np.ndarray) -> dict[str, float]:
         """Every rank's ``(x, y)`` runs through its replica's pipeline (inputs gathered on the
