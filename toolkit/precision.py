@@ -17,6 +17,9 @@ runs, and any other is refused when the model is built.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
+
+import numpy as np
 
 from toolkit.errors import ToolkitError
 
@@ -109,3 +112,34 @@ def use_precision(adapter, precision: str | Precision | None) -> Precision:
                            f"drop precision (it runs {plain.name!r}), or give the adapter a "
                            "settable precision attribute (adapters._backend.Backend has one)")
     return chosen
+
+
+def rounding(compute_dtype: str | None) -> Callable[[np.ndarray], np.ndarray]:
+    """The numpy reference's rounding to ``compute_dtype`` (``bfloat16``, ``float16``): values
+    rounded to it and held in float64 again (``ml_dtypes`` gives numpy a bfloat16); None, or a
+    dtype the values already have (``float32``, ``float64``): nothing is rounded.
+
+    Example:
+        >>> r = rounding("bfloat16")
+        >>> float(r(np.asarray([1 + 2 ** -9, 1 + 2 ** -7]))[0]), float(r(np.asarray([3.0]))[0])
+        (1.0, 3.0)
+    """
+    if compute_dtype in (None, "float32", "float64"):
+        return lambda a: a
+    if compute_dtype == "float16":
+        target = np.float16
+    elif compute_dtype == "bfloat16":
+        try:
+            import ml_dtypes
+        except ImportError as err:
+            raise ToolkitError("the bfloat16 reference needs the ml_dtypes package",
+                               "pip install ml_dtypes (it comes with JAX and TensorFlow)") from err
+        target = ml_dtypes.bfloat16
+    else:
+        raise ToolkitError(f"no reference rounding for {compute_dtype!r}",
+                           "use bfloat16 or float16")
+
+    def round_to(a: np.ndarray) -> np.ndarray:
+        return np.asarray(a).astype(np.float32).astype(target).astype(np.float64)
+
+    return round_to

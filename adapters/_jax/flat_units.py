@@ -151,11 +151,12 @@ def unit_forward(spec: Any, unit: str, named: dict[str, Any], h: Any) -> Any:
     import jax
     import jax.numpy as jnp
 
+    from adapters._jax.models.spec import dense
     from toolkit import CNN, MLP
 
     kind, index = unit.split(".")
     if isinstance(spec, MLP):
-        z = h @ named[f"{unit}.kernel"] + named[f"{unit}.bias"]
+        z = dense(jnp, h, named[f"{unit}.kernel"], named[f"{unit}.bias"])
         if int(index) < spec.num_layers - 1:
             z = jax.nn.relu(z) if spec.activation == "relu" else jnp.tanh(z)
         return z
@@ -164,7 +165,7 @@ def unit_forward(spec: Any, unit: str, named: dict[str, Any], h: Any) -> Any:
                                          dimension_numbers=("NHWC", "HWIO", "NHWC"))
         z = jax.nn.relu(z + named[f"{unit}.bias"])
         if "head.kernel" in named:
-            z = z.reshape((z.shape[0], -1)) @ named["head.kernel"] + named["head.bias"]
+            z = dense(jnp, z.reshape((z.shape[0], -1)), named["head.kernel"], named["head.bias"])
         return z
     from flax import traverse_util
 

@@ -177,8 +177,10 @@ def _spec_piece(spec, layers: range, first: bool, last: bool):
         def mlp(p, h):
             import jax.numpy as jnp
 
+            from adapters._jax.models.spec import dense
+
             for i in layers:
-                h = h @ p[f"layers.{i}.kernel"] + p[f"layers.{i}.bias"]
+                h = dense(jnp, h, p[f"layers.{i}.kernel"], p[f"layers.{i}.bias"])
                 if i < spec.num_layers - 1:
                     h = jnp.maximum(h, 0) if spec.activation == "relu" else jnp.tanh(h)
             return h

@@ -156,9 +156,14 @@ class JaxStrategy(StrategyBase):
             def forward(params, model_state, xb, rng):
                 return self.model.apply(params, model_state, xb, train=True, rng=rng)
 
+        compute = self.compute_dtype
+
         def loss_fn(params, model_state, xb, yb, rng):  # mean for the gradient, per sample too
+            if compute is not None:  # mixed precision: the arithmetic in the compute dtype
+                params, xb = self._in_compute(params), self._in_compute(xb)
             out, model_state = forward(params, model_state, xb, rng)
-            losses = per_sample_loss(jnp, self.loss_fn, out, yb)
+            # the loss in the parameters' dtype (float32 under mixed precision)
+            losses = per_sample_loss(jnp, self.loss_fn, out.astype(self.dtype), yb)
             return jnp.mean(losses), (losses, model_state)
 
         if k == 1:  # (no zeros to add the one gradient to)
@@ -176,9 +181,25 @@ class JaxStrategy(StrategyBase):
             per_sample.append(losses)
         return grads, jnp.concatenate(per_sample), model_state
 
+    @property
+    def compute_dtype(self) -> Any:
+        """The compute dtype of a mixed precision policy (None: the parameters' own)."""
+        return getattr(self.jnp, self.precision.compute_dtype) if self.precision.mixed \
+            else None
+
+    def _in_compute(self, tree):
+        """``tree``'s floating leaves in the compute dtype (gathered shards included: what a
+        sharded layout gathers is then half as many bytes under bfloat16)."""
+        jnp, dtype = self.jnp, self.compute_dtype
+        return self.jax.tree_util.tree_map(
+            lambda a: a.astype(dtype) if jnp.issubdtype(a.dtype, jnp.floating) else a, tree)
+
     def _eval_fn(self, params, model_state, x, y):
         jnp = self.jnp
+        if self.compute_dtype is not None:  # evaluated in the arithmetic it trains in
+            params, x = self._in_compute(params), self._in_compute(x)
         out, _ = self.model.apply(params, model_state, x, train=False)
+        out = out.astype(self.dtype)
         sums = {"loss_sum": jnp.sum(per_sample_loss(jnp, self.loss_fn, out, y))}
         if self.loss_name == "cross_entropy":
             sums["correct"] = correct_per_sample(jnp, out, y)

@@ -81,12 +81,6 @@ def from_view(name: str, v: Any, spec: Any, xp: Any) -> Any:
     return v
 
 
-def _layer_norm(jnp, z, scale, bias):
-    mean = jnp.mean(z, axis=-1, keepdims=True)
-    var = jnp.mean(jnp.square(z - mean), axis=-1, keepdims=True)
-    return (z - mean) / jnp.sqrt(var + 1e-5) * scale + bias
-
-
 def forward(p: dict[str, Any], x: Any, spec: Any, constrain: Any) -> Any:
     """Logits ``(B, T, vocab)`` of token ids ``x`` from parameters ``p`` (neutral names, split
     tensors as views). ``constrain(array, dims)`` pins an activation's sharding: ``dims`` names a
@@ -94,29 +88,31 @@ def forward(p: dict[str, Any], x: Any, spec: Any, constrain: Any) -> Any:
     import jax
     import jax.numpy as jnp
 
+    from adapters._jax.models.gpt import causal_softmax, layer_norm
+
     B, T = x.shape
     dh = spec.width // spec.heads
     h = jnp.take(p["tok_emb"], x, axis=0) + p["pos_emb"][:T]
     causal = jnp.tril(jnp.ones((T, T), bool))
     for i in range(spec.layers):
         b = f"blocks.{i}."
-        a = _layer_norm(jnp, h, p[b + "ln1.scale"], p[b + "ln1.bias"])
+        a = layer_norm(jnp, h, p[b + "ln1.scale"], p[b + "ln1.bias"])
         # (3, B, H, T, dh): heads sharded over "model", each device's heads computed locally
         qkv = jnp.einsum("btw,hwcd->cbhtd", a, p[b + "attn.qkv.kernel"])
         qkv = qkv + jnp.transpose(p[b + "attn.qkv.bias"], (1, 0, 2))[:, None, :, None, :]
         qkv = constrain(qkv, (None, "data", "model", None, None))
         q, k, v = qkv[0], qkv[1], qkv[2]
         s = jnp.einsum("bhqd,bhkd->bhqk", q, k) / math.sqrt(dh)
-        att = jax.nn.softmax(jnp.where(causal, s, -jnp.inf), axis=-1)
+        att = causal_softmax(jax, s, causal)
         o = jnp.einsum("bhqk,bhkd->bqhd", att, v)
         # row-split projection: partial sums over each device's heads, all-reduced over "model"
         out = jnp.einsum("bqhd,hdw->bqw", o, p[b + "attn.proj.kernel"])
         h = constrain(h + out + p[b + "attn.proj.bias"], ("data", None, None))
-        m = _layer_norm(jnp, h, p[b + "ln2.scale"], p[b + "ln2.bias"])
+        m = layer_norm(jnp, h, p[b + "ln2.scale"], p[b + "ln2.bias"])
         f = jnp.einsum("btw,fw->btf", m, p[b + "mlp.fc.kernel"]) + p[b + "mlp.fc.bias"]
         f = constrain(jax.nn.gelu(f, approximate=True), ("data", None, "model"))
         out = jnp.einsum("btf,fw->btw", f, p[b + "mlp.proj.kernel"])
         h = constrain(h + out + p[b + "mlp.proj.bias"], ("data", None, None))
-    f = _layer_norm(jnp, h, p["ln_f.scale"], p["ln_f.bias"])
+    f = layer_norm(jnp, h, p["ln_f.scale"], p["ln_f.bias"])
     head = p["tok_emb"].T if spec.tied else p["head.kernel"]
     return (f.reshape(-1, spec.width) @ head).reshape(B, T, -1)

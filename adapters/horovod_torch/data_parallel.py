@@ -50,6 +50,7 @@ class TorchDataParallel(StrategyBase):
     clips = True  # build takes clip_grad_norm; train_step's StepResult has grad_norm
     skips = True  # build takes skip_nonfinite; train_step's StepResult says skipped
     counts = False  # whether the UpdateRule keeps a spec optimizer's count (else torch.optim)
+    precisions = ("32", "64", "bf16-mixed")  # (mixed: torch autocast, ops.TorchOps.computing)
 
     scheduler = None  # a torch LR scheduler given with a native optimizer, after build
 
@@ -64,7 +65,7 @@ class TorchDataParallel(StrategyBase):
               metrics: Any = None, clip_grad_norm: float | None = None,
               skip_nonfinite: bool = False) -> None:
         torch = self.torch
-        self.ops = TorchOps(self.runtime, loss, metrics)
+        self.ops = TorchOps(self.runtime, loss, metrics, self.precision)
         self.accumulation_steps, self.seed = accumulation_steps, seed
         self.native = not isinstance(model, ModelSpec)
         if not self.native:
@@ -144,7 +145,7 @@ class TorchDataParallel(StrategyBase):
         self._zero_grad()
         losses = []
         for xc, yc in zip(xt.chunk(k), yt.chunk(k), strict=True):
-            with self._forwarding():
+            with self._forwarding(), self.ops.computing():
                 loss = self.ops.mean_loss(self.net(xc), yc)
             if k > 1:
                 loss = loss / k
@@ -166,7 +167,7 @@ class TorchDataParallel(StrategyBase):
     def evaluate(self, x: np.ndarray, y: np.ndarray) -> dict[str, float]:
         self.net.eval()
         xt, yt = self.ops.tensors(x, y)
-        with self.torch.no_grad(), self._forwarding():
+        with self.torch.no_grad(), self._forwarding(), self.ops.computing():
             return self.ops.sums(self.net(xt), yt)
 
     def sync_state(self) -> None:

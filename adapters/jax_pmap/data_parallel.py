@@ -17,6 +17,10 @@ from toolkit.contract import StepResult
 class PmapDataParallel(JaxStrategy):
     """``toolkit.DataParallel`` for ``jax-pmap``: a replica per local device."""
 
+    # bf16-mixed: each device casts its replica to bfloat16 inside the step, and its gradient
+    # (float32 again through the cast) is averaged in float32
+    precisions = ("32", "64", "bf16-mixed")
+
     def build(self, model: Any, optimizer: Any, loss: Any, *, seed: int = 0,
               accumulation_steps: int = 1, sync_batchnorm: bool = False,
               metrics: Any = None, clip_grad_norm: float | None = None,

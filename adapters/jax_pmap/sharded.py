@@ -25,6 +25,7 @@ from typing import Any
 
 import numpy as np
 
+from adapters._backend import PLAIN
 from adapters._jax.flat_units import (
     FlatUnits,
     check_layout,
@@ -49,6 +50,13 @@ class PmapSharded(PmapDataParallel):
     @staticmethod
     def check_layout(layout) -> None:
         check_layout("jax-pmap", layout)
+
+    @property
+    def precisions(self) -> tuple[str, ...]:
+        """Stages 1 and 2 cast the full flat buffers and reduce float32 gradients; stage 3
+        would gather bfloat16 shards, whose transpose reduces the gradient in bfloat16, so it
+        runs the plain policies until its reduction is float32."""
+        return PLAIN if self.layout.stage == 3 else super().precisions
 
     def _build_layout(self, model, optimizer, loss, seed, accumulation_steps, metrics):
         jax, lax = self.jax, self.jax.lax

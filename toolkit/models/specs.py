@@ -31,6 +31,11 @@ def check_choice(kind: str, value: object, valid: tuple[str, ...]) -> object:
     return value
 
 
+def _exact(a: np.ndarray) -> np.ndarray:
+    """No rounding: the arithmetic of the arrays' own dtype."""
+    return a
+
+
 @dataclasses.dataclass(frozen=True)
 class MLP:
     """A multi-layer perceptron: dense layers with an activation between them (not after the last).
@@ -78,28 +83,44 @@ class MLP:
         """The forward pass in numpy (the reference backends are checked against)."""
         return self._forward(params, x)[0][-1]
 
-    def _forward(self, params, x):
-        hs, zs = [x], []
+    def _forward(self, params, x, r=_exact):
+        """Activations and pre-activations; ``r`` rounds each operation's result to the
+        compute dtype (``toolkit.precision.rounding``; exact by default)."""
+        hs, zs = [r(x)], []
         for i in range(self.num_layers):
-            zs.append(hs[-1] @ params[f"layers.{i}.kernel"] + params[f"layers.{i}.bias"])
+            kernel, bias = r(params[f"layers.{i}.kernel"]), r(params[f"layers.{i}.bias"])
+            zs.append(r(hs[-1] @ kernel + bias))  # one rounding: products, sum and bias
             last = i == self.num_layers - 1
             hs.append(zs[-1] if last else
-                      np.maximum(zs[-1], 0) if self.activation == "relu" else np.tanh(zs[-1]))
+                      np.maximum(zs[-1], 0) if self.activation == "relu" else r(np.tanh(zs[-1])))
         return hs, zs
 
     def loss_and_grads(self, params: dict[str, np.ndarray], x: np.ndarray, y: np.ndarray,
-                       loss: str = "cross_entropy") -> tuple[float, dict[str, np.ndarray]]:
-        """Mean loss over the batch and its gradients, by hand in numpy (the reference)."""
+                       loss: str = "cross_entropy", compute: str | None = None
+                       ) -> tuple[float, dict[str, np.ndarray]]:
+        """Mean loss over the batch and its gradients, by hand in numpy (the reference).
+
+        ``compute``: a narrower dtype for the arithmetic (``bfloat16``, ``float16``), rounded
+        where the mixed-precision contract says (docs/precision.md): the inputs, parameters
+        and every layer's output rounded once; the loss (and its gradient) from the outputs in
+        full precision, that gradient rounded on its way back; each gradient matmul and sum
+        rounded once; the parameters' gradients returned in their own dtype."""
         check_choice("loss", loss, LOSSES)
-        hs, zs = self._forward(params, x)
+        from toolkit.precision import rounding
+
+        r = rounding(compute)
+        hs, zs = self._forward(params, x, r)
         value, dz = _loss_grad(hs[-1], y, loss)
+        dz = r(dz)
         grads = {}
         for i in reversed(range(self.num_layers)):
-            grads[f"layers.{i}.kernel"] = hs[i].T @ dz
-            grads[f"layers.{i}.bias"] = dz.sum(0)
+            like = params[f"layers.{i}.kernel"].dtype
+            grads[f"layers.{i}.kernel"] = r(hs[i].T @ dz).astype(like, copy=False)
+            grads[f"layers.{i}.bias"] = r(dz.sum(0)).astype(like, copy=False)
             if i:
-                dh = dz @ params[f"layers.{i}.kernel"].T
-                dz = dh * (zs[i - 1] > 0) if self.activation == "relu" else dh * (1 - hs[i] ** 2)
+                dh = r(dz @ r(params[f"layers.{i}.kernel"]).T)
+                dz = (dh * (zs[i - 1] > 0) if self.activation == "relu"
+                      else r(dh * (1 - hs[i] ** 2)))
         return float(value), grads
 
 

@@ -34,6 +34,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from adapters._jax.models.spec import dense
+
 _BLOCK = re.compile(r"blocks_(\d+)")
 
 
@@ -82,9 +84,26 @@ class _LayerNorm(nn.Module):
         width = z.shape[-1]
         scale = self.param("scale", nn.initializers.ones, (width,), self.param_dtype)
         bias = self.param("bias", nn.initializers.zeros, (width,), self.param_dtype)
-        mean = jnp.mean(z, axis=-1, keepdims=True)
-        var = jnp.mean(jnp.square(z - mean), axis=-1, keepdims=True)
-        return (z - mean) / jnp.sqrt(var + 1e-5) * scale + bias
+        return layer_norm(jnp, z, scale, bias)
+
+
+def layer_norm(jnp, z, scale, bias):
+    """The statistics and the normalisation in float32 (or wider: ``z``'s own dtype when it
+    is), the result in ``z``'s dtype (mixed precision keeps them out of bfloat16)."""
+    acc = jnp.promote_types(z.dtype, jnp.float32)
+    zf = z.astype(acc)
+    mean = jnp.mean(zf, axis=-1, keepdims=True)
+    var = jnp.mean(jnp.square(zf - mean), axis=-1, keepdims=True)
+    return ((zf - mean) / jnp.sqrt(var + 1e-5) * scale.astype(acc)
+            + bias.astype(acc)).astype(z.dtype)
+
+
+def causal_softmax(jax, s, causal):
+    """The attention weights of scores ``s``, computed in float32 (or wider), in ``s``'s
+    dtype."""
+    jnp = jax.numpy
+    acc = jnp.promote_types(s.dtype, jnp.float32)
+    return jax.nn.softmax(jnp.where(causal, s.astype(acc), -jnp.inf), axis=-1).astype(s.dtype)
 
 
 class _Dense(nn.Module):
@@ -100,10 +119,12 @@ class _Dense(nn.Module):
     def __call__(self, z):
         init = nn.initializers.normal(0.02)
         kernel = self.param("kernel", init, (z.shape[-1], self.features), self.param_dtype)
-        out = z.reshape(-1, z.shape[-1]) @ kernel
-        if self.use_bias:
-            out = out + self.param("bias", nn.initializers.zeros, (self.features,),
-                                   self.param_dtype)
+        flat = z.reshape(-1, z.shape[-1])
+        if self.use_bias:  # (rounded once: spec.dense)
+            out = dense(jnp, flat, kernel, self.param("bias", nn.initializers.zeros,
+                                                      (self.features,), self.param_dtype))
+        else:
+            out = flat @ kernel
         return out.reshape(*z.shape[:-1], self.features)
 
 
@@ -121,7 +142,7 @@ class _Attention(nn.Module):
         q, k, v = jnp.transpose(qkv.reshape(B, T, 3, self.heads, dh), (2, 0, 3, 1, 4))
         s = jnp.einsum("bhqd,bhkd->bhqk", q, k) / math.sqrt(dh)
         causal = jnp.tril(jnp.ones((T, T), bool))  # key j <= query i
-        p = jax.nn.softmax(jnp.where(causal, s, -jnp.inf), axis=-1)
+        p = causal_softmax(jax, s, causal)
         o = jnp.einsum("bhqk,bhkd->bqhd", p, v).reshape(B, T, self.width)  # heads concatenated
         return _Dense(self.width, name="proj", param_dtype=self.param_dtype)(o)
 

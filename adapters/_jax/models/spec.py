@@ -112,7 +112,26 @@ class JaxModel:
             for c, tree in like.items()}
 
 
+def dense(jnp, h, kernel, bias):
+    """``h @ kernel + bias`` rounded once to ``h``'s dtype: the products summed and the bias
+    added in float32 (or wider), the mixed-precision contract's dense layer (docs/precision.md);
+    for float32 or float64 inputs, the plain arithmetic."""
+    acc = jnp.promote_types(h.dtype, jnp.float32)
+    return (jnp.dot(h, kernel, preferred_element_type=acc) + bias.astype(acc)).astype(h.dtype)
+
+
 def _flax_module(nn, spec):
+    class _Dense(nn.Module):  # nn.Dense's parameters, :func:`dense`'s arithmetic
+        features: int
+
+        @nn.compact
+        def __call__(self, x):
+            import jax.numpy as jnp
+
+            init = nn.initializers.zeros  # (the spec initialises the parameters)
+            kernel = self.param("kernel", init, (x.shape[-1], self.features), x.dtype)
+            return dense(jnp, x, kernel, self.param("bias", init, (self.features,), x.dtype))
+
     if isinstance(spec, CNN):
         k = spec.kernel_size
 
@@ -123,7 +142,7 @@ def _flax_module(nn, spec):
                     x = nn.relu(nn.Conv(width, (k, k), padding="SAME", name=f"convs_{i}",
                                         param_dtype=x.dtype, dtype=x.dtype)(x))
                 x = x.reshape((x.shape[0], -1))  # NHWC flattened as (h, w, c), as the spec
-                return nn.Dense(spec.classes, name="head", param_dtype=x.dtype, dtype=x.dtype)(x)
+                return _Dense(spec.classes, name="head")(x)
 
         return FlaxCNN()
 
@@ -133,7 +152,7 @@ def _flax_module(nn, spec):
         @nn.compact
         def __call__(self, x):
             for i, width in enumerate(spec.sizes[1:]):
-                x = nn.Dense(width, name=f"layers_{i}", param_dtype=x.dtype, dtype=x.dtype)(x)
+                x = _Dense(width, name=f"layers_{i}")(x)
                 if i < spec.num_layers - 1:
                     x = act(x)
             return x

@@ -54,7 +54,10 @@ def build_gpt(torch, spec, *, sdpa: bool = True):
             self.scale, self.bias = param(width), param(width)
 
         def forward(self, x):  # biased variance over the last axis, eps 1e-5: the contract's
-            return F.layer_norm(x, (width,), self.scale, self.bias, eps=1e-5)
+            acc = torch.promote_types(x.dtype, torch.float32)  # (never in bfloat16)
+            with torch.autocast(x.device.type, enabled=False):
+                return F.layer_norm(x.to(acc), (width,), self.scale.to(acc),
+                                    self.bias.to(acc), eps=1e-5).to(x.dtype)
 
     class Attention(nn.Module):
         def __init__(self):
@@ -70,7 +73,8 @@ def build_gpt(torch, spec, *, sdpa: bool = True):
             else:
                 s = (q @ k.transpose(-2, -1)) / math.sqrt(dh)
                 mask = torch.ones(T, T, dtype=torch.bool, device=a.device).triu(1)
-                o = torch.softmax(s.masked_fill(mask, float("-inf")), dim=-1) @ v
+                s = s.to(torch.promote_types(s.dtype, torch.float32))  # (the weights in
+                o = torch.softmax(s.masked_fill(mask, float("-inf")), dim=-1).to(v.dtype) @ v
             return self.proj(o.transpose(1, 2).reshape(B, T, width))  # heads concatenated
 
     class MLP(nn.Module):
