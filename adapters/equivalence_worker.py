@@ -30,6 +30,7 @@ def main() -> None:
     p.add_argument("--local-devices", type=int, default=None)
     p.add_argument("--clip-grad-norm", type=float, default=None)
     p.add_argument("--device", default="auto")
+    p.add_argument("--precision", default=None)
     args = p.parse_args()
     env = toolkit.current_env()
     # Several layouts (comma-separated) run one after the other in the same processes, each
@@ -39,7 +40,8 @@ def main() -> None:
 
 
 def run_layout(args, layout, out: Path, env) -> None:
-    adapter = adapters.get(args.backend, dtype=args.dtype, local_devices=args.local_devices)
+    adapter = adapters.get(args.backend, dtype=args.dtype, precision=args.precision,
+                           local_devices=args.local_devices)
     if layout.kind not in adapter.layouts:
         toolkit.save0(out / "result.json", json.dumps({
             "status": "skipped", "reason": f"{args.backend} cannot run {layout.name} yet"}),
@@ -77,7 +79,7 @@ def run_layout(args, layout, out: Path, env) -> None:
     try:
         history = trainer.fit(x, y)
     except toolkit.ToolkitError as err:  # said in the table, never a silent pass
-        if "does not clip gradients" not in str(err):
+        if "does not clip gradients" not in str(err) and "does not run precision" not in str(err):
             raise
         toolkit.save0(out / "result.json", json.dumps({"status": "skipped",
                                                        "reason": err.message}), env=env)
@@ -106,6 +108,9 @@ def run_layout(args, layout, out: Path, env) -> None:
         "status": "ok", "losses": history.losses, "grad_norms": history.grad_norms,
         "step_seconds": step_time,
         "world_size": env.world_size, "state_bytes_per_rank": float(state_bytes),
+        # (ranks, devices per rank) each global batch is split over: the bf16-mixed
+        # reference splits it so
+        "data_split": [env.world_size, adapter.local_device_count()],
         "device": ",".join(adapter.device_names()), **extra}),
         env=env)
 

@@ -91,13 +91,17 @@ def check_clip(value) -> float | None:
     return float(value)
 
 
-def _sharded_grads(model, params, x, y, loss, compute, shards):
-    """The mean loss and gradient of a batch split into ``shards`` parts (one: the batch)."""
-    if compute is None and shards == 1:
+def _split_grads(model, params, x, y, loss, compute, split):
+    """The mean loss and gradient of a global batch split over ``split = (ranks, devices)``
+    (``(1, 1)``: the batch itself)."""
+    if compute is None and split == (1, 1):
         return model.loss_and_grads(params, x, y, loss)
+    ranks, devices = split
     parts = [model.loss_and_grads(params, xp, yp, loss, compute=compute)
-             for xp, yp in zip(np.split(x, shards), np.split(y, shards), strict=True)]
-    grads = {n: (sum(g[n].astype(np.float64) for _, g in parts) / shards).astype(a.dtype)
+             for r in range(ranks)
+             for xp, yp in zip(np.split(x[r::ranks], devices), np.split(y[r::ranks], devices),
+                               strict=True)]
+    grads = {n: (sum(g[n].astype(np.float64) for _, g in parts) / len(parts)).astype(a.dtype)
              for n, a in params.items()}
     return float(np.mean([v for v, _ in parts])), grads
 
@@ -106,17 +110,18 @@ def reference_run(model, optimizer: OptimizerSpec, loss: str, x: np.ndarray, y: 
                   global_batch_size: int, steps: int, seed: int = 0, dtype: str = "float64",
                   clip_grad_norm: float | None = None, norms: list[float] | None = None,
                   compute: str | None = None,
-                  shards: int = 1) -> tuple[list[float], dict[str, np.ndarray]]:
+                  split: tuple[int, int] = (1, 1)) -> tuple[list[float], dict[str, np.ndarray]]:
     """Sequential training in numpy: one process, the global batch, the same sampler.
 
     ``clip_grad_norm``: scale each step's gradient by :func:`clip_scale` of its
     :func:`global_norm`; ``norms``, when given, receives every step's norm before clipping.
     ``compute``: the arithmetic's dtype under mixed precision (``bfloat16``, ``float16``;
     the model's ``loss_and_grads`` rounds to it), the parameters and the optimizer's arithmetic
-    staying in ``dtype``; ``shards``: the global batch split into this many contiguous parts
-    whose gradients (each in the compute dtype's arithmetic) are averaged in ``dtype``, as data
-    parallelism over that many devices reduces them (the same as one part in exact
-    arithmetic, not in rounded arithmetic).
+    staying in ``dtype``; ``split``: ``(ranks, devices per rank)`` of data parallelism: the
+    global batch split as the sampler gives ranks their samples (rank ``r`` every ``r``-th)
+    and a rank its devices (contiguous parts), each part's gradient in the compute dtype's
+    arithmetic, their mean in ``dtype`` (the same as the whole batch's in exact arithmetic,
+    not in rounded arithmetic).
 
     Returns:
         The loss of every step and the final parameters (neutral names, no prefix).
@@ -133,7 +138,7 @@ def reference_run(model, optimizer: OptimizerSpec, loss: str, x: np.ndarray, y: 
     losses: list[float] = []
     while len(losses) < steps:
         for idx in sampler:
-            value, grads = _sharded_grads(model, params, x[idx], y[idx], loss, compute, shards)
+            value, grads = _split_grads(model, params, x[idx], y[idx], loss, compute, split)
             norm = global_norm(grads)
             if norms is not None:
                 norms.append(norm)
