@@ -24,6 +24,7 @@ from adapters._common import nonfinite
 from toolkit import SGD, Adam
 from toolkit.contract import StepResult
 from toolkit.models.reference import adam_scalars, clip_scale
+from toolkit.precision import LossScaler, Precision
 
 
 class UpdateRule:
@@ -43,10 +44,19 @@ class UpdateRule:
         (True, 0)
     """
 
-    def __init__(self, optimizer: Any = None, clip: float | None = None, skip: bool = False):
+    def __init__(self, optimizer: Any = None, clip: float | None = None, skip: bool = False,
+                 precision: Precision | None = None):
         self.spec = optimizer if isinstance(optimizer, SGD | Adam) else None
-        self.clip, self.skip = clip, bool(skip)
+        self.scaler = LossScaler() if precision is not None and precision.loss_scaling else None
+        # skip: a step whose gradient is not finite changes nothing (asked for, or the
+        # scaler's, which then lowers the scale: StepResult.overflow)
+        self.clip, self.skip = clip, bool(skip) or self.scaler is not None
         self.count = 0  # optimizer steps of a spec optimizer (Adam's t)
+
+    @property
+    def loss_scale(self) -> float | None:
+        """The scale of the next step's loss (None without loss scaling)."""
+        return None if self.scaler is None else self.scaler.scale
 
     @property
     def needs_norm(self) -> bool:
@@ -72,18 +82,27 @@ class UpdateRule:
             skipped = self.skip and nonfinite(norm)
         if skipped and self.spec is not None:
             self.count -= 1
-        return StepResult(loss, norm, bool(skipped))
+        if self.scaler is None:
+            return StepResult(loss, norm, bool(skipped))
+        used = self.scaler.scale
+        self.scaler.update(finite=not skipped)
+        return StepResult(loss, norm, bool(skipped), used, overflow=bool(skipped))
 
     # -------------------------------------------------------------------------- state
     def counters(self) -> dict[str, np.ndarray]:
-        """``opt/count`` for an Adam spec (what the checkpoint stores), else nothing."""
-        return {"opt/count": np.asarray(self.count, np.int64)} \
+        """``opt/count`` for an Adam spec and the loss scaler's state, as the checkpoint
+        stores them."""
+        out = {"opt/count": np.asarray(self.count, np.int64)} \
             if isinstance(self.spec, Adam) else {}
+        return out if self.scaler is None else {**out, **self.scaler.state()}
 
     def load(self, state: dict[str, np.ndarray]) -> None:
-        """The count from a checkpoint's state, when it has one."""
+        """The count and the loss scaler's state from a checkpoint's state, where it has
+        them."""
         if "opt/count" in state:
             self.count = int(state["opt/count"])
+        if self.scaler is not None:
+            self.scaler.load(state)
 
 
 def clip_host(rule: UpdateRule, grads: dict[str, np.ndarray], norm: float

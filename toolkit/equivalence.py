@@ -38,11 +38,11 @@ from toolkit.models.specs import CNN, MLP, SGD, Adam, WarmupCosine
 LAUNCHERS = ("auto", "horovodrun", "mpirun", "srun")
 # Bounds on the max relative per-step loss deviation (and on the parameters' max absolute
 # deviation) from the float64 reference.
-LOSS_TOLERANCE = {"float32": 1e-5, "float64": 1e-10, "bf16-mixed": 3e-3}
-PARAM_TOLERANCE = {"float32": 1e-5, "float64": 1e-10, "bf16-mixed": 2e-3}
-# bf16-mixed: the first steps, before rounding boundaries move (docs/precision.md), are held
-# to a bound a float32 run fails
-EARLY_TOLERANCE = {"bf16-mixed": (10, 1e-6)}
+LOSS_TOLERANCE = {"float32": 1e-5, "float64": 1e-10, "bf16-mixed": 3e-3, "fp16-mixed": 1e-3}
+PARAM_TOLERANCE = {"float32": 1e-5, "float64": 1e-10, "bf16-mixed": 2e-3, "fp16-mixed": 2e-3}
+# mixed precision: the first steps, before rounding boundaries move (docs/precision.md), are
+# held to a bound a float32 run fails
+EARLY_TOLERANCE = {"bf16-mixed": (10, 1e-6), "fp16-mixed": (10, 1.5e-6)}
 
 
 GPT_WINDOWS = 4096  # the GPT preset trains on the first windows of the text corpus
@@ -117,15 +117,18 @@ def reference(args, norms: list[float] | None = None, split: tuple[int, int] = (
     the float32 run of the same rounded arithmetic, each batch split over ``split`` =
     ``(ranks, devices per rank)`` as the run splits it."""
     from toolkit.models.reference import reference_run
+    from toolkit.precision import LossScaler, Precision
 
-    mixed = args.bounds == "bf16-mixed"
-    dtype = "float32" if mixed else "float64"
+    policy = Precision.of(args.precision, args.dtype)
+    dtype = "float32" if policy.mixed else "float64"
     x, y = load_data(args.model, dtype)
+    mixed = {"compute": policy.compute_dtype, "split": split,
+             "scaler": LossScaler() if policy.loss_scaling else None}
     return reference_run(make_model(args.model), make_optimizer(args.optimizer, args.steps),
                          "cross_entropy", x, y, global_batch_size=args.batch_size,
                          steps=args.steps, seed=args.seed, dtype=dtype,
                          clip_grad_norm=args.clip_grad_norm, norms=norms,
-                         **({"compute": "bfloat16", "split": split} if mixed else {}))
+                         **(mixed if policy.mixed else {}))
 
 
 def pick_launcher(requested: str) -> str:
@@ -301,9 +304,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--batch-size", type=int, default=64, help="global batch")
     p.add_argument("--dtype", choices=("float32", "float64"), default=None,
                    help="the parameters' dtype (default float32)")
-    p.add_argument("--precision", choices=("32", "64", "bf16-mixed"), default=None,
-                   help="bf16-mixed: the runs in bfloat16 arithmetic against the reference of "
-                        "the same rounded arithmetic (docs/precision.md)")
+    p.add_argument("--precision", choices=("32", "64", "bf16-mixed", "fp16-mixed"),
+                   default=None, help="bf16-mixed, fp16-mixed: the runs in bfloat16 (float16 "
+                   "with loss scaling) against the reference of the same rounded arithmetic "
+                   "(docs/precision.md)")
     p.add_argument("--model", default="mlp", help="mlp, cnn or gpt")
     p.add_argument("--optimizer", default="sgd", help="sgd, sgd-cosine, adam or adamw")
     p.add_argument("--seed", type=int, default=0)
@@ -342,10 +346,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
     policy = Precision.of(args.precision, args.dtype)
     args.dtype = policy.param_dtype
-    args.bounds = "bf16-mixed" if policy.mixed else args.dtype  # the tolerances' key
+    args.bounds = policy.name if policy.mixed else args.dtype  # the tolerances' key
     if policy.mixed and args.model != "mlp":
-        raise ToolkitError(f"the bf16-mixed reference rounds the MLP only, not --model "
-                           f"{args.model}", "use --model mlp with --precision bf16-mixed")
+        raise ToolkitError(f"the {policy.name} reference rounds the MLP only, not --model "
+                           f"{args.model}", f"use --model mlp with --precision {policy.name}")
     make_model(args.model)
     make_optimizer(args.optimizer, args.steps)
     from toolkit.models.reference import check_clip
@@ -371,7 +375,7 @@ def main(argv: list[str] | None = None) -> int:
             for world_size in args.world_sizes:
                 for result in run_one(args, backend, world_size, launcher, Path(tmp)):
                     split = (tuple(result.get("data_split", (1, 1)))
-                             if args.bounds == "bf16-mixed" else (1, 1))
+                             if args.bounds in EARLY_TOLERANCE else (1, 1))
                     if split not in refs:
                         refs[split] = reference(args, split=split)
                     rows.append(compare(result, *refs[split], args.bounds,
@@ -380,9 +384,9 @@ def main(argv: list[str] | None = None) -> int:
                           f"{rows[-1]['status']}", file=sys.stderr, flush=True)
     baseline = {(r["world_size"], r["layout"]): r["step_seconds"] for r in rows
                 if r["backend"] == args.backends[0] and "final_loss" in r}
-    described = ("numpy float32 parameters in bfloat16 arithmetic rounded as the runs round "
-                 "(each batch split as a run's devices split it)"
-                 if args.bounds == "bf16-mixed" else "numpy float64")
+    described = (f"numpy float32 parameters in {args.bounds[:4]} arithmetic rounded as the "
+                 "runs round (each batch split as a run's devices split it)"
+                 if args.bounds in EARLY_TOLERANCE else "numpy float64")
     print(f"equivalence: {args.model} + {args.optimizer}, layout {args.layout}, {args.steps} "
           f"steps, global batch "
           f"{args.batch_size}, {args.bounds}, seed {args.seed}; reference: {described}, "

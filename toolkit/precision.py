@@ -140,6 +140,50 @@ def rounding(compute_dtype: str | None) -> Callable[[np.ndarray], np.ndarray]:
                            "use bfloat16 or float16")
 
     def round_to(a: np.ndarray) -> np.ndarray:
-        return np.asarray(a).astype(np.float32).astype(target).astype(np.float64)
+        with np.errstate(over="ignore"):  # (beyond float16's range: inf, as on a device)
+            return np.asarray(a).astype(np.float32).astype(target).astype(np.float64)
 
     return round_to
+
+
+class LossScaler:
+    """Dynamic loss scaling for float16 (torch's ``GradScaler`` rule): the loss is multiplied by
+    :attr:`scale` before the backward pass and the gradients divided by it after; a step whose
+    gradient is not finite is skipped and the scale halved, and after ``growth_interval`` clean
+    steps in a row the scale doubles. Powers of two, so scaling and unscaling are exact.
+
+    Framework-free: the strategies' update path and the numpy reference use the same one, and
+    its state is checkpointed (:meth:`state`), so a resumed run scales as an uninterrupted one.
+
+    Example:
+        >>> s = LossScaler(init_scale=8.0, growth_interval=2)
+        >>> s.update(finite=True); s.update(finite=True); s.scale
+        16.0
+        >>> s.update(finite=False); s.scale, s.good_steps
+        (8.0, 0)
+    """
+
+    def __init__(self, init_scale: float = 2.0 ** 16, growth_interval: int = 2000,
+                 factor: float = 2.0):
+        self.scale, self.growth_interval, self.factor = float(init_scale), growth_interval, factor
+        self.good_steps = 0  # clean steps since the last change of scale
+
+    def update(self, finite: bool) -> None:
+        """After a step: halve on a non-finite gradient, double after enough clean steps."""
+        if not finite:
+            self.scale, self.good_steps = self.scale / self.factor, 0
+            return
+        self.good_steps += 1
+        if self.good_steps == self.growth_interval:
+            self.scale, self.good_steps = self.scale * self.factor, 0
+
+    def state(self) -> dict[str, np.ndarray]:
+        """``scaler/scale`` and ``scaler/good_steps``, as the checkpoint names them."""
+        return {"scaler/scale": np.asarray(self.scale, np.float64),
+                "scaler/good_steps": np.asarray(self.good_steps, np.int64)}
+
+    def load(self, state: dict[str, np.ndarray]) -> None:
+        """The scale from a checkpoint's state, when it has one."""
+        if "scaler/scale" in state:
+            self.scale = float(state["scaler/scale"])
+            self.good_steps = int(state["scaler/good_steps"])

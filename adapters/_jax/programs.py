@@ -138,7 +138,7 @@ class StagePrograms:
             total = coll.holder_sum(g[:shared] * holder)
             g = g.at[:shared].set(jnp.where(holder > 0, total, g[:shared]))
 
-        def squares():  # over the stages of a replica (every replica holds the same)
+        def squares(g):  # over the stages of a replica (every replica holds the same)
             sq = jnp.sum(jnp.square(g))
             if shared:  # the tied embedding once: on the first stage holding it
                 repeat = jnp.asarray(self.repeats.astype(g.dtype))[coll.stage()]

@@ -100,13 +100,19 @@ class JaxStrategy(StrategyBase):
         return a.astype(self.dtype_name) if np.issubdtype(a.dtype, np.floating) else a
 
     def optimizer_scalars(self, lr: float | None) -> np.ndarray:
-        """``[lr, step_size, c2_sqrt]`` of this step for a spec optimizer, else empty."""
+        """``[lr, step_size, c2_sqrt]`` of this step for a spec optimizer, else empty; under
+        loss scaling the loss scale follows (``loss_scale`` reads it in the step)."""
+        scale = [] if self.rule.scaler is None else [self.rule.scaler.scale]
         if self.opt_spec is None:
-            return np.zeros(0, self.dtype_name)
+            return np.asarray(scale, self.dtype_name)
         if lr is None:
             raise ToolkitError(f"{self.name} needs the learning rate of each step",
                                "pass an optimizer spec (toolkit.SGD/Adam)")
-        return np.asarray(self.rule.scalars(lr), self.dtype_name)
+        return np.asarray([*self.rule.scalars(lr), *scale], self.dtype_name)
+
+    def loss_scale(self, scalars):
+        """(in the step) The loss scale among the step's ``scalars``; None without scaling."""
+        return None if self.rule.scaler is None else scalars[-1]
 
     def _step_seed(self) -> np.ndarray:
         """The seed of this step's dropout key, from (seed, step): a resume draws the same."""
@@ -145,9 +151,10 @@ class JaxStrategy(StrategyBase):
             self._compiled_for = shapes
         return self._compiled(*args)
 
-    def _accumulated_grads(self, params, model_state, x, y, key, forward=None):
+    def _accumulated_grads(self, params, model_state, x, y, key, forward=None, scale=None):
         """Gradients of the batch mean over ``accumulation_steps`` micro-batches (unrolled:
-        the count is static), every sample's loss in batch order, and the new model state.
+        the count is static), every sample's loss in batch order, and the new model state;
+        with a loss ``scale``, the gradients of the scaled mean (the update unscales them).
 
         ``forward(params, model_state, xb, rng) -> (outputs, model_state)`` replaces the Flax
         model's training forward (the sharded layouts pass their flat buffers through it)."""
@@ -164,7 +171,8 @@ class JaxStrategy(StrategyBase):
             out, model_state = forward(params, model_state, xb, rng)
             # the loss in the parameters' dtype (float32 under mixed precision)
             losses = per_sample_loss(jnp, self.loss_fn, out.astype(self.dtype), yb)
-            return jnp.mean(losses), (losses, model_state)
+            mean = jnp.mean(losses)
+            return (mean if scale is None else mean * scale), (losses, model_state)
 
         if k == 1:  # (no zeros to add the one gradient to)
             (_, (losses, model_state)), grads = jax.value_and_grad(loss_fn, has_aux=True)(
@@ -219,9 +227,9 @@ class JaxStrategy(StrategyBase):
             for slot, tree in opt_state.items():
                 out.update({f"opt/{slot}/{n}": np.array(v)
                             for n, v in self.model.flat(tree).items()})
-            out.update(self.rule.counters())
         else:  # a native optax state: every leaf under its tree path ("opt/0.mu.Dense_0.kernel")
             out.update({n: np.array(v) for n, v in self._optax_leaves(opt_state)})
+        out.update(self.rule.counters())  # a spec's count, the loss scaler's state
         out.update({n: np.array(v) for n, v in self.model.flat_state(model_state).items()})
         if self.model.native:
             out["rng/step"] = np.asarray(self.steps, np.int64)

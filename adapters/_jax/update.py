@@ -74,7 +74,7 @@ def apply_optimizer(tx, grads, opt_state, params, scalars):
     c2_sqrt]``, one host-to-device copy per step) or a native optax one (an empty vector)."""
     import optax
 
-    if scalars.shape[0]:
+    if scalars.shape[0] >= 3:  # (a loss scale may follow)
         updates, opt_state = tx.update(grads, opt_state, params, lr=scalars[0],
                                        step_size=scalars[1], c2_sqrt=scalars[2])
     else:
@@ -115,13 +115,19 @@ def keep_if_finite(jnp, norm, new, old):
     return jax.tree_util.tree_map(lambda n, o: jnp.where(ok, n, o), new, old)
 
 
-def update(jnp, rule, grads, sum_squares: Callable[[], Any], apply: Callable[[Any], Any],
-           old: Any) -> tuple[Any, Any]:
+def update(jnp, rule, grads, sum_squares: Callable[[Any], Any], apply: Callable[[Any], Any],
+           old: Any, scale: Any = None) -> tuple[Any, Any]:
     """``(new state, norm)``: ``apply(clipped grads)`` returns the new state (a tree shaped
     like ``old``: parameters, optimizer state and whatever else a skipped step keeps), under
-    ``rule`` (``adapters._update.UpdateRule``: its ``clip`` and ``skip``). ``sum_squares()``
-    adds up the squares of the whole gradient (a zero stands for the norm unless
-    ``rule.needs_norm``)."""
-    grads, norm = clip_by_norm(jnp, grads, sum_squares, rule.clip, rule.skip)
+    ``rule`` (``adapters._update.UpdateRule``: its ``clip`` and ``skip``). ``sum_squares(g)``
+    adds up the squares of the whole gradient ``g`` (a zero stands for the norm unless
+    ``rule.needs_norm``). With a loss ``scale`` (fp16), ``grads`` are those of the scaled loss:
+    unscaled first (exactly: a power of two), so the norm, clip and update see the true ones."""
+    if scale is not None:
+        import jax
+
+        inverse = 1.0 / scale
+        grads = jax.tree_util.tree_map(lambda g: g * inverse.astype(g.dtype), grads)
+    grads, norm = clip_by_norm(jnp, grads, lambda: sum_squares(grads), rule.clip, rule.skip)
     new = apply(grads)
     return (keep_if_finite(jnp, norm, new, old) if rule.skip else new), norm

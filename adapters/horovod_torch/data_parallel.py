@@ -50,7 +50,8 @@ class TorchDataParallel(StrategyBase):
     clips = True  # build takes clip_grad_norm; train_step's StepResult has grad_norm
     skips = True  # build takes skip_nonfinite; train_step's StepResult says skipped
     counts = False  # whether the UpdateRule keeps a spec optimizer's count (else torch.optim)
-    precisions = ("32", "64", "bf16-mixed")  # (mixed: torch autocast, ops.TorchOps.computing)
+    # mixed: torch autocast (ops.TorchOps.computing); fp16 with the update path's loss scaler
+    precisions = ("32", "64", "bf16-mixed", "fp16-mixed")
 
     scheduler = None  # a torch LR scheduler given with a native optimizer, after build
 
@@ -83,7 +84,8 @@ class TorchDataParallel(StrategyBase):
         self.buffers = [(n, b) for n, b in self.net.named_buffers() if b is not None]
         self.steps = 0  # optimizer steps taken: the randomness of the next one derives from it
         optimizer, self.scheduler = split_scheduler(torch, optimizer)
-        self.rule = UpdateRule(optimizer if self.counts else None, clip_grad_norm, skip_nonfinite)
+        self.rule = UpdateRule(optimizer if self.counts else None, clip_grad_norm, skip_nonfinite,
+                               self.precision)
         self._build_optimizer(model, optimizer, seed)
 
     def _build_optimizer(self, model: Any, optimizer: Any, seed: int) -> None:
@@ -149,7 +151,8 @@ class TorchDataParallel(StrategyBase):
                 loss = self.ops.mean_loss(self.net(xc), yc)
             if k > 1:
                 loss = loss / k
-            loss.backward()
+            scale = self.rule.loss_scale  # (fp16: the loss scaled, the update unscales)
+            (loss if scale is None else loss * scale).backward()
             losses.append(loss.detach())
         norm, skipped = self._apply(lr)
         # read after the update is queued: on a GPU the first read waits for the step (as a
@@ -188,8 +191,10 @@ class TorchDataParallel(StrategyBase):
         return {"params": params, "grads": params, "optimizer": slots}
 
     def _model_state(self) -> dict[str, np.ndarray]:
-        """Buffers, and the step the randomness of native models derives from."""
+        """Buffers, the update rule's counters, and the step the randomness of native models
+        derives from."""
         out = {f"buffers/{name}": to_host(b, same) for name, b in self.buffers}
+        out.update(self.rule.counters())  # (the loss scaler's; a sharded build's count)
         if self.native:
             out["rng/step"] = np.asarray(self.steps, np.int64)
         return out
@@ -236,6 +241,7 @@ class TorchDataParallel(StrategyBase):
             self._load_model_state(state)
 
     def _load_model_state(self, state: dict[str, np.ndarray]) -> None:
+        self.rule.load(state)
         with self.torch.no_grad():
             for name, b in self.buffers:
                 b.copy_(self._tensor(state[f"buffers/{name}"], same, b.dtype))

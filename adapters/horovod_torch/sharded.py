@@ -64,12 +64,12 @@ class TorchSharded(TorchDataParallel):
         return self.shards.memory_bytes()
 
     def state_dict(self) -> dict[str, np.ndarray]:
-        return {**self.shards.state_dict(), **self.rule.counters(), **self._model_state()}
+        return {**self.shards.state_dict(), **self._model_state()}
 
     def sharded_state(self) -> tuple[dict[str, np.ndarray], dict[str, tuple]]:
         """This rank's pieces of the sharded state (see ``toolkit.ShardedAdapter``)."""
         replicated, pieces = self.shards.sharded_state()
-        return {**replicated, **self.rule.counters(), **self._model_state()}, pieces
+        return {**replicated, **self._model_state()}, pieces
 
     def _load(self, state: dict[str, np.ndarray], params_only: bool = False) -> None:
         with self.torch.no_grad():

@@ -52,6 +52,8 @@ def update(torch, rule: UpdateRule, grads: list, norm: Callable[[], Any],
     if not rule.needs_norm:
         apply()
         return None, False
+    if rule.scaler is not None:  # the gradients of the scaled loss, unscaled (exactly: a
+        torch._foreach_mul_(grads, 1.0 / rule.scaler.scale)  # power of two)
     value = norm()
     if rule.skip and nonfinite(value):
         return value, True

@@ -22,7 +22,7 @@ class PjitDataParallel(JaxStrategy):
               metrics: Any = None, clip_grad_norm: float | None = None,
               skip_nonfinite: bool = False) -> None:
         self._compiled_for = None  # the step compiles anew for this model
-        self.rule = UpdateRule(optimizer, clip_grad_norm, skip_nonfinite)
+        self.rule = UpdateRule(optimizer, clip_grad_norm, skip_nonfinite, self.precision)
         self._build_layout(model, optimizer, loss, seed, accumulation_steps, metrics)
 
     def _build_layout(self, model, optimizer, loss, seed, accumulation_steps, metrics) -> None:
@@ -58,11 +58,13 @@ class PjitDataParallel(JaxStrategy):
         # (synchronised by construction) and dropout masks do not depend on the world size.
         key = self.jax.random.PRNGKey(seed)
         jnp, before = self.jnp, (params, opt_state, model_state)
-        grads, losses, new_state = self._accumulated_grads(params, model_state, x, y, key)
+        scale = self.loss_scale(scalars)
+        grads, losses, new_state = self._accumulated_grads(params, model_state, x, y, key,
+                                                           scale=scale)
         (params, opt_state, model_state), norm = update(
-            jnp, self.rule, grads, lambda: squares(jnp, grads),
+            jnp, self.rule, grads, lambda g: squares(jnp, g),
             lambda g: (*apply_optimizer(self.tx, g, opt_state, params, scalars), new_state),
-            before)
+            before, scale)
         return params, opt_state, model_state, losses, norm
 
     def _local_rows(self) -> int:

@@ -163,8 +163,9 @@ class PjitSharded(PjitDataParallel):
         wsc = self.jax.lax.with_sharding_constraint
         key = self.jax.random.PRNGKey(seed)
         jnp, before = self.jnp, (params, opt_state, model_state)
+        scale = self.loss_scale(scalars)
         grads, losses, new_state = self._accumulated_grads(
-            params, model_state, x, y, key, forward=self._sharded_forward)
+            params, model_state, x, y, key, forward=self._sharded_forward, scale=scale)
         # stage 1: the full gradient (all-reduced) is kept; 2 and 3: only its shard
         # (reduce-scattered). Either way each device updates its own shard.
         grads = wsc(grads, self.grad_sharding)
@@ -172,9 +173,9 @@ class PjitSharded(PjitDataParallel):
         # the norm: every element once (flat buffers with zero padding, and the split kernels'
         # (k, M) views)
         (params, opt_state, model_state), norm = update(
-            jnp, self.rule, grads, lambda: squares(jnp, grads),
+            jnp, self.rule, grads, lambda g: squares(jnp, g),
             lambda g: (*apply_optimizer(self.tx, wsc(g, shards), opt_state, wsc(params, shards),
-                                        scalars), new_state), before)
+                                        scalars), new_state), before, scale)
         return params, opt_state, model_state, losses, grads, norm
 
     # ------------------------------------------------------------------ host side

@@ -19,14 +19,14 @@ class PmapDataParallel(JaxStrategy):
 
     # bf16-mixed: each device casts its replica to bfloat16 inside the step, and its gradient
     # (float32 again through the cast) is averaged in float32
-    precisions = ("32", "64", "bf16-mixed")
+    precisions = ("32", "64", "bf16-mixed", "fp16-mixed")
 
     def build(self, model: Any, optimizer: Any, loss: Any, *, seed: int = 0,
               accumulation_steps: int = 1, sync_batchnorm: bool = False,
               metrics: Any = None, clip_grad_norm: float | None = None,
               skip_nonfinite: bool = False) -> None:
         self._compiled_for = None  # the step compiles anew for this model
-        self.rule = UpdateRule(optimizer, clip_grad_norm, skip_nonfinite)
+        self.rule = UpdateRule(optimizer, clip_grad_norm, skip_nonfinite, self.precision)
         jax = self.jax
         from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
@@ -52,16 +52,18 @@ class PmapDataParallel(JaxStrategy):
         # Each device draws its own dropout masks: the key folds in the device's index.
         key = self.jax.random.fold_in(self.jax.random.PRNGKey(seed), lax.axis_index("batch"))
         jnp, before = self.jnp, (params, opt_state, model_state)
-        grads, losses, new_state = self._accumulated_grads(params, model_state, x, y, key)
+        scale = self.loss_scale(scalars)
+        grads, losses, new_state = self._accumulated_grads(params, model_state, x, y, key,
+                                                           scale=scale)
         grads = lax.pmean(grads, axis_name="batch")
         # BatchNorm statistics are averaged over every device (of every process) each step, so
         # the replicas never drift apart (a module built with axis_name="batch" syncs them in
         # the forward pass already; then this changes nothing).
         new_state = lax.pmean(new_state, axis_name="batch")
         (params, opt_state, model_state), norm = update(
-            jnp, self.rule, grads, lambda: squares(jnp, grads),
+            jnp, self.rule, grads, lambda g: squares(jnp, g),
             lambda g: (*apply_optimizer(self.tx, g, opt_state, params, scalars), new_state),
-            before)
+            before, scale)
         return params, opt_state, model_state, jnp.mean(losses), norm
 
     def train_step(self, x: np.ndarray, y: np.ndarray, lr: float | None) -> StepResult:

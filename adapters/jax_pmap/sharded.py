@@ -140,8 +140,9 @@ class PmapSharded(PmapDataParallel):
         stage = self.layout.stage
         forward = self._fsdp_forward if stage == 3 else self._flat_forward
         before = (params, opt_state, model_state)
+        scale = self.loss_scale(scalars)
         grads, losses, new_state = self._accumulated_grads(params, model_state, x, y, key,
-                                                           forward=forward)
+                                                           forward=forward, scale=scale)
         new_state = lax.pmean(new_state, AXIS)
 
         def mine(full, unit):  # this device's slice of a full flat buffer
@@ -156,8 +157,8 @@ class PmapSharded(PmapDataParallel):
         else:  # each device's shard (zero padding)
             grads = tmap(lambda g: lax.psum_scatter(g, AXIS, tiled=True) / n, grads)
 
-        def sum_squares():  # stage 1: every device holds the whole gradient; 2, 3: a shard
-            sq = squares(jnp, grads)
+        def sum_squares(g):  # stage 1: every device holds the whole gradient; 2, 3: a shard
+            sq = squares(jnp, g)
             return sq if stage == 1 else lax.psum(sq, AXIS)
 
         def apply(g):  # stage 3 updates its own shards; 1 and 2 gather the updated ones
@@ -169,7 +170,7 @@ class PmapSharded(PmapDataParallel):
             return tmap(lambda s: lax.all_gather(s, AXIS, tiled=True), updated), opt, new_state
 
         (params, opt_state, model_state), norm = update(jnp, self.rule, grads, sum_squares,
-                                                        apply, before)
+                                                        apply, before, scale)
         return params, opt_state, model_state, self.jnp.mean(losses), grads, norm
 
     # ------------------------------------------------------------------ host side

@@ -1,7 +1,7 @@
-"""bf16-mixed against a numpy reference of the same arithmetic (``toolkit.models.reference`` with
-``compute="bfloat16"``: inputs, parameters and every layer's output rounded to bfloat16 where
-docs/precision.md's contract says, the loss in full precision, float32 master parameters and
-optimizer).
+"""bf16-mixed and fp16-mixed against a numpy reference of the same arithmetic
+(``toolkit.models.reference`` with ``compute="bfloat16"`` or ``"float16"``: inputs, parameters
+and every layer's output rounded where docs/precision.md's contract says, the loss in full
+precision, float32 master parameters and optimizer; for fp16 the same loss scaler).
 
 The first steps equal the rounded reference within 1e-6 (a float32 run is 1e-5 away and fails
 that bound); over 50 steps the runs drift apart only as rounding boundaries move (a float32
@@ -20,10 +20,13 @@ import toolkit
 from toolkit import ToolkitError
 from toolkit.datasets import load_digits
 from toolkit.models.reference import reference_run
+from toolkit.precision import LossScaler
 
 STEPS, EARLY, BATCH = 50, 10, 64
-EARLY_BOUND = 1e-6  # relative, each of the first EARLY steps
-LATE_BOUND = 3e-3  # relative, any of the STEPS steps (measured: docs/precision.md)
+# relative: (each of the first EARLY steps, any of the STEPS steps), measured in
+# docs/precision.md
+BOUNDS = {"bf16-mixed": (1e-6, 3e-3), "fp16-mixed": (1.5e-6, 1e-3)}
+COMPUTE = {"bf16-mixed": "bfloat16", "fp16-mixed": "float16"}
 CASES = [("horovod-torch", "data", (1, 1)), ("horovod-torch", "sharded:1", (1, 1)),
          ("horovod-torch", "sharded:3", (1, 1)), ("jax-pmap", "data", (1, 2)),
          ("jax-pmap", "sharded:1", (1, 2)), ("jax-pmap", "sharded:2", (1, 2))]
@@ -38,19 +41,25 @@ def data():
     return load_digits(seed=0, dtype="float32")[0]
 
 
-def run(backend, layout, precision, steps=STEPS):
-    x, y = data()
+def run(backend, layout, precision, steps=STEPS, x=None, **options):
+    x, y = data() if x is None else (x, data()[1])
     trainer = toolkit.Trainer(adapters.get(backend, precision=precision), MODEL, optimizer(),
                               layout=layout, global_batch_size=BATCH, max_steps=steps, seed=0,
-                              progress=False)
-    return np.asarray(trainer.fit(x, y).losses)
+                              progress=False, **options)
+    return trainer.fit(x, y)
 
 
-def rounded_reference(split, steps=STEPS):
-    x, y = data()
+def losses(*args, **options):
+    return np.asarray(run(*args, **options).losses)
+
+
+def rounded_reference(split, steps=STEPS, precision="bf16-mixed", x=None, scaler=None):
+    x, y = data() if x is None else (x, data()[1])
+    if scaler is None and precision == "fp16-mixed":
+        scaler = LossScaler()
     losses, _ = reference_run(MODEL, optimizer(), "cross_entropy", x, y, global_batch_size=BATCH,
-                              steps=steps, seed=0, dtype="float32", compute="bfloat16",
-                              split=split)
+                              steps=steps, seed=0, dtype="float32", compute=COMPUTE[precision],
+                              split=split, scaler=scaler)
     return np.asarray(losses)
 
 
@@ -58,17 +67,60 @@ def deviation(a, b):
     return np.abs(a - b) / np.abs(b)
 
 
+@pytest.mark.parametrize("precision", list(BOUNDS))
 @pytest.mark.parametrize("backend, layout, split", CASES)
-def test_bf16_mixed_is_the_rounded_arithmetic_and_float32_is_not(backend, layout, split):
-    ref = rounded_reference(split)
-    mixed = run(backend, layout, "bf16-mixed")
-    assert deviation(mixed[:EARLY], ref[:EARLY]).max() <= EARLY_BOUND, deviation(mixed, ref)
-    assert deviation(mixed, ref).max() <= LATE_BOUND, deviation(mixed, ref)
+def test_mixed_is_the_rounded_arithmetic_and_float32_is_not(backend, layout, split, precision):
+    early, late = BOUNDS[precision]
+    ref = rounded_reference(split, precision=precision)
+    mixed = losses(backend, layout, precision)
+    assert deviation(mixed[:EARLY], ref[:EARLY]).max() <= early, deviation(mixed, ref)
+    assert deviation(mixed, ref).max() <= late, deviation(mixed, ref)
     # a run that silently computed in float32 fails the bound (here: the float32 run itself)
-    plain = run(backend, layout, "32", steps=EARLY)
-    assert deviation(plain, ref[:EARLY]).max() > 10 * EARLY_BOUND, deviation(plain, ref)
-    # and bfloat16 trains as float32 does
-    assert abs(mixed[-1] - run(backend, layout, "32")[-1]) <= 0.01 * abs(mixed[-1])
+    plain = losses(backend, layout, "32", steps=EARLY)
+    assert deviation(plain, ref[:EARLY]).max() > 5 * early, deviation(plain, ref)
+    # and the narrow arithmetic trains as float32 does
+    assert abs(mixed[-1] - losses(backend, layout, "32")[-1]) <= 0.01 * abs(mixed[-1])
+
+
+class RecordingScaler(LossScaler):
+    """The reference's scaler, noting the steps it skipped."""
+
+    def __init__(self):
+        super().__init__()
+        self.steps, self.overflows = 0, []
+
+    def update(self, finite: bool) -> None:
+        self.steps += 1
+        if not finite:
+            self.overflows.append(self.steps)
+        super().update(finite)
+
+
+@pytest.mark.parametrize("backend, layout, split", [CASES[0], CASES[2], CASES[3]])
+def test_the_loss_scaler_skips_and_halves_where_the_reference_does(backend, layout, split):
+    """Inputs 30 times larger make the first scaled gradients overflow float16: the scaler
+    skips those steps and halves its scale, as the reference's does, and the divergence guard
+    counts none of them."""
+    x = data()[0] * 30
+    scaler = RecordingScaler()
+    rounded_reference(split, steps=12, precision="fp16-mixed", x=x, scaler=scaler)
+    history = run(backend, layout, "fp16-mixed", steps=12, x=x, on_nonfinite="skip")
+    assert len(scaler.overflows) >= 3 and history.overflow_steps == scaler.overflows
+    assert history.loss_scales[0] == 2.0 ** 16 and history.skipped_steps == []
+    expected = [2.0 ** 16 / 2 ** sum(o < s for o in scaler.overflows) for s in range(1, 13)]
+    assert history.loss_scales == expected
+
+
+def test_the_scaler_state_is_checkpointed_and_a_resume_is_bit_for_bit(tmp_path):
+    x = data()[0] * 30  # (overflows before and after the checkpoint)
+    whole = run("horovod-torch", "data", "fp16-mixed", steps=12, x=x)
+    run("horovod-torch", "data", "fp16-mixed", steps=6, x=x, checkpoint_dir=tmp_path,
+        checkpoint_every=6)
+    state = toolkit.CheckpointStore(tmp_path).load("latest")
+    assert state.step == 6 and float(state.tensors["scaler/scale"]) == whole.loss_scales[6]
+    resumed = run("horovod-torch", "data", "fp16-mixed", steps=12, x=x,
+                  checkpoint_dir=tmp_path, resume="latest")
+    assert resumed.losses == whole.losses[6:] and resumed.loss_scales == whole.loss_scales[6:]
 
 
 def test_the_reference_rounds_only_under_mixed_precision():

@@ -8,6 +8,7 @@ double precision on the host and eps outside the square root).
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import numpy as np
 
@@ -91,13 +92,13 @@ def check_clip(value) -> float | None:
     return float(value)
 
 
-def _split_grads(model, params, x, y, loss, compute, split):
+def _split_grads(model, params, x, y, loss, compute, split, scale=1.0):
     """The mean loss and gradient of a global batch split over ``split = (ranks, devices)``
     (``(1, 1)``: the batch itself)."""
     if compute is None and split == (1, 1):
         return model.loss_and_grads(params, x, y, loss)
     ranks, devices = split
-    parts = [model.loss_and_grads(params, xp, yp, loss, compute=compute)
+    parts = [model.loss_and_grads(params, xp, yp, loss, compute=compute, scale=scale)
              for r in range(ranks)
              for xp, yp in zip(np.split(x[r::ranks], devices), np.split(y[r::ranks], devices),
                                strict=True)]
@@ -110,7 +111,8 @@ def reference_run(model, optimizer: OptimizerSpec, loss: str, x: np.ndarray, y: 
                   global_batch_size: int, steps: int, seed: int = 0, dtype: str = "float64",
                   clip_grad_norm: float | None = None, norms: list[float] | None = None,
                   compute: str | None = None,
-                  split: tuple[int, int] = (1, 1)) -> tuple[list[float], dict[str, np.ndarray]]:
+                  split: tuple[int, int] = (1, 1),
+                  scaler: Any = None) -> tuple[list[float], dict[str, np.ndarray]]:
     """Sequential training in numpy: one process, the global batch, the same sampler.
 
     ``clip_grad_norm``: scale each step's gradient by :func:`clip_scale` of its
@@ -121,7 +123,9 @@ def reference_run(model, optimizer: OptimizerSpec, loss: str, x: np.ndarray, y: 
     global batch split as the sampler gives ranks their samples (rank ``r`` every ``r``-th)
     and a rank its devices (contiguous parts), each part's gradient in the compute dtype's
     arithmetic, their mean in ``dtype`` (the same as the whole batch's in exact arithmetic,
-    not in rounded arithmetic).
+    not in rounded arithmetic). ``scaler``: a ``toolkit.precision.LossScaler`` (fp16): the
+    loss scaled, the gradients unscaled, a step whose gradient is not finite skipped and the
+    scale updated, as the strategies' update path does.
 
     Returns:
         The loss of every step and the final parameters (neutral names, no prefix).
@@ -138,15 +142,22 @@ def reference_run(model, optimizer: OptimizerSpec, loss: str, x: np.ndarray, y: 
     losses: list[float] = []
     while len(losses) < steps:
         for idx in sampler:
-            value, grads = _split_grads(model, params, x[idx], y[idx], loss, compute, split)
+            scale = 1.0 if scaler is None else scaler.scale
+            value, grads = _split_grads(model, params, x[idx], y[idx], loss, compute, split,
+                                        scale)
+            if scaler is not None:
+                grads = {n: g * g.dtype.type(1.0 / scale) for n, g in grads.items()}
             norm = global_norm(grads)
             if norms is not None:
                 norms.append(norm)
             if clip_grad_norm is not None and norm > clip_grad_norm:
                 scale = clip_scale(norm, clip_grad_norm)
                 grads = {n: (g * scale).astype(g.dtype) for n, g in grads.items()}
-            params, state = apply_update(optimizer, params, grads, state,
-                                         learning_rate(optimizer, len(losses)))
+            if scaler is not None:
+                scaler.update(finite=math.isfinite(norm))
+            if scaler is None or math.isfinite(norm):
+                params, state = apply_update(optimizer, params, grads, state,
+                                             learning_rate(optimizer, len(losses)))
             losses.append(value)
             if len(losses) == steps:
                 break

@@ -96,22 +96,23 @@ class MLP:
         return hs, zs
 
     def loss_and_grads(self, params: dict[str, np.ndarray], x: np.ndarray, y: np.ndarray,
-                       loss: str = "cross_entropy", compute: str | None = None
-                       ) -> tuple[float, dict[str, np.ndarray]]:
+                       loss: str = "cross_entropy", compute: str | None = None,
+                       scale: float = 1.0) -> tuple[float, dict[str, np.ndarray]]:
         """Mean loss over the batch and its gradients, by hand in numpy (the reference).
 
         ``compute``: a narrower dtype for the arithmetic (``bfloat16``, ``float16``), rounded
         where the mixed-precision contract says (docs/precision.md): the inputs, parameters
         and every layer's output rounded once; the loss (and its gradient) from the outputs in
         full precision, that gradient rounded on its way back; each gradient matmul and sum
-        rounded once; the parameters' gradients returned in their own dtype."""
+        rounded once; the parameters' gradients returned in their own dtype. ``scale``: the
+        loss scale (fp16): the gradients returned are those of ``scale`` x the loss."""
         check_choice("loss", loss, LOSSES)
         from toolkit.precision import rounding
 
         r = rounding(compute)
         hs, zs = self._forward(params, x, r)
         value, dz = _loss_grad(hs[-1], y, loss)
-        dz = r(dz)
+        dz = r(dz * scale)
         grads = {}
         for i in reversed(range(self.num_layers)):
             like = params[f"layers.{i}.kernel"].dtype

@@ -82,10 +82,12 @@ class DivergenceGuard:
         self.above, self.skips = int(state.get("above", 0)), int(state.get("skips", 0))
 
     def check(self, first_step: int, losses: Sequence[float], norms: Sequence[float] = (),
-              skipped: Sequence[bool] = ()) -> tuple[int, float, str] | None:
+              skipped: Sequence[bool] = (), overflow: Sequence[bool] = ()
+              ) -> tuple[int, float, str] | None:
         """``(step, loss, why)`` of the first diverged step among ``losses`` (the steps after
-        ``first_step``), their gradient ``norms`` (where the backend reports them) and
-        whether each was ``skipped``, or None."""
+        ``first_step``), their gradient ``norms`` (where the backend reports them), whether
+        each was ``skipped``, and whether a loss scaler skipped it (``overflow``: its norm is
+        the scaler's business; its loss is still checked), or None."""
         for i, loss in enumerate(losses):
             step, loss = first_step + i + 1, float(loss)
             if i < len(skipped) and skipped[i]:
@@ -99,7 +101,8 @@ class DivergenceGuard:
             self.skips = 0
             if not math.isfinite(loss):
                 return step, loss, "is not finite"
-            if i < len(norms) and not math.isfinite(norms[i]):
+            scaler_skipped = i < len(overflow) and overflow[i]
+            if i < len(norms) and not math.isfinite(norms[i]) and not scaler_skipped:
                 return step, loss, f"is finite but the gradient norm {norms[i]} is not"
             if self.factor is None:
                 continue

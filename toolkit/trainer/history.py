@@ -28,6 +28,9 @@ class History:
             gradient norm before clipping.
         skipped_steps: under ``on_nonfinite="skip"``, the steps that updated nothing because
             their gradient norm was not finite.
+        loss_scales: under fp16 loss scaling, the scale of each step's loss.
+        overflow_steps: under fp16 loss scaling, the steps the scaler skipped (a scaled
+            gradient that was not finite; the scale was halved), apart from ``skipped_steps``.
     """
 
     losses: list[float] = dataclasses.field(default_factory=list)
@@ -36,6 +39,8 @@ class History:
     world_size: int = 1
     grad_norms: list[float] = dataclasses.field(default_factory=list)
     skipped_steps: list[int] = dataclasses.field(default_factory=list)
+    loss_scales: list[float] = dataclasses.field(default_factory=list)
+    overflow_steps: list[int] = dataclasses.field(default_factory=list)
 
     @property
     def final_loss(self) -> float:

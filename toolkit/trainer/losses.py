@@ -9,6 +9,7 @@ from typing import Any
 
 import numpy as np
 
+from toolkit.contract import StepResult
 from toolkit.trainer.guard import DivergenceGuard
 from toolkit.trainer.history import History, MetricsLog
 
@@ -21,12 +22,17 @@ class StepLosses:
         self.pending: list[Any] = []  # local step losses not yet averaged across ranks
         self.norms: list[Any] = []  # their gradient norms (the same on every rank)
         self.skipped: list[bool] = []  # whether each step was skipped (on_nonfinite="skip")
+        self.scales: list[tuple[float, bool]] = []  # fp16: each step's (loss scale, overflow)
 
-    def add(self, loss: Any, norm: Any = None, skipped: bool = False) -> None:
-        self.pending.append(loss)
-        self.skipped.append(skipped)
-        if norm is not None:
-            self.norms.append(norm)
+    def add(self, step: StepResult, guard_skips: bool = False) -> None:
+        """A step's result; ``guard_skips``: its skips are the divergence guard's to count
+        (``on_nonfinite="skip"``), a loss scaler's overflows never are."""
+        self.pending.append(step.loss)
+        self.skipped.append(guard_skips and bool(step.skipped) and not step.overflow)
+        if step.grad_norm is not None:
+            self.norms.append(step.grad_norm)
+        if step.loss_scale != 1.0 or step.overflow:
+            self.scales.append((float(step.loss_scale), bool(step.overflow)))
 
     def __len__(self) -> int:
         return len(self.pending)
@@ -47,13 +53,19 @@ class StepLosses:
         history.losses.extend(float(v) for v in averaged)
         norms = [float(v) for v in self.norms] if len(self.norms) == len(pending) else []
         skipped = list(self.skipped)
+        scales = list(self.scales) if len(self.scales) == len(pending) else []
         history.grad_norms.extend(norms)
         history.skipped_steps.extend(first + i + 1 for i, s in enumerate(skipped) if s)
+        history.loss_scales.extend(s for s, _ in scales)
+        history.overflow_steps.extend(first + i + 1 for i, (_, o) in enumerate(scales) if o)
         self.log.write({"event": "step", "step": first + i + 1, "loss": float(v),
                         **({"grad_norm": norms[i]} if norms else {}),
-                        **({"skipped": True} if skipped[i] else {})}
+                        **({"skipped": True} if skipped[i] else {}),
+                        **({"loss_scale": scales[i][0]} if scales else {}),
+                        **({"overflow": True} if scales and scales[i][1] else {})}
                        for i, v in enumerate(averaged))
         pending.clear()
         self.norms.clear()
         self.skipped.clear()
-        return self.guard.check(first, averaged, norms, skipped)
+        self.scales.clear()
+        return self.guard.check(first, averaged, norms, skipped, [o for _, o in scales])

@@ -326,8 +326,7 @@ class Trainer:
                 lr = learning_rate(self.optimizer, self.global_step) * scale \
                     if not _is_native(self.optimizer) else None
                 step = StepResult.of(self.adapter.train_step(*loader.get(idx), lr))
-                self._losses.add(step.loss, step.grad_norm,  # (norm: the same on every rank)
-                                 self.skip_nonfinite and bool(step.skipped))
+                self._losses.add(step, self.skip_nonfinite)  # (norm: the same on every rank)
                 self.global_step += 1
                 done = sampler.step if sampler.epoch == epoch else len(sampler)  # at its end
                 progress.update(self.global_step, epoch, done, len(sampler), step.loss)
