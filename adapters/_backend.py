@@ -241,6 +241,12 @@ class StrategyBase:
     def position(self) -> tuple[int, int]:
         return 0, self.env.rank
 
+    @property
+    def data_split(self) -> tuple[int, int]:
+        """``(ranks, devices per rank)`` each global batch's gradient is computed over, each
+        part in its own (rounded) arithmetic: what a mixed-precision reference must split."""
+        return self.env.world_size, self.runtime.local_device_count()
+
     def sharded_state(self) -> tuple[dict[str, np.ndarray], dict[str, tuple]]:
         raise ToolkitError(f"sharded_state() needs a sharded layout; this run is "
                            f"{self.layout.name}", "use state_dict(), or train with "

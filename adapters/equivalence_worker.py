@@ -110,7 +110,7 @@ def run_layout(args, layout, out: Path, env) -> None:
         "world_size": env.world_size, "state_bytes_per_rank": float(state_bytes),
         # (ranks, devices per rank) each global batch is split over: the bf16-mixed
         # reference splits it so
-        "data_split": [env.world_size, adapter.local_device_count()],
+        "data_split": list(adapter.strategy.data_split),
         "device": ",".join(adapter.device_names()), **extra}),
         env=env)
 

@@ -17,6 +17,16 @@ from toolkit.contract import StepResult
 class PjitDataParallel(JaxStrategy):
     """``toolkit.DataParallel`` for ``jax-pjit``: one program over a ``data`` mesh axis."""
 
+    # mixed: the parameters cast inside the one program; its gradient is the global batch's,
+    # its partial sums reduced before they are rounded (data_split)
+    precisions = ("32", "64", "bf16-mixed", "fp16-mixed")
+
+    @property
+    def data_split(self) -> tuple[int, int]:
+        """One program over the global batch: the rounded arithmetic of one batch, whatever
+        the devices (the compiler adds the devices' partial products before rounding)."""
+        return 1, 1
+
     def build(self, model: Any, optimizer: Any, loss: Any, *, seed: int = 0,
               accumulation_steps: int = 1, sync_batchnorm: bool = False,
               metrics: Any = None, clip_grad_norm: float | None = None,

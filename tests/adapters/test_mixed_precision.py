@@ -29,7 +29,9 @@ BOUNDS = {"bf16-mixed": (1e-6, 3e-3), "fp16-mixed": (1.5e-6, 1e-3)}
 COMPUTE = {"bf16-mixed": "bfloat16", "fp16-mixed": "float16"}
 CASES = [("horovod-torch", "data", (1, 1)), ("horovod-torch", "sharded:1", (1, 1)),
          ("horovod-torch", "sharded:3", (1, 1)), ("jax-pmap", "data", (1, 2)),
-         ("jax-pmap", "sharded:1", (1, 2)), ("jax-pmap", "sharded:2", (1, 2))]
+         ("jax-pmap", "sharded:1", (1, 2)), ("jax-pmap", "sharded:2", (1, 2)),
+         # one program over the global batch: its arithmetic is the whole batch's
+         ("jax-pjit", "data", (1, 1)), ("jax-pjit", "sharded:3", (1, 1))]
 MODEL = toolkit.MLP((64, 128, 10))
 
 
@@ -137,7 +139,7 @@ def test_the_reference_rounds_only_under_mixed_precision():
     assert one[0] == pytest.approx(rounded[0], rel=1e-12)
 
 
-@pytest.mark.parametrize("backend, layout", [("jax-pjit", "data"), ("jax-pmap", "sharded:3"),
+@pytest.mark.parametrize("backend, layout", [("horovod-tf", "data"), ("jax-pmap", "sharded:3"),
                                              ("horovod-torch", "pipeline:1:2")])
 def test_a_strategy_without_bf16_says_so_before_building(backend, layout):
     x, y = data()
@@ -151,7 +153,7 @@ def test_a_strategy_without_bf16_says_so_before_building(backend, layout):
 
 @pytest.mark.parametrize("backend, layout", [
     ("horovod-torch", "data"), ("horovod-torch", "sharded:3"), ("jax-pmap", "data"),
-    ("jax-pmap", "sharded:2")])
+    ("jax-pmap", "sharded:2"), ("jax-pjit", "data"), ("jax-pjit", "sharded:3:tp2")])
 def test_a_gpt_trains_in_bf16_mixed_as_in_float32(backend, layout):
     """The GPT (layer norms and softmax in float32, the rest in bfloat16) follows the float32
     run's losses within a percent over its first steps, and holds float32 parameters."""
