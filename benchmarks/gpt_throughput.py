@@ -5,7 +5,7 @@ on the same GPT, the same data and the same optimizer, measured alternately in o
     .venv/bin/horovodrun -np 2 --gloo .venv/bin/python benchmarks/gpt_throughput.py \\
         --backend jax-pjit
     python benchmarks/gpt_throughput.py --backend horovod-torch --device gpu --gpt2-small \\
-        --batch-size 8   # on a GPU node: GPT-2 small's shape, tokens/s and MFU
+        --batch-size 8 --precision bf16-mixed   # on a GPU: GPT-2 small, tokens/s and MFU
 
 Each window runs ``--steps`` steps of the Trainer, then ``--steps`` steps of the hand-written
 loop (below, one short function per backend: what a user would write without the toolkit);
@@ -17,9 +17,12 @@ On a GPU (``--device gpu``, or ``auto`` where the framework sees one) both run o
 GPU, and each line adds the model FLOPs utilisation: (6 x parameters + 12 x layers x width x
 context) FLOPs per token (the PaLM paper's count, attention included) x tokens/s over the
 GPU's peak for the matmul precision (``--matmul``: ``float32`` keeps full float32, ``tf32``
-lets both sides use TensorFloat-32). The hand-written torch loop uses what a GPU user writes:
+lets both sides use TensorFloat-32; ``--precision bf16-mixed``: the bfloat16 peak), and the peak
+GPU memory each held. The hand-written torch loop uses what a GPU user writes:
 torch's fused AdamW, ``scaled_dot_product_attention`` (the same module as the Trainer's), the
-batch copied from pinned memory, no ``torch.compile`` (the Trainer does not compile either).
+batch copied from pinned memory, ``torch.autocast`` under bf16-mixed, no ``torch.compile`` (the
+Trainer does not compile either); the JAX loop casts the parameters to bfloat16 inside its one
+jitted step.
 """
 
 import argparse
@@ -42,7 +45,7 @@ def windows(count: int, context: int):
 
 
 # ------------------------------------------------------------------ hand-written loops
-def torch_loop(spec, params, lr, env, dev):
+def torch_loop(spec, params, lr, env, dev, bf16: bool):
     """``dev``: the Trainer's device (the same GPU, or the CPU)."""
     import horovod.torch as hvd
     import torch
@@ -66,7 +69,8 @@ def torch_loop(spec, params, lr, env, dev):
 
     def step(x, y):
         opt.zero_grad()
-        out = net(tensor(x))
+        with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=bf16):
+            out = net(tensor(x)).float()
         loss = torch.nn.functional.cross_entropy(out.reshape(-1, out.shape[-1]),
                                                  tensor(y).reshape(-1))
         loss.backward()
@@ -103,7 +107,7 @@ def tf_loop(spec, params, lr, env):
     return (lambda x, y: float(step(x, y))), lambda: None
 
 
-def jax_loop(spec, params, lr, env, pmap: bool):
+def jax_loop(spec, params, lr, env, pmap: bool, bf16: bool):
     import jax
     import jax.numpy as jnp
     import optax
@@ -115,7 +119,9 @@ def jax_loop(spec, params, lr, env, pmap: bool):
     tree = to_tree(params)
 
     def loss_fn(p, x, y):
-        logp = jax.nn.log_softmax(module.apply({"params": p}, x))
+        if bf16:
+            p = jax.tree_util.tree_map(lambda a: a.astype(jnp.bfloat16), p)
+        logp = jax.nn.log_softmax(module.apply({"params": p}, x).astype(jnp.float32))
         return -jnp.mean(jnp.take_along_axis(logp, y[..., None], axis=-1))
 
     def update(p, s, x, y, reduce):
@@ -175,6 +181,8 @@ def main() -> None:
     p.add_argument("--device", choices=("auto", "cpu", "gpu"), default="auto")
     p.add_argument("--matmul", choices=("float32", "tf32"), default="float32",
                    help="on a GPU: full float32 matrix products, or TensorFloat-32")
+    p.add_argument("--precision", choices=("32", "bf16-mixed"), default="32",
+                   help="the arithmetic of both sides (docs/precision.md)")
     p.add_argument("--peak-tflops", type=float, default=None,
                    help="the GPU's peak for MFU (default: looked up from its name)")
     args = p.parse_args()
@@ -190,7 +198,8 @@ def main() -> None:
     name = args.backend
     if args.device != "cpu" and count_gpus():
         float32_matmuls(name, tf32=args.matmul == "tf32")  # both sides
-    trainer = toolkit.Trainer(adapters.get(args.backend), spec,
+    bf16 = args.precision == "bf16-mixed"
+    trainer = toolkit.Trainer(adapters.get(args.backend, precision=args.precision), spec,
                               toolkit.Adam(lr=lr, weight_decay=0.1, decoupled=True),
                               global_batch_size=args.batch_size, max_steps=args.steps,
                               progress=False, stop_signals=(), device=args.device)
@@ -198,10 +207,10 @@ def main() -> None:
     device = trainer.adapter.device_names()[0]
     gpu = device.startswith("gpu")
     params = spec.init(0, "float32")
-    hand, sync = (torch_loop(spec, params, lr, env, trainer.adapter.runtime.dev)
+    hand, sync = (torch_loop(spec, params, lr, env, trainer.adapter.runtime.dev, bf16)
                   if name == "horovod-torch" else
                   tf_loop(spec, params, lr, env) if name == "horovod-tf" else
-                  jax_loop(spec, params, lr, env, pmap=name == "jax-pmap"))
+                  jax_loop(spec, params, lr, env, pmap=name == "jax-pmap", bf16=bf16))
     tokens = args.steps * args.batch_size * args.context
     ours, theirs, ratio = trainer_against_hand(trainer, hand, sync, x, y, env,
                                                steps=args.steps,
@@ -209,15 +218,31 @@ def main() -> None:
     rates = [tokens / statistics.median(t) for t in (ours, theirs)]
     mfu = ""
     if gpu:  # every rank's GPU: the world's tokens over the world's peak
+        precision = "bfloat16" if bf16 else args.matmul
         peak = (args.peak_tflops * 1e12 if args.peak_tflops else
-                peak_flops(gpu_name(name), args.matmul)) * env.world_size
+                peak_flops(gpu_name(name), precision)) * env.world_size
         per_token = flops_per_token(spec)
         mfu = "  MFU " + " / ".join(f"{r * per_token / peak:.1%}" for r in rates) + (
-            f" (peak {peak / env.world_size / 1e12:.0f} TFLOP/s {args.matmul} per GPU)")
-    toolkit.print0(f"{name:14s} world {env.world_size} on {device}  GPT {spec.num_params:,} "
+            f" (peak {peak / env.world_size / 1e12:.0f} TFLOP/s {precision} per GPU)"
+            f"  peak memory {peak_memory(name) / 2**30:.2f} GiB (both sides, rank 0's GPU)")
+    toolkit.print0(f"{name:14s} world {env.world_size} on {device}, {args.precision}  "
+                   f"GPT {spec.num_params:,} "
                    f"params, batch {args.batch_size}x{args.context}:  toolkit "
                    f"{rates[0]:,.0f} tokens/s  hand-written {rates[1]:,.0f} tokens/s  "
                    f"ratio {ratio:.3f}{mfu}")
+
+
+def peak_memory(backend: str) -> float:
+    """The most bytes the framework held on this rank's GPU so far."""
+    if backend == "horovod-torch":
+        import torch
+
+        return float(torch.cuda.max_memory_allocated())
+    if backend.startswith("jax-"):
+        import jax
+
+        return float((jax.local_devices()[0].memory_stats() or {}).get("peak_bytes_in_use", 0))
+    return 0.0
 
 
 def gpu_name(backend: str) -> str:

@@ -14,8 +14,9 @@
 #   3. meanwhile, JAX's gpu-marked tests (jax-pjit, jax-pmap: world size 1 equivalence with
 #      full float32 matmuls, checkpoints between GPU and CPU)      -> OUT/jax.log
 #   4. horovod-torch's gpu-marked tests, once Horovod is built     -> OUT/torch.log
-#   5. GPT-2 small's tokens/s and MFU, the Trainer beside a hand-written loop, jax-pjit then
-#      horovod-torch (after the builds: nothing else uses the cores) -> OUT/throughput.log
+#   5. GPT-2 small's tokens/s, MFU and peak memory, the Trainer beside a hand-written loop,
+#      jax-pjit then horovod-torch, in bf16-mixed and then in float32 (after the builds:
+#      nothing else uses the cores)                                  -> OUT/throughput.log
 #   6. two horovod-torch ranks sharing the GPU through the Horovod without NCCL
 #      (TOOLKIT_SHARE_GPUS=1): data, ZeRO-3 and a two-stage pipeline against the float64
 #      reference                                                    -> OUT/shared.log
@@ -97,11 +98,14 @@ fi
 
 # 5. throughput, once no build uses the cores
 wait $gloo_build; gloo_rc=$?
-GPT=(--device gpu --gpt2-small --vocab 50304 --batch-size 8 --steps 5 --windows 5)
-phase "jax-pjit GPT-2 small float32" 100 "$OUT_DIR/throughput.log" \
-  "$PY" benchmarks/gpt_throughput.py --backend jax-pjit "${GPT[@]}"
-[ $nccl_ok = 1 ] && phase "horovod-torch GPT-2 small float32" 100 "$OUT_DIR/throughput.log" \
-  "$PY" benchmarks/gpt_throughput.py --backend horovod-torch "${GPT[@]}"
+GPT=(--device gpu --gpt2-small --vocab 50304 --batch-size 8 --steps 5 --windows 4)
+for precision in bf16-mixed 32; do
+  name=$([ $precision = 32 ] && echo float32 || echo $precision)
+  phase "jax-pjit GPT-2 small $name" 80 "$OUT_DIR/throughput.log" \
+    "$PY" benchmarks/gpt_throughput.py --backend jax-pjit --precision $precision "${GPT[@]}"
+  [ $nccl_ok = 1 ] && phase "horovod-torch GPT-2 small $name" 80 "$OUT_DIR/throughput.log" \
+    "$PY" benchmarks/gpt_throughput.py --backend horovod-torch --precision $precision "${GPT[@]}"
+done
 
 # 6. two ranks sharing the GPU through host-staged collectives
 if [ $gloo_rc = 0 ] && install_wheel "$WHEELS/gloo" /tmp/gpu-checks-gloo >>"$OUT_DIR/horovod-gloo-build.log" 2>&1; then

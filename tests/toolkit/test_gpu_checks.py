@@ -36,7 +36,8 @@ def test_the_script_runs_through_and_says_what_ran(tmp_path):
                  f"no {tmp_path / 'missing.tar.gz'}: run tools/gpu_checks.sh --prepare",
                  "jax gpu tests: ok",  # (each skipped, with the reason, in jax.log)
                  "horovod with NCCL: build failed or stopped",
-                 "jax-pjit GPT-2 small float32: exit",  # no GPU here: the Trainer says so
+                 "jax-pjit GPT-2 small bf16-mixed: exit",  # no GPU here: the Trainer says so
+                 "jax-pjit GPT-2 small float32: exit",
                  "two ranks on one GPU: not run", "] done"):
         assert line in summary, summary
     assert "needs a GPU: torch sees none here" in (out / "jax.log").read_text()
