@@ -9,7 +9,15 @@ float32       4           4          0 / 4 / 8 / 12
 float16       2           2          0 / 2 / 4 / 6 (states kept in 16 bits)
 bfloat16      2           2          0 / 2 / 4 / 6
 mixed         2           2          4 / 8 / 12 / 12 (fp32 master copy + fp32 states: K)
+bf16-mixed    4           4          0 / 4 / 8 / 8 (the toolkit's: float32 parameters cast)
+fp16-mixed    4           4          0 / 4 / 8 / 8 (on the fly, no 16-bit copy kept)
 ============  ==========  =========  ==========================================================
+
+``bf16-mixed`` and ``fp16-mixed`` are this toolkit's policies (``--precision``,
+docs/precision.md): the parameters, gradients and optimizer state stay float32 (no separate
+master copy: the parameters are the master), the forward pass casts them on the fly, so only
+the activations are 16-bit. ``mixed`` is the ZeRO paper's accounting, with a 16-bit copy of the
+parameters and gradients kept beside the float32 master and states.
 
 ``adam`` keeps the two moments (what ``torch.optim.Adam`` allocates); ``adam-master`` also
 counts a full-precision master copy of the parameters. That is the ZeRO paper's ``K = 12`` for
@@ -48,7 +56,7 @@ import sys
 from toolkit.errors import ToolkitError
 from toolkit.parallel.layouts import DataParallel, Layout, Pipeline, Sharded, parse_layout
 
-DTYPES = ("float32", "float16", "bfloat16", "mixed")
+DTYPES = ("float32", "float16", "bfloat16", "mixed", "bf16-mixed", "fp16-mixed")
 OPTIMIZERS = ("sgd", "momentum", "adam", "adam-master")
 ACTIVATION_MODELS = ("full", "rough")
 _STATE_COPIES = {"sgd": 0, "momentum": 1, "adam": 2, "adam-master": 3}
@@ -65,6 +73,8 @@ def bytes_per_param(dtype: str, optimizer: str) -> tuple[int, int, int]:
     _check("optimizer", optimizer, OPTIMIZERS)
     if dtype == "mixed":  # fp32 master copy + fp32 states, K in the ZeRO paper
         return 2, 2, 4 + 4 * min(2, _STATE_COPIES[optimizer])
+    if dtype.endswith("-mixed"):  # the toolkit's: float32 master parameters, cast on the fly
+        return 4, 4, 4 * min(2, _STATE_COPIES[optimizer])
     size = 4 if dtype == "float32" else 2
     return size, size, size * _STATE_COPIES[optimizer]
 
@@ -181,6 +191,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--classes", type=int, default=10, help="CNN outputs")
     parser.add_argument("--batch", type=int, default=1, help="per-rank micro-batch (sequences)")
     parser.add_argument("--dtype", default="float32", help=" | ".join(DTYPES))
+    parser.add_argument("--precision", choices=("32", "bf16-mixed", "fp16-mixed"), default=None,
+                        help="a toolkit precision policy (docs/precision.md), instead of --dtype")
     parser.add_argument("--optimizer", default="adam", help=" | ".join(OPTIMIZERS))
     parser.add_argument("--activations", default="full", help=" | ".join(ACTIVATION_MODELS))
     parser.add_argument("--layout", default="data", help="data | sharded:1|2|3 | pipeline:S:M")
@@ -248,6 +260,8 @@ def _count_cnn(args: argparse.Namespace) -> tuple[int, float, str]:
 def main(argv: list[str] | None = None) -> int:
     """Prints the per-rank memory table; bad input raises a ToolkitError."""
     args = parse_args(argv)
+    if args.precision is not None:
+        args.dtype = "float32" if args.precision == "32" else args.precision
     layout = parse_layout(args.layout)
     num_params, acts, described = _count(args)
     est = estimate(num_params, layout, args.world_size, args.dtype, args.optimizer, acts)

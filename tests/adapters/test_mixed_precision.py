@@ -171,3 +171,23 @@ def test_a_gpt_trains_in_bf16_mixed_as_in_float32(backend, layout):
                    if k.startswith("params/"))
     assert deviation(losses["bf16-mixed"], losses["32"]).max() < 1e-2, losses
     assert deviation(losses["bf16-mixed"], losses["32"]).max() > 1e-6, losses  # it rounded
+
+
+@pytest.mark.parametrize("layout", ["data", "sharded:3"])
+def test_the_memory_estimate_of_bf16_mixed_is_what_the_rank_holds(layout):
+    """bf16-mixed keeps float32 parameters, gradients and Adam moments (cast on the fly):
+    ``python -m toolkit.memory --precision bf16-mixed`` counts those bytes."""
+    from toolkit.memory import estimate
+
+    x, y = data()
+    adapter = adapters.get("horovod-torch", precision="bf16-mixed")
+    toolkit.Trainer(adapter, MODEL, toolkit.Adam(lr=1e-3), layout=layout, global_batch_size=BATCH,
+                    max_steps=2, progress=False).fit(x, y)
+    held = adapter.memory_bytes()
+    count = sum(a.size for a in MODEL.init(0).values())
+    est = estimate(count, toolkit.parse_layout(layout), 1, "bf16-mixed", "adam")
+    assert (held["params"], held["grads"]) == (est.params, est.grads)
+    # (torch.optim's Adam also keeps a float32 step count per tensor: 4 tensors, 16 bytes)
+    assert held["optimizer"] - est.optimizer in (0, 4 * len(MODEL.init(0))), held
+    assert est.model_states == estimate(count, toolkit.parse_layout(layout), 1,
+                                        "float32", "adam").model_states
