@@ -23,7 +23,7 @@ IMPLEMENTED = tuple(name for name, module in _REGISTRY.items() if module)
 
 
 def get(name: str, *, dtype: str | None = None, precision: str | None = None,
-        local_devices: int | None = None) -> Adapter:
+        local_devices: int | None = None, compression: str | None = None) -> Adapter:
     """The adapter for backend ``name``; its framework is imported when it is set up.
 
     Args:
@@ -33,6 +33,8 @@ def get(name: str, *, dtype: str | None = None, precision: str | None = None,
             ``"fp16-mixed"``); None: the plain one of ``dtype``.
         local_devices: JAX backends only: CPU devices per process (``jax_num_cpu_devices``);
             None keeps JAX's own count.
+        compression: Horovod backends only: ``"fp16"`` sends the data-parallel gradient
+            allreduce in float16 (``hvd.Compression.fp16``); None or ``"none"``: as computed.
 
     Raises:
         ToolkitError: for an unknown name (listing the valid ones) or one not implemented yet.
@@ -48,6 +50,12 @@ def get(name: str, *, dtype: str | None = None, precision: str | None = None,
     if options and not name.startswith("jax-"):
         raise ToolkitError(f"local_devices={local_devices} applies to the JAX backends only",
                            f"drop it for {name!r} (one device per process)")
+    if compression is not None:
+        if not name.startswith("horovod-"):
+            raise ToolkitError(f"compression={compression!r} applies to the Horovod backends only",
+                               f"drop it for {name!r}, or use --precision bf16-mixed to halve "
+                               "the activations' bytes")
+        options["compression"] = compression
     module, cls = entry
     return getattr(importlib.import_module(module), cls)(dtype=dtype, precision=precision,
                                                          **options)

@@ -168,6 +168,12 @@ class Backend:
                 "(on_nonfinite='skip')",
                 "use on_nonfinite='stop', or give this strategy a skip_nonfinite build option "
                 "(docs/architecture.md)")
+        compression = getattr(self.runtime, "compression", "none")
+        if compression != "none" and not getattr(strategy, "compresses", False):
+            raise ToolkitError(
+                f"{self.name} does not compress gradients under {self.layout.name} "
+                f"(compression={compression!r})", "the data-parallel layout compresses its "
+                "gradient allreduce; drop compression for this layout")
         runs = getattr(strategy, "precisions", PLAIN)
         if self.precision.name not in runs:
             raise ToolkitError(
@@ -227,6 +233,7 @@ class StrategyBase:
     clips = False  # whether build takes clip_grad_norm (its StepResult then has grad_norm)
     skips = False  # whether build takes skip_nonfinite (its StepResult then says skipped)
     precisions = PLAIN  # the precision policies it runs (toolkit.precision)
+    compresses = False  # whether it takes a Horovod runtime's gradient compression
 
     def __init__(self, runtime: Any, layout: Any):
         self.runtime, self.layout, self.env = runtime, layout, runtime.env

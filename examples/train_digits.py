@@ -24,6 +24,8 @@ def main() -> None:
     parser.add_argument("--optimizer", choices=("sgd", "adam"), default="sgd")
     parser.add_argument("--dtype", choices=("float32", "float64"), default=None,
                         help="the parameters' dtype (float64: as --precision 64)")
+    parser.add_argument("--compression", choices=("none", "fp16"), default=None,
+                        help="Horovod backends: the gradient allreduce in float16")
     parser.add_argument("--local-devices", type=int, default=None,
                         help="JAX backends: CPU devices per process")
     parser.add_argument("--lr-scaling", choices=("none", "linear", "sqrt"), default="none")
@@ -31,7 +33,7 @@ def main() -> None:
     args = parser.parse_args()
 
     backend = adapters.get(args.backend, dtype=args.dtype, precision=args.precision,
-                           local_devices=args.local_devices)
+                           local_devices=args.local_devices, compression=args.compression)
     (x_train, y_train), validation = load_digits(seed=args.seed, dtype=backend.dtype_name)
     optimizer = (toolkit.SGD(lr=args.lr, momentum=0.9) if args.optimizer == "sgd"
                  else toolkit.Adam(lr=args.lr))

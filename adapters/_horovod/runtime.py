@@ -58,6 +58,9 @@ def init_horovod(hvd, layout: Any, world_size: int) -> dict[tuple[int, ...], Any
     return found
 
 
+COMPRESSIONS = ("none", "fp16")
+
+
 class HorovodRuntime:
     """Horovod's communicator for one framework (a subclass imports it: ``connect``)."""
 
@@ -65,10 +68,18 @@ class HorovodRuntime:
     hvd: Any = None
     env: Any = None
 
-    def __init__(self, dtype: str = "float32"):
+    def __init__(self, dtype: str = "float32", compression: str = "none"):
         check_choice("dtype", dtype, DTYPES)
+        check_choice("compression", compression, COMPRESSIONS)
         self.dtype_name = dtype
+        # "fp16": the data-parallel gradient allreduce carries float16 (Horovod's
+        # Compression.fp16: half the bytes; the sums rounded to float16)
+        self.compression = compression
         self.process_sets: dict[tuple[int, ...], Any] = {}
+
+    def compressor(self) -> Any:
+        """Horovod's compression of the gradient allreduce (``hvd.Compression``)."""
+        return getattr(self.hvd.Compression, self.compression)
 
     def setup(self, env, layout: Any, device: str = "auto") -> None:
         """Imports the framework (``connect``), chooses the rank's device (the GPU of its local

@@ -41,6 +41,7 @@ class TFDataParallel(StrategyBase):
 
     clips = True  # build takes clip_grad_norm; the StepResult then has grad_norm
     skips = True  # build takes skip_nonfinite; the StepResult then says skipped
+    compresses = True  # the runtime's compression goes to each gradient's allreduce
 
     def __init__(self, runtime, layout):
         super().__init__(runtime, layout)
@@ -114,7 +115,8 @@ class TFDataParallel(StrategyBase):
         kept = ([(b, tf.identity(b)) for b in state.buffers.values()]
                 if self.rule.skip else [])
         grads, total = self.local_grads(x, y, variables)
-        grads = [hvd.allreduce(g, op=hvd.Average, name=f"grad_{i}")
+        compression = self.runtime.compressor()
+        grads = [hvd.allreduce(g, op=hvd.Average, name=f"grad_{i}", compression=compression)
                  for i, g in enumerate(grads)]
 
         def apply(grads: list) -> None:

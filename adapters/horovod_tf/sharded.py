@@ -32,6 +32,7 @@ class TFSharded(TFDataParallel):
     """``toolkit.Sharded(stage)`` for ``horovod-tf`` (see :class:`toolkit.Adapter`)."""
 
     shards: ShardedTF
+    compresses = False  # (its reductions are the flat shards')
 
     @staticmethod
     def check_layout(layout: Sharded) -> None:

@@ -50,6 +50,7 @@ class TorchDataParallel(StrategyBase):
     clips = True  # build takes clip_grad_norm; train_step's StepResult has grad_norm
     skips = True  # build takes skip_nonfinite; train_step's StepResult says skipped
     counts = False  # whether the UpdateRule keeps a spec optimizer's count (else torch.optim)
+    compresses = True  # the runtime's compression goes to DistributedOptimizer
     # mixed: torch autocast (ops.TorchOps.computing); fp16 with the update path's loss scaler
     precisions = ("32", "64", "bf16-mixed", "fp16-mixed")
 
@@ -98,7 +99,8 @@ class TorchDataParallel(StrategyBase):
         params = list(self.net.parameters())
         self.opt = hvd.DistributedOptimizer(
             make_optimizer(torch, optimizer, params), named_parameters=self.net.named_parameters(),
-            op=hvd.Average, backward_passes_per_step=self.accumulation_steps)
+            op=hvd.Average, backward_passes_per_step=self.accumulation_steps,
+            compression=self.runtime.compressor())
         zero_slots(torch, self.opt, params, optimizer)
         hvd.broadcast_parameters(self.net.state_dict(), root_rank=0)  # parameters and buffers
         fresh = [p.detach().clone() for p in params] if not self.opt.state else []

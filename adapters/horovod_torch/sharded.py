@@ -21,6 +21,7 @@ class TorchSharded(TorchDataParallel):
     """``toolkit.Sharded(stage)`` for ``horovod-torch`` (see :class:`toolkit.Adapter`)."""
 
     shards: ShardedParameters
+    compresses = False  # (its reductions are the flat shards')
     counts = True  # the spec optimizer's step count is the UpdateRule's
 
     @staticmethod

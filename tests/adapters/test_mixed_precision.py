@@ -191,3 +191,29 @@ def test_the_memory_estimate_of_bf16_mixed_is_what_the_rank_holds(layout):
     assert held["optimizer"] - est.optimizer in (0, 4 * len(MODEL.init(0))), held
     assert est.model_states == estimate(count, toolkit.parse_layout(layout), 1,
                                         "float32", "adam").model_states
+
+
+@pytest.mark.parametrize("backend", ["horovod-torch", "horovod-tf"])
+def test_fp16_gradient_compression_rounds_the_allreduce_and_only_where_it_can(backend, launch):
+    """Horovod's ``Compression.fp16`` under data parallelism on two ranks: the gradients reach
+    the update rounded to float16, so the losses move a little (measured in
+    docs/precision.md); a layout that reduces otherwise refuses it."""
+    final = {}
+    for compression in ("none", "fp16"):
+        job = launch("mpirun", 2, ["examples/train_digits.py", "--backend", backend,
+                                   "--steps", "20", "--compression", compression])
+        assert job.returncode == 0, job
+        final[compression] = float(job.stdout.split("final_loss ")[1].split()[0])
+    assert 0 < abs(final["fp16"] - final["none"]) < 1e-4 * final["none"], final
+    x, y = data()
+    with pytest.raises(ToolkitError, match="does not compress gradients under sharded:3"):
+        toolkit.Trainer(adapters.get(backend, compression="fp16"), MODEL, optimizer(),
+                        layout="sharded:3", global_batch_size=BATCH, max_steps=1,
+                        progress=False).fit(x, y)
+
+
+def test_compression_is_a_horovod_option():
+    with pytest.raises(ToolkitError, match="compression='fp16' applies to the Horovod backends"):
+        adapters.get("jax-pjit", compression="fp16")
+    with pytest.raises(ToolkitError, match="unknown compression 'int8'"):
+        adapters.get("horovod-torch", compression="int8")
