@@ -225,11 +225,10 @@ def main() -> None:
         mfu = "  MFU " + " / ".join(f"{r * per_token / peak:.1%}" for r in rates) + (
             f" (peak {peak / env.world_size / 1e12:.0f} TFLOP/s {precision} per GPU)"
             f"  peak memory {peak_memory(name) / 2**30:.2f} GiB (both sides, rank 0's GPU)")
-    toolkit.print0(f"{name:14s} world {env.world_size} on {device}, {args.precision}  "
-                   f"GPT {spec.num_params:,} "
+    toolkit.print0(f"{name:14s} world {env.world_size} on {device}  GPT {spec.num_params:,} "
                    f"params, batch {args.batch_size}x{args.context}:  toolkit "
                    f"{rates[0]:,.0f} tokens/s  hand-written {rates[1]:,.0f} tokens/s  "
-                   f"ratio {ratio:.3f}{mfu}")
+                   f"ratio {ratio:.3f}  precision {args.precision}{mfu}")
 
 
 def peak_memory(backend: str) -> float:

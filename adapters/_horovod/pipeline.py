@@ -34,6 +34,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from adapters._backend import StrategyBase
 from adapters._horovod.rounds import RoundMessages, unpack
 from adapters._update import UpdateRule, clip_host
 from toolkit import ToolkitError
@@ -96,7 +97,7 @@ class StageCompute(Protocol):
         """Writes a loaded buffer (BatchNorm statistics) into the model."""
 
 
-class HvdPipeline(RoundMessages):
+class HvdPipeline(RoundMessages, StrategyBase):
     """The framework-free part of a Horovod pipeline executor (see the module's docstring); a
     subclass is a :class:`StageCompute`."""
 

@@ -14,6 +14,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from adapters._backend import StrategyBase
 from adapters._common import check_build, loss_name
 from adapters._jax.programs import LocalComputes, StagePrograms
 from adapters._jax.rounds import RoundPlan
@@ -61,7 +62,7 @@ class StagePlacement(Protocol):
         ``_update``, and makes ``box`` and ``losses``."""
 
 
-class PipelineExecutor:
+class PipelineExecutor(StrategyBase):
     """The host side of a JAX pipeline layout: the strategy of ``toolkit.Pipeline`` (``build``,
     ``train_step``, ``evaluate``, ``state_dict``, ``load_state_dict``, ``sharded_state``,
     ``memory_bytes``, ``position``).
@@ -84,6 +85,7 @@ class PipelineExecutor:
 
     clips = True  # build takes clip_grad_norm
     skips = True  # build takes skip_nonfinite; its StepResult then says skipped
+    position: tuple[int, int] = (0, 0)  # this process's (stage, replica), known at build
 
     @staticmethod
     def check_layout(layout: Pipeline) -> None:

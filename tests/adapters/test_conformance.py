@@ -237,6 +237,7 @@ def test_two_ranks_broadcast_reduce_and_update_identically(backend, launch):
 def test_every_strategy_returns_a_step_result(backend, layout):
     """A step returns one StepResult: the loss, and the norm and skip only where the build asked
     for them (the Trainer reads nothing else of a step)."""
+    from adapters._backend import StrategyBase
     from toolkit import StepResult, parse_layout
     from toolkit.models.reference import global_norm
 
@@ -244,6 +245,10 @@ def test_every_strategy_returns_a_step_result(backend, layout):
     for options in ({}, {"clip_grad_norm": 1e9, "skip_nonfinite": True}):
         adapter = adapters.get(backend, dtype="float64")
         adapter.setup(ENV, parse_layout(layout))
+        # every strategy answers what the Backend and the equivalence worker ask of it
+        assert isinstance(adapter.strategy, StrategyBase), type(adapter.strategy)
+        ranks, devices = adapter.strategy.data_split
+        assert ranks == 1 and 1 <= devices <= adapter.strategy.runtime.local_device_count()
         adapter.build(SPEC, SGD(lr=0.1), "cross_entropy", seed=3, **options)
         before = {k: v for k, v in adapter.state_dict().items() if k.startswith("params/")}
         result = adapter.train_step(x, y, 0.1)
