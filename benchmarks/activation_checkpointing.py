@@ -18,7 +18,7 @@ import time
 import torch
 
 import toolkit
-from adapters.horovod_torch.models.spec import build_spec_model
+from adapters.horovod_torch.models.spec import build_spec_model, saved_bytes
 from toolkit.memory import gpt_activation_bytes
 
 
@@ -35,17 +35,8 @@ def main() -> None:
                        heads=args.heads)
     x = torch.randint(0, 256, (args.batch, args.context))
     nets = {r: build_spec_model(torch, spec, r)[0] for r in (False, True)}
-    saved, times = {}, {False: [], True: []}
-    for recompute, net in nets.items():
-        total = [0]
-
-        def pack(t, total=total):
-            total[0] += t.numel() * t.element_size()
-            return t
-
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            net(x).sum()
-        saved[recompute] = total[0]
+    saved = {r: saved_bytes(torch, lambda net=net: net(x).sum()) for r, net in nets.items()}
+    times = {False: [], True: []}
     for _ in range(args.repeats):
         for recompute, net in nets.items():
             start = time.perf_counter()

@@ -50,22 +50,12 @@ def test_torch_keeps_less_for_the_backward_pass():
     without recomputation: the blocks' insides are not kept."""
     import torch
 
-    from adapters.horovod_torch.models.spec import build_spec_model
+    from adapters.horovod_torch.models.spec import build_spec_model, saved_bytes
 
     spec = toolkit.GPT(vocab=64, context=32, width=32, layers=4, heads=4)
     x = torch.randint(0, 64, (4, 32))
-    saved = {}
-    for recompute in (False, True):
-        net, _ = build_spec_model(torch, spec, recompute)
-        total = [0]
-
-        def pack(t, total=total):
-            total[0] += t.numel() * t.element_size()
-            return t
-
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            net(x).sum()
-        saved[recompute] = total[0]
+    saved = {r: saved_bytes(torch, lambda r=r: build_spec_model(torch, spec, r)[0](x).sum())
+             for r in (False, True)}
     assert saved[True] < saved[False] / 2, saved
 
 

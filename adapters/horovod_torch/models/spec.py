@@ -49,6 +49,21 @@ def recomputing(torch, module, enabled: bool):
     return call
 
 
+def saved_bytes(torch, forward) -> int:
+    """The bytes autograd keeps for the backward pass while ``forward()`` runs (every tensor
+    it saves, counted as it is packed): what activation checkpointing reduces."""
+    total = 0
+
+    def pack(t):
+        nonlocal total
+        total += t.numel() * t.element_size()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        forward()
+    return total
+
+
 def build_spec_model(torch, spec, recompute: bool = False):
     """A torch module for a spec, and the (neutral name, parameter, to torch, from torch)
     layout that maps between the spec's arrays and torch's own layouts; ``recompute``: each
