@@ -168,6 +168,12 @@ class Backend:
                 "(on_nonfinite='skip')",
                 "use on_nonfinite='stop', or give this strategy a skip_nonfinite build option "
                 "(docs/architecture.md)")
+        if options.get("activation_checkpointing") and not getattr(strategy, "recomputes",
+                                                                   False):
+            raise ToolkitError(
+                f"{self.name} cannot recompute activations under {self.layout.name} "
+                "(activation_checkpointing=True)", "drop activation_checkpointing for this "
+                "layout (docs/memory.md says which recompute)")
         compression = getattr(self.runtime, "compression", "none")
         if compression != "none" and not getattr(strategy, "compresses", False):
             raise ToolkitError(
@@ -234,6 +240,7 @@ class StrategyBase:
     skips = False  # whether build takes skip_nonfinite (its StepResult then says skipped)
     precisions = PLAIN  # the precision policies it runs (toolkit.precision)
     compresses = False  # whether it takes a Horovod runtime's gradient compression
+    recomputes = False  # whether build takes activation_checkpointing
 
     def __init__(self, runtime: Any, layout: Any):
         self.runtime, self.layout, self.env = runtime, layout, runtime.env

@@ -120,3 +120,18 @@ def unwrapped_toolkit_errors():
         if isinstance(err.__context__, ToolkitError):
             raise err.__context__ from None
         raise
+
+
+def check_recompute(backend: str, model: object, enabled: bool) -> bool:
+    """``enabled``, once it is known the model can recompute: activation checkpointing is a
+    build option of the toolkit's spec models (each GPT block, each hidden MLP layer), so a
+    native model is refused with what to do instead."""
+    from toolkit.models.specs import ModelSpec
+
+    if enabled and not isinstance(model, ModelSpec):
+        raise ToolkitError(
+            f"{backend}: activation_checkpointing applies to the toolkit's spec models; this "
+            f"model is a {type(model).__name__}", "recompute inside your own model "
+            "(torch.utils.checkpoint, jax.checkpoint / nn.remat, tf.recompute_grad), or train "
+            "a toolkit.GPT/MLP/CNN")
+    return bool(enabled)

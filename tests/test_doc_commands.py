@@ -93,6 +93,9 @@ SMOKE: dict[str, Smoke] = {
          r"^data parallel: \d+ ms per step"),
         options={"--steps": "2", "--warmup": "1", "--width": "64", "--batch-size": "32",
                  "--micro-batches": "2", "--timeline-dir": "{tmp}/timelines"}),
+    "benchmarks/activation_checkpointing.py": Smoke(
+        (r"^recompute\s+saved by autograd\s+estimator", r"^yes\s+[\d,]+\s+[\d,]+"),
+        options={"--repeats": "1", "--context": "32", "--batch": "2", "--layers": "2"}),
     "benchmarks/jax_collectives.py": Smoke(
         (r"^sharded:3\s+jax-pjit\s+[\d.]+ ms/step\s+jax-pmap .*jax-pjit's collectives: "
          r"\{.*all-reduce", r"^gradient all-reduce of 1 matrix"),

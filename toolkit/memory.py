@@ -90,11 +90,16 @@ def default_heads(width: int) -> int:
 
 
 def gpt_activation_bytes(layers: int, width: int, context: int, batch: int, heads: int | None,
-                         dtype: str = "float32", model: str = "full") -> int:
-    """Activations a GPT's blocks save for one micro-batch of ``batch`` sequences."""
+                         dtype: str = "float32", model: str = "full",
+                         recompute: bool = False) -> int:
+    """Activations a GPT's blocks save for one micro-batch of ``batch`` sequences; with
+    ``recompute`` (activation checkpointing) each block keeps its input only, and one block's
+    activations live again while its backward runs."""
     _check("activation model", model, ACTIVATION_MODELS)
     heads = heads or default_heads(width)
     per_token = 16 * width + heads * context if model == "full" else 6 * width
+    if recompute:
+        return (layers * width + per_token) * batch * context * activation_element_bytes(dtype)
     return layers * batch * context * per_token * activation_element_bytes(dtype)
 
 
@@ -195,6 +200,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="a toolkit precision policy (docs/precision.md), instead of --dtype")
     parser.add_argument("--optimizer", default="adam", help=" | ".join(OPTIMIZERS))
     parser.add_argument("--activations", default="full", help=" | ".join(ACTIVATION_MODELS))
+    parser.add_argument("--activation-checkpointing", action="store_true",
+                        help="a GPT's blocks keep their inputs only (docs/memory.md)")
     parser.add_argument("--layout", default="data", help="data | sharded:1|2|3 | pipeline:S:M")
     parser.add_argument("--world-size", type=int, default=1)
     return parser.parse_args(argv)
@@ -215,7 +222,8 @@ def _count(args: argparse.Namespace) -> tuple[int, float, str]:
         spec = GPT(vocab=args.vocab, context=args.context, width=args.width,
                    layers=args.layers, heads=heads)
         acts = gpt_activation_bytes(spec.layers, spec.width, spec.context, args.batch, heads,
-                                    args.dtype, args.activations)
+                                    args.dtype, args.activations,
+                                    args.activation_checkpointing)
         return spec.num_params, acts, repr(spec)
     if args.model == "mlp":
         if not args.sizes:

@@ -51,6 +51,7 @@ class JaxStrategy(StrategyBase):
         self.jax, self.jnp = runtime.jax, runtime.jnp
         self.dtype, self.dtype_name = runtime.dtype, runtime.dtype_name
         self.rule = UpdateRule()  # the build's clip, skip and spec optimizer count
+        self.recompute = False  # activation_checkpointing of the build
 
     def barrier(self) -> None:
         self.runtime.barrier()
@@ -79,7 +80,7 @@ class JaxStrategy(StrategyBase):
         self.loss_name, self.loss_fn = loss_name(loss), loss
         self.metrics = dict(metrics or {})
         self.accumulation_steps, self.seed = accumulation_steps, seed
-        self.model = JaxModel(model, seed, self.dtype_name, self.name)
+        self.model = JaxModel(model, seed, self.dtype_name, self.name, self.recompute)
         self.tx = make_optimizer(optimizer, self.name)
         self.opt_spec = optimizer if isinstance(optimizer, SGD | Adam) else None
         self.steps = 0  # training steps taken: the next step's dropout key derives from it

@@ -81,10 +81,12 @@ def from_view(name: str, v: Any, spec: Any, xp: Any) -> Any:
     return v
 
 
-def forward(p: dict[str, Any], x: Any, spec: Any, constrain: Any) -> Any:
+def forward(p: dict[str, Any], x: Any, spec: Any, constrain: Any, recompute: bool = False
+            ) -> Any:
     """Logits ``(B, T, vocab)`` of token ids ``x`` from parameters ``p`` (neutral names, split
     tensors as views). ``constrain(array, dims)`` pins an activation's sharding: ``dims`` names a
-    mesh axis (``data``, ``model``) or None per dimension."""
+    mesh axis (``data``, ``model``) or None per dimension; ``recompute``: each block's
+    activations recomputed in the backward pass (``jax.checkpoint``)."""
     import jax
     import jax.numpy as jnp
 
@@ -94,8 +96,8 @@ def forward(p: dict[str, Any], x: Any, spec: Any, constrain: Any) -> Any:
     dh = spec.width // spec.heads
     h = jnp.take(p["tok_emb"], x, axis=0) + p["pos_emb"][:T]
     causal = jnp.tril(jnp.ones((T, T), bool))
-    for i in range(spec.layers):
-        b = f"blocks.{i}."
+
+    def block(h, b):  # one block, ``b`` its names' prefix
         a = layer_norm(jnp, h, p[b + "ln1.scale"], p[b + "ln1.bias"])
         # (3, B, H, T, dh): heads sharded over "model", each device's heads computed locally
         qkv = jnp.einsum("btw,hwcd->cbhtd", a, p[b + "attn.qkv.kernel"])
@@ -113,6 +115,11 @@ def forward(p: dict[str, Any], x: Any, spec: Any, constrain: Any) -> Any:
         f = constrain(jax.nn.gelu(f, approximate=True), ("data", None, "model"))
         out = jnp.einsum("btf,fw->btw", f, p[b + "mlp.proj.kernel"])
         h = constrain(h + out + p[b + "mlp.proj.bias"], ("data", None, None))
+        return h
+
+    run = jax.checkpoint(block, static_argnums=(1,)) if recompute else block
+    for i in range(spec.layers):
+        h = run(h, f"blocks.{i}.")
     f = layer_norm(jnp, h, p["ln_f.scale"], p["ln_f.bias"])
     head = p["tok_emb"].T if spec.tied else p["head.kernel"]
     return (f.reshape(-1, spec.width) @ head).reshape(B, T, -1)

@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from adapters._backend import StrategyBase
-from adapters._common import step_seed
+from adapters._common import check_recompute, step_seed
 from adapters._update import UpdateRule
 from adapters.horovod_torch.models.spec import build_spec_model, from_host, same, to_host
 from adapters.horovod_torch.models.sync_bn import convert_sync_batchnorm
@@ -51,6 +51,7 @@ class TorchDataParallel(StrategyBase):
     skips = True  # build takes skip_nonfinite; train_step's StepResult says skipped
     counts = False  # whether the UpdateRule keeps a spec optimizer's count (else torch.optim)
     compresses = True  # the runtime's compression goes to DistributedOptimizer
+    recomputes = True  # activation_checkpointing: the spec model's blocks (models/spec.py)
     # mixed: torch autocast (ops.TorchOps.computing); fp16 with the update path's loss scaler
     precisions = ("32", "64", "bf16-mixed", "fp16-mixed")
 
@@ -65,13 +66,14 @@ class TorchDataParallel(StrategyBase):
     def build(self, model: Any, optimizer: Any, loss: Any, *, seed: int = 0,
               accumulation_steps: int = 1, sync_batchnorm: bool = False,
               metrics: Any = None, clip_grad_norm: float | None = None,
-              skip_nonfinite: bool = False) -> None:
+              skip_nonfinite: bool = False, activation_checkpointing: bool = False) -> None:
         torch = self.torch
         self.ops = TorchOps(self.runtime, loss, metrics, self.precision)
         self.accumulation_steps, self.seed = accumulation_steps, seed
         self.native = not isinstance(model, ModelSpec)
+        check_recompute("horovod-torch", model, activation_checkpointing)
         if not self.native:
-            self.net, self.params = build_spec_model(torch, model)
+            self.net, self.params = build_spec_model(torch, model, activation_checkpointing)
             self.net.to(device=self.dev, dtype=self.dtype)
         elif isinstance(model, torch.nn.Module):
             self.net = model.to(device=self.dev, dtype=self.dtype)

@@ -6,6 +6,7 @@ from typing import Any
 
 import numpy as np
 
+from adapters._common import check_recompute
 from adapters._jax.flat_units import nbytes
 from adapters._jax.strategy import JaxStrategy, LocalMean
 from adapters._jax.update import apply_optimizer, squares, update
@@ -20,6 +21,7 @@ class PjitDataParallel(JaxStrategy):
     # mixed: the parameters cast inside the one program; its gradient is the global batch's,
     # its partial sums reduced before they are rounded (data_split)
     precisions = ("32", "64", "bf16-mixed", "fp16-mixed")
+    recomputes = True  # activation_checkpointing: nn.remat in the spec models
 
     @property
     def data_split(self) -> tuple[int, int]:
@@ -30,9 +32,10 @@ class PjitDataParallel(JaxStrategy):
     def build(self, model: Any, optimizer: Any, loss: Any, *, seed: int = 0,
               accumulation_steps: int = 1, sync_batchnorm: bool = False,
               metrics: Any = None, clip_grad_norm: float | None = None,
-              skip_nonfinite: bool = False) -> None:
+              skip_nonfinite: bool = False, activation_checkpointing: bool = False) -> None:
         self._compiled_for = None  # the step compiles anew for this model
         self.rule = UpdateRule(optimizer, clip_grad_norm, skip_nonfinite, self.precision)
+        self.recompute = check_recompute(self.name, model, activation_checkpointing)
         self._build_layout(model, optimizer, loss, seed, accumulation_steps, metrics)
 
     def _build_layout(self, model, optimizer, loss, seed, accumulation_steps, metrics) -> None:

@@ -157,7 +157,7 @@ class PjitSharded(PjitDataParallel):
             return self.model.apply(tree, model_state, xb, train=True, rng=rng)
         for n in self.split:  # each model-parallel rank computes with its part only
             named[n] = self._constrain(named[n], ("model",) + (None,) * (named[n].ndim - 1))
-        return tp.forward(named, xb, self.spec, self._constrain), model_state
+        return tp.forward(named, xb, self.spec, self._constrain, self.recompute), model_state
 
     def _sharded_step(self, params, opt_state, model_state, x, y, scalars, seed):
         wsc = self.jax.lax.with_sharding_constraint

@@ -6,6 +6,7 @@ from typing import Any
 
 import numpy as np
 
+from adapters._common import check_recompute
 from adapters._jax.flat_units import nbytes
 from adapters._jax.strategy import JaxStrategy, LocalMean
 from adapters._jax.update import apply_optimizer, squares, update
@@ -20,13 +21,15 @@ class PmapDataParallel(JaxStrategy):
     # bf16-mixed: each device casts its replica to bfloat16 inside the step, and its gradient
     # (float32 again through the cast) is averaged in float32
     precisions = ("32", "64", "bf16-mixed", "fp16-mixed")
+    recomputes = True  # activation_checkpointing: nn.remat in the spec models
 
     def build(self, model: Any, optimizer: Any, loss: Any, *, seed: int = 0,
               accumulation_steps: int = 1, sync_batchnorm: bool = False,
               metrics: Any = None, clip_grad_norm: float | None = None,
-              skip_nonfinite: bool = False) -> None:
+              skip_nonfinite: bool = False, activation_checkpointing: bool = False) -> None:
         self._compiled_for = None  # the step compiles anew for this model
         self.rule = UpdateRule(optimizer, clip_grad_norm, skip_nonfinite, self.precision)
+        self.recompute = check_recompute(self.name, model, activation_checkpointing)
         jax = self.jax
         from jax.sharding import Mesh, NamedSharding, PartitionSpec
 

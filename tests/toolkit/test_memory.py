@@ -207,3 +207,13 @@ def test_cli_says_rank_or_ranks_as_the_count_needs(capsys, world_size, said):
     out = capsys.readouterr().out
     assert said in out
     assert "1 ranks" not in out
+
+
+def test_activation_checkpointing_keeps_each_block_input_and_one_block():
+    from toolkit.memory import gpt_activation_bytes
+
+    full = gpt_activation_bytes(48, 1600, 1024, 32, 25)
+    kept = gpt_activation_bytes(48, 1600, 1024, 32, 25, recompute=True)
+    one_block = full // 48
+    assert kept == 48 * 32 * 1024 * 1600 * 4 + one_block  # inputs (float32) + one block
+    assert kept < full / 5

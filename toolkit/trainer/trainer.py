@@ -77,7 +77,8 @@ class Trainer:
             norm over the whole model (every shard, stage and split part once); the norm before
             clipping goes to the metrics log (``grad_norm``) and the interval line.
         precision: a ``toolkit.precision`` policy (``"32"``, ``"bf16-mixed"``, ...); None:
-            the adapter's.
+            the adapter's. activation_checkpointing: each block (hidden layer) recomputes its
+            activations in the backward pass instead of keeping them (docs/memory.md).
         checkpoint_dir: where checkpoints go (shared storage for multi-node jobs);
             checkpoint_every: every this many steps (and at the end), checkpoint_every_seconds:
             or seconds of training; keep: how many to keep.
@@ -131,6 +132,7 @@ class Trainer:
         accumulation_steps: int = 1,
         clip_grad_norm: float | None = None,
         precision: str | None = None,
+        activation_checkpointing: bool = False,
         device: str = "auto",
         checkpoint_dir: str | os.PathLike | None = None,
         checkpoint_every: int | None = None,
@@ -172,6 +174,7 @@ class Trainer:
         self.lr_scaling, self.accumulation_steps = lr_scaling, accumulation_steps
         self.clip_grad_norm = check_clip(clip_grad_norm)
         self.precision = use_precision(adapter, precision)
+        self.activation_checkpointing = bool(activation_checkpointing)
         self.metrics_log = Path(metrics_log) if metrics_log else None
         self.log_every, self.progress = log_every, progress
         check_signals(stop_signals)
@@ -214,12 +217,13 @@ class Trainer:
                 f"{self.global_batch_size} / {share.count} data-parallel shares) does not split "
                 f"into accumulation_steps={self.accumulation_steps} micro-batches",
                 "choose a global batch divisible by world size x accumulation steps")
+        # (options at their defaults are not passed: an adapter of one's own need not know them)
+        options = {"clip_grad_norm": self.clip_grad_norm, "skip_nonfinite": self.skip_nonfinite,
+                   "activation_checkpointing": self.activation_checkpointing}
         self.adapter.build(self.model, self.optimizer, self.loss, seed=self.seed,
                            accumulation_steps=self.accumulation_steps,
                            sync_batchnorm=self.sync_batchnorm, metrics=self.metrics,
-                           **({} if self.clip_grad_norm is None
-                              else {"clip_grad_norm": self.clip_grad_norm}),
-                           **({"skip_nonfinite": True} if self.skip_nonfinite else {}))
+                           **{k: v for k, v in options.items() if v not in (None, False)})
         self.checkpoints.open(self.adapter, self.sampler, env, self.layout, self._describe_run)
         ckpt = self.checkpoints.restore(self._log.write)
         if ckpt is not None:

@@ -171,10 +171,12 @@ class _Block(nn.Module):
 
 
 class FlaxGPT(nn.Module):
-    """``FlaxGPT(spec)``: token ids ``(B, T)`` -> logits ``(B, T, vocab)``."""
+    """``FlaxGPT(spec)``: token ids ``(B, T)`` -> logits ``(B, T, vocab)``; ``recompute``:
+    each block's activations recomputed in the backward pass (``nn.remat``)."""
 
     spec: Any
     param_dtype: Any = jnp.float32
+    recompute: bool = False
 
     @nn.compact
     def __call__(self, x):
@@ -183,8 +185,9 @@ class FlaxGPT(nn.Module):
         tok_emb = self.param("tok_emb", init, (spec.vocab, spec.width), pd)
         pos_emb = self.param("pos_emb", init, (spec.context, spec.width), pd)
         h = jnp.take(tok_emb, x, axis=0) + pos_emb[: x.shape[1]]
+        block = nn.remat(_Block) if self.recompute else _Block
         for i in range(spec.layers):
-            h = _Block(spec.width, spec.heads, pd, name=f"blocks_{i}")(h)
+            h = block(spec.width, spec.heads, pd, name=f"blocks_{i}")(h)
         f = _LayerNorm(pd, name="ln_f")(h)
         if spec.tied:
             # the same leaf as the lookup: its gradient sums both uses

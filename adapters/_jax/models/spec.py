@@ -22,7 +22,7 @@ from toolkit.models.specs import ModelSpec
 class JaxModel:
     """A Flax module, its initial parameters and state, and the neutral names of both."""
 
-    def __init__(self, model: Any, seed: int, dtype: str, backend: str):
+    def __init__(self, model: Any, seed: int, dtype: str, backend: str, recompute: bool = False):
         import flax.linen as nn
         from flax import traverse_util
 
@@ -37,9 +37,9 @@ class JaxModel:
             if isinstance(model, GPT):
                 from adapters._jax.models import gpt as flax_gpt
 
-                self.gpt, self.module = flax_gpt, flax_gpt.FlaxGPT(model)
+                self.gpt, self.module = flax_gpt, flax_gpt.FlaxGPT(model, recompute=recompute)
             else:
-                self.module = _flax_module(nn, model)
+                self.module = _flax_module(nn, model, recompute)
             self.params = traverse_util.unflatten_dict(
                 {self.path_of(k): v for k, v in model.init(seed, dtype).items()})
             return
@@ -120,7 +120,7 @@ def dense(jnp, h, kernel, bias):
     return (jnp.dot(h, kernel, preferred_element_type=acc) + bias.astype(acc)).astype(h.dtype)
 
 
-def _flax_module(nn, spec):
+def _flax_module(nn, spec, recompute: bool = False):
     class _Dense(nn.Module):  # nn.Dense's parameters, :func:`dense`'s arithmetic
         features: int
 
@@ -148,14 +148,26 @@ def _flax_module(nn, spec):
 
     act = nn.relu if spec.activation == "relu" else nn.tanh
 
+    class _Hidden(nn.Module):  # a hidden layer and its activation: the recomputed unit
+        features: int
+
+        @nn.compact
+        def __call__(self, x):
+            import jax.numpy as jnp
+
+            init = nn.initializers.zeros  # (the spec initialises the parameters)
+            kernel = self.param("kernel", init, (x.shape[-1], self.features), x.dtype)
+            return act(dense(jnp, x, kernel, self.param("bias", init, (self.features,),
+                                                        x.dtype)))
+
+    hidden = nn.remat(_Hidden) if recompute else _Hidden
+
     class FlaxMLP(nn.Module):
         @nn.compact
         def __call__(self, x):
-            for i, width in enumerate(spec.sizes[1:]):
-                x = _Dense(width, name=f"layers_{i}")(x)
-                if i < spec.num_layers - 1:
-                    x = act(x)
-            return x
+            for i, width in enumerate(spec.sizes[1:-1]):
+                x = hidden(width, name=f"layers_{i}")(x)
+            return _Dense(spec.sizes[-1], name=f"layers_{spec.num_layers - 1}")(x)
 
     return FlaxMLP()
 

@@ -20,10 +20,10 @@ from __future__ import annotations
 
 import math
 
-from adapters.horovod_torch.models.spec import same
+from adapters.horovod_torch.models.spec import recomputing, same
 
 
-def build_gpt(torch, spec, *, sdpa: bool = True):
+def build_gpt(torch, spec, *, sdpa: bool = True, recompute: bool = False):
     """A torch module for the ``toolkit.GPT`` spec, and its layout.
 
     Returns ``(net, layout)``: ``net(x)`` maps token ids ``(B, T)`` (``T <= spec.context``) to
@@ -109,8 +109,8 @@ def build_gpt(torch, spec, *, sdpa: bool = True):
         def forward(self, x):
             T = x.shape[1]
             h = F.embedding(x, self.tok_emb) + self.pos_emb[:T]
-            for block in self.blocks:
-                h = block(h)
+            for block in self.blocks:  # (recompute: each block's activations recomputed)
+                h = recomputing(torch, block, recompute)(h)
             f = self.ln_f(h)
             if self.head is None:
                 return F.linear(f, self.tok_emb)  # f @ tok_emb.T, the same Parameter

@@ -35,31 +35,69 @@ def from_host(torch, a, to_torch, dtype, device):
     return torch.tensor(np.asarray(to_torch(np.asarray(a))), dtype=dtype, device=device)
 
 
-def build_spec_model(torch, spec):
+def recomputing(torch, module, enabled: bool):
+    """``module``'s call, or under ``enabled`` (activation checkpointing) while gradients are
+    taken, the same call through ``torch.utils.checkpoint`` (only its input kept; its forward
+    run again in the backward pass, with the same random state)."""
+    from torch.utils.checkpoint import checkpoint
+
+    def call(*args):
+        if enabled and torch.is_grad_enabled():
+            return checkpoint(module, *args, use_reentrant=False)
+        return module(*args)
+
+    return call
+
+
+def saved_bytes(torch, forward) -> int:
+    """The bytes autograd keeps for the backward pass while ``forward()`` runs (every tensor
+    it saves, counted as it is packed): what activation checkpointing reduces."""
+    total = 0
+
+    def pack(t):
+        nonlocal total
+        total += t.numel() * t.element_size()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        forward()
+    return total
+
+
+def build_spec_model(torch, spec, recompute: bool = False):
     """A torch module for a spec, and the (neutral name, parameter, to torch, from torch)
-    layout that maps between the spec's arrays and torch's own layouts."""
+    layout that maps between the spec's arrays and torch's own layouts; ``recompute``: each
+    GPT block or MLP layer recomputes its activations in the backward pass."""
     from toolkit.models.gpt import GPT
 
     if isinstance(spec, GPT):
         from adapters.horovod_torch.models.gpt import build_gpt
 
-        return build_gpt(torch, spec)
+        return build_gpt(torch, spec, recompute=recompute)
     nn = torch.nn
     if isinstance(spec, MLP):
         act = torch.relu if spec.activation == "relu" else torch.tanh
+
+        class Hidden(nn.Module):  # a hidden layer and its activation: the recomputed unit
+            def __init__(self, layer):
+                super().__init__()
+                self.layer = layer
+
+            def forward(self, x):
+                return act(self.layer(x))
 
         class TorchMLP(nn.Module):
             def __init__(self):
                 super().__init__()
                 self.layers = nn.ModuleList(
                     nn.Linear(a, b) for a, b in zip(spec.sizes[:-1], spec.sizes[1:], strict=True))
+                self.hidden = [recomputing(torch, Hidden(layer), recompute)
+                               for layer in self.layers[:-1]]
 
             def forward(self, x):
-                for i, layer in enumerate(self.layers):
-                    x = layer(x)
-                    if i < len(self.layers) - 1:
-                        x = act(x)
-                return x
+                for unit in self.hidden:
+                    x = unit(x)
+                return self.layers[-1](x)
 
         net = TorchMLP()
         layout = []
