@@ -2,7 +2,7 @@
 
 Each family writes the update once, on its devices (``adapters/_jax/update.py``,
 ``adapters/horovod_torch/update.py``, ``adapters/horovod_tf/update.py``; the Horovod pipelines
-reduce, measure and clip on the host, in numpy: :func:`clip_host`, then the framework's
+reduce, unscale, measure and clip on the host, in numpy: :func:`update_host`, then the framework's
 optimizer applies): the layout supplies the reduced gradient and the sum of its squares, then
 
     norm -> clip and finite check -> apply -> the old state kept when the step is skipped.
@@ -16,6 +16,7 @@ backend keeps one, so the bookkeeping of a skipped step exists once.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -103,6 +104,19 @@ class UpdateRule:
             self.count = int(state["opt/count"])
         if self.scaler is not None:
             self.scaler.load(state)
+
+
+def update_host(rule: UpdateRule, grads: dict[str, np.ndarray],
+                global_norm: Callable[[dict[str, np.ndarray]], float]
+                ) -> tuple[dict[str, np.ndarray], float]:
+    """The Horovod pipelines' update path on the host, before the framework's optimizer
+    applies: the reduced gradients unscaled (fp16: by the loss scale, exactly: a power of two),
+    their norm (``global_norm``: the layout adds up its stages' shares), the clip; returns
+    ``(grads, norm)``. Call it only when ``rule.needs_norm`` (a scaler makes it so)."""
+    if rule.scaler is not None:
+        grads = {n: g * g.dtype.type(1.0 / rule.scaler.scale) for n, g in grads.items()}
+    norm = global_norm(grads)
+    return clip_host(rule, grads, norm), norm
 
 
 def clip_host(rule: UpdateRule, grads: dict[str, np.ndarray], norm: float

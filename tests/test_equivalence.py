@@ -215,3 +215,23 @@ def test_mixed_precision_equals_its_rounded_reference_at_world_sizes_1_and_2(lau
             assert r["status"] == "skipped" and f"does not run precision '{precision}'" in \
                 r["reason"], r
     assert {r["backend"] for r in report["results"] if r["status"] == "pass"} == runs
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("precision, clip", [("bf16-mixed", None), ("fp16-mixed", "0.5")])
+def test_mixed_precision_in_pipelines_equals_its_rounded_reference(launch, tmp_path, precision,
+                                                                   clip):
+    """horovod-torch's pipeline in mixed precision, 2 stages x 4 micro-batches on 2 and 4
+    ranks: each micro-batch's gradient rounded apart (``data_split`` (replicas, 4)), so the
+    reference splits the batch so; fp16 with clipping (the gradients unscaled before their
+    norm). The pipelines that do not run it say so."""
+    args = ["--precision", precision, "--world-sizes", "2,4", "--steps", "20",
+            "--layout", "pipeline:2:4:1f1b"] + (["--clip-grad-norm", clip] if clip else [])
+    job, report = run_equivalence(launch, tmp_path, *args)
+    assert job.returncode == 0, job
+    for r in report["results"]:
+        if r["backend"] == "horovod-torch":
+            assert r["status"] == "pass" and r["early_rel_loss_dev"] <= 1.5e-6, r
+            assert r["data_split"] == [r["world_size"] // 2, 4], r
+        else:
+            assert r["status"] == "skipped" and "does not run precision" in r["reason"], r

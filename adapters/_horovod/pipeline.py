@@ -36,7 +36,7 @@ import numpy as np
 
 from adapters._backend import StrategyBase
 from adapters._horovod.rounds import RoundMessages, unpack
-from adapters._update import UpdateRule, clip_host
+from adapters._update import UpdateRule, update_host
 from toolkit import ToolkitError
 from toolkit.errors import describe
 from toolkit.parallel.layouts import Pipeline
@@ -109,7 +109,7 @@ class HvdPipeline(RoundMessages, StrategyBase):
     def __init__(self, runtime, layout: Pipeline):
         """``runtime``: the started Horovod runtime (``env``, ``dtype_name``, ``barrier``,
         ``process_sets`` registered at ``hvd.init``)."""
-        self.runtime, self.env, self.layout = runtime, runtime.env, layout
+        super().__init__(runtime, layout)  # (StrategyBase: runtime, env, layout, precision)
         env = runtime.env
         self.grid = check_pipeline(layout, env.world_size)
         self.stage = self.grid.stage_of(env.rank)
@@ -126,6 +126,12 @@ class HvdPipeline(RoundMessages, StrategyBase):
     def position(self) -> tuple[int, int]:
         """This rank's (stage, replica)."""
         return self.stage, self.replica
+
+    @property
+    def data_split(self) -> tuple[int, int]:
+        """A replica's share of the global batch, each micro-batch's gradient computed apart
+        (in its own rounded arithmetic under mixed precision) and summed in float32."""
+        return self.grid.replicas, self.layout.micro_batches
 
     @property
     def np_dtype(self) -> np.dtype:
@@ -179,7 +185,7 @@ class HvdPipeline(RoundMessages, StrategyBase):
         """The schedule's rounds (fresh in/outboxes), then the gradient reduction, norm and
         clip (the subclass's ``_gradients``/``_set_gradients``); returns the replica's loss
         and the gradient's norm before clipping (None unless ``rule.needs_norm``)."""
-        self.inputs, self.outputs, self.loss = {}, {}, 0.0
+        self.inputs, self.outputs, self.loss, self.message_bytes = {}, {}, 0.0, 0
         self.deferred: tuple | None = None  # see _defer
         first = len(self.recorder.records)
         self._start_rounds()
@@ -197,8 +203,7 @@ class HvdPipeline(RoundMessages, StrategyBase):
             if self.reduce:
                 grads = self._reduce_gradients(grads)
             if self.rule.needs_norm:
-                norm = self._global_norm(grads)
-                grads = clip_host(self.rule, grads, norm)
+                grads, norm = update_host(self.rule, grads, self._global_norm)
             self._set_gradients(grads)
         losses = self._allgather(np.asarray([self.loss], np.float64), "pipeline.loss")
         if self.timeline_dir:

@@ -98,8 +98,8 @@ class PipelineExecutor(StrategyBase):
         if not isinstance(layout, Pipeline):
             raise ToolkitError(f"{describe(layout)} is not a toolkit.Pipeline",
                                "pass toolkit.Pipeline(stages=..., micro_batches=...)")
-        self.host, self.layout, self.keep_steps = JaxStrategy(runtime, layout), layout, keep_steps
-        self.runtime, self.env = runtime, runtime.env
+        super().__init__(runtime, layout)  # (StrategyBase: runtime, env, layout, precision)
+        self.host, self.keep_steps = JaxStrategy(runtime, layout), keep_steps
         self.samples = samples
         self.schedule = pipeline_schedule(layout.schedule, layout.stages, layout.micro_batches,
                                           layout.chunks)

@@ -25,6 +25,7 @@ import numpy as np
 
 from adapters._common import check_build, step_seed
 from adapters._horovod.pipeline import HvdPipeline, check_pipeline
+from adapters._horovod.rounds import NARROW
 from adapters._update import UpdateRule
 from adapters.horovod_torch.models.spec import from_host, same, to_host
 from adapters.horovod_torch.ops import (
@@ -48,13 +49,22 @@ __all__ = ["TorchPipeline", "check_pipeline", "pack_tensors"]
 def pack_tensors(torch, outgoing: dict[int, list[Any]], world_size: int, dtype, device):
     """``adapters._horovod.rounds.pack`` for torch tensors: ``outgoing[rank]``'s tensors as
     ``[ndim, *shape, values...]`` in one tensor of ``dtype`` on ``device``, rank after rank,
-    and the alltoall's splits."""
+    and the alltoall's splits. A bfloat16 or float16 tensor in a float32 message keeps its
+    dtype: its values travel as their bits, two to a float32 element (``rounds.unpack``'s
+    codes), so an activation computed in 16 bits moves in half the bytes, unchanged."""
     splits, parts = [0] * world_size, []
     for r in sorted(outgoing):
         for t in outgoing[r]:
-            parts += [torch.tensor([t.dim(), *t.shape], dtype=dtype, device=device),
-                      t.detach().reshape(-1).to(device=device, dtype=dtype)]
-            splits[r] += 1 + t.dim() + t.numel()
+            flat = t.detach().reshape(-1).to(device)
+            code = NARROW.get(str(t.dtype).removeprefix("torch."), 0) \
+                if dtype == torch.float32 else 0
+            if code:  # (an odd count padded by one value)
+                values = torch.cat([flat, flat.new_zeros(flat.numel() % 2)]).view(dtype)
+            else:
+                values = flat.to(dtype)
+            parts += [torch.tensor([t.dim() + 16 * code, *t.shape], dtype=dtype, device=device),
+                      values]
+            splits[r] += 1 + t.dim() + values.numel()
     return (torch.cat(parts) if parts else torch.empty(0, dtype=dtype, device=device)), splits
 
 
@@ -63,6 +73,9 @@ class TorchPipeline(HvdPipeline):
     stage of one replica, run by the lockstep rounds of ``adapters/_horovod/pipeline.py``."""
 
     asynchronous = True  # hvd.alltoall_async: receives joined ahead (adapters/_horovod/rounds.py)
+    # mixed: each stage's forward under torch autocast (as data parallel), 16-bit activations
+    # sent as they are (pack_tensors), fp16's loss scaled on the last stage
+    precisions = ("32", "64", "bf16-mixed", "fp16-mixed")
 
     @staticmethod
     def check_layout(layout: Pipeline) -> None:
@@ -78,10 +91,10 @@ class TorchPipeline(HvdPipeline):
               metrics: Any = None, clip_grad_norm: float | None = None,
               skip_nonfinite: bool = False) -> None:
         # (torch.optim counts its own steps)
-        self.rule = UpdateRule(None, clip_grad_norm, skip_nonfinite)
+        self.rule = UpdateRule(None, clip_grad_norm, skip_nonfinite, self.precision)
         torch, hvd = self.torch, self.hvd
         check_build("horovod-torch", optimizer, accumulation_steps, sync_batchnorm)
-        self.ops = TorchOps(self.runtime, loss, metrics)
+        self.ops = TorchOps(self.runtime, loss, metrics, self.precision)
         self.metric_names = tuple(self.ops.metrics)
         self.seed, self.spec = seed, optimizer
         if isinstance(model, torch.nn.Sequential):  # rank 0's initial values, then cut
@@ -108,7 +121,12 @@ class TorchPipeline(HvdPipeline):
         received tensor the same way."""
         buf, splits = pack_tensors(self.torch, outgoing, self.env.world_size, self.dtype,
                                    self.runtime.dev)
+        self.message_bytes += buf.numel() * buf.element_size()
         return self._alltoall_start(buf, splits, name)
+
+    def _narrow(self, words, code: int):
+        torch = self.torch
+        return words.view(torch.bfloat16 if code == NARROW["bfloat16"] else torch.float16)
 
     def _alltoall_start(self, buf, splits: list[int], name: str) -> Any:
         """``buf``: a host buffer (numpy: evaluation, buffers) or a packed round's tensor."""
@@ -130,7 +148,11 @@ class TorchPipeline(HvdPipeline):
                                   process_set=process_set).numpy()
 
     def _host(self, tensor) -> np.ndarray:
-        return tensor.detach().cpu().numpy()
+        """(a 16-bit activation of evaluation as the parameters' dtype: exactly its value)"""
+        tensor = tensor.detach()
+        if tensor.is_floating_point() and tensor.element_size() < self.dtype.itemsize:
+            tensor = tensor.to(self.dtype)
+        return tensor.cpu().numpy()
 
     def _activation(self, array, grad: bool):
         """A received message (a view of a round's tensor, or a host array) as a tensor of its
@@ -161,7 +183,8 @@ class TorchPipeline(HvdPipeline):
         last = self._is_last(c)
         if action.kind == "F":
             inp = self.xs[m] if k == 0 else self.inbox_f.pop(key)
-            out = self.cut.pieces[c].forward(inp)
+            with self.ops.computing():
+                out = self.cut.pieces[c].forward(inp)
             if last:
                 out = self.ops.per_sample(out, self.ys[m]).mean() / self.layout.micro_batches
                 self.loss += out.item()
@@ -171,7 +194,11 @@ class TorchPipeline(HvdPipeline):
             self.peak_activations = max(self.peak_activations, len(self.outputs))
         else:
             out, inp = self.outputs.pop(key), self.inputs.pop(key)
-            out.backward() if last else out.backward(self.inbox_b.pop(key))
+            scale = self.rule.loss_scale  # (fp16: the last stage's loss scaled)
+            if last:
+                (out if scale is None else out * scale).backward()
+            else:
+                out.backward(self.inbox_b.pop(key))
             if k > 0:
                 self.outbox[("SEND_B", m, c)] = inp.grad
 
@@ -206,7 +233,7 @@ class TorchPipeline(HvdPipeline):
             for module in piece.modules:
                 module.eval()
         h = ops.tensors(xs, np.zeros(0))[0] if xs is not None else None
-        with torch.no_grad():
+        with torch.no_grad(), ops.computing():
             h = self._through(h, lambda c, h: self.cut.pieces[c].forward(h))
             if not self._is_eval_output():
                 return self._empty_sums()

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import time
+from functools import partial
 
 import numpy as np
 import pytest
@@ -29,6 +30,41 @@ def test_pack_puts_each_ranks_arrays_in_rank_order_and_unpack_reads_them_back(dt
     for got, want in ((first, a), (second, b), (third, c)):
         assert got.shape == want.shape and got.dtype == dtype
         np.testing.assert_array_equal(got, want.astype(dtype))
+
+
+def _as_16_bit(narrow, words, code):
+    return words.view(narrow[code])
+
+
+def test_sixteen_bit_tensors_travel_two_to_a_float32_element_bit_for_bit():
+    """horovod-torch under mixed precision: a bfloat16 or float16 activation keeps its dtype
+    in a float32 message, in half the bytes (an odd count padded by one value); float32 and
+    float64 tensors are converted to the buffer's dtype as before."""
+    torch = pytest.importorskip("torch")
+    from adapters.horovod_torch.pipeline import pack_tensors
+
+    g = torch.Generator().manual_seed(0)
+    a = torch.randn(3, 5, generator=g).to(torch.bfloat16)  # 15 values: 8 elements
+    b = torch.randn(4, generator=g, dtype=torch.float64)
+    c = (torch.randn(2, 3, generator=g) * 1e3).to(torch.float16)
+    c[0, 0] = float("inf")  # any bits: the alltoall moves bytes, never values
+    buf, splits = pack_tensors(torch, {1: [a, b], 0: [c]}, 2, torch.float32, "cpu")
+    assert buf.dtype == torch.float32
+    assert splits == [1 + 2 + 3, (1 + 2 + 8) + (1 + 1 + 4)]
+    narrow = {1: torch.bfloat16, 2: torch.float16}
+    view = partial(_as_16_bit, narrow)  # (as TorchPipeline._narrow)
+    got_c, end = unpack(buf[:splits[0]], 0, view)
+    got_a, offset = unpack(buf[splits[0]:], 0, view)
+    got_b, end_b = unpack(buf[splits[0]:], offset, view)
+    assert end == splits[0] and end_b == splits[1]
+    for got, want in ((got_a, a), (got_c, c)):
+        assert got.dtype == want.dtype and got.shape == want.shape
+        assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+    assert got_b.dtype == torch.float32 and torch.equal(got_b, b.float())
+    with pytest.raises(ValueError, match="16-bit values"):
+        from adapters._horovod.rounds import RoundMessages
+
+        unpack(buf[splits[0]:], 0, RoundMessages()._narrow)
 
 
 def test_pack_of_nothing_is_an_empty_buffer_with_zero_splits():

@@ -140,7 +140,7 @@ def test_the_reference_rounds_only_under_mixed_precision():
 
 
 @pytest.mark.parametrize("backend, layout", [("horovod-tf", "data"), ("jax-pmap", "sharded:3"),
-                                             ("horovod-torch", "pipeline:1:2")])
+                                             ("jax-pjit", "pipeline:1:2")])
 def test_a_strategy_without_bf16_says_so_before_building(backend, layout):
     x, y = data()
     trainer = toolkit.Trainer(adapters.get(backend, precision="bf16-mixed"), MODEL, optimizer(),
