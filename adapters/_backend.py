@@ -261,6 +261,8 @@ class StrategyBase:
         part in its own (rounded) arithmetic: what a mixed-precision reference must split."""
         return self.env.world_size, self.runtime.local_device_count()
 
+    part_weight = 1.0  # what each part's mean loss is multiplied by before its backward
+
     def sharded_state(self) -> tuple[dict[str, np.ndarray], dict[str, tuple]]:
         raise ToolkitError(f"sharded_state() needs a sharded layout; this run is "
                            f"{self.layout.name}", "use state_dict(), or train with "

@@ -111,6 +111,7 @@ def run_layout(args, layout, out: Path, env) -> None:
         # (ranks, devices per rank) each global batch is split over: the bf16-mixed
         # reference splits it so
         "data_split": list(adapter.strategy.data_split),
+        "part_weight": adapter.strategy.part_weight,
         "device": ",".join(adapter.device_names()), **extra}),
         env=env)
 

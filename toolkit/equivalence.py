@@ -111,18 +111,19 @@ def stdlib_bytes(n: int) -> np.ndarray:
     return np.frombuffer(b"".join(chunks)[:n], np.uint8)
 
 
-def reference(args, norms: list[float] | None = None, split: tuple[int, int] = (1, 1)
-              ) -> tuple[list[float], dict[str, np.ndarray]]:
-    """The one-process float64 numpy run every backend is compared with; under bf16-mixed,
-    the float32 run of the same rounded arithmetic, each batch split over ``split`` =
-    ``(ranks, devices per rank)`` as the run splits it."""
+def reference(args, norms: list[float] | None = None, split: tuple[int, int] = (1, 1),
+              part_weight: float = 1.0) -> tuple[list[float], dict[str, np.ndarray]]:
+    """The one-process float64 numpy run every backend is compared with; under mixed
+    precision, the float32 run of the same rounded arithmetic, each batch split over ``split``
+    = ``(ranks, parts per rank)`` as the run splits it, each part's loss weighted by
+    ``part_weight`` before its backward pass as the run weights it."""
     from toolkit.models.reference import reference_run
     from toolkit.precision import LossScaler, Precision
 
     policy = Precision.of(args.precision, args.dtype)
     dtype = "float32" if policy.mixed else "float64"
     x, y = load_data(args.model, dtype)
-    mixed = {"compute": policy.compute_dtype, "split": split,
+    mixed = {"compute": policy.compute_dtype, "split": split, "part_weight": part_weight,
              "scaler": LossScaler() if policy.loss_scaling else None}
     return reference_run(make_model(args.model), make_optimizer(args.optimizer, args.steps),
                          "cross_entropy", x, y, global_batch_size=args.batch_size,
@@ -367,17 +368,18 @@ def main(argv: list[str] | None = None) -> int:
     launcher = pick_launcher(args.launcher)
     ref_norms: list[float] = []
     ref_losses, ref_params = reference(args, ref_norms)
-    refs = {(1, 1): (ref_losses, ref_params)}  # bf16-mixed: by the runs' batch splits
+    refs = {((1, 1), 1.0): (ref_losses, ref_params)}  # mixed: by the runs' batch splits
     clip = args.clip_grad_norm
     rows = []
     with tempfile.TemporaryDirectory(prefix="equivalence-") as tmp:
         for backend in args.backends:
             for world_size in args.world_sizes:
                 for result in run_one(args, backend, world_size, launcher, Path(tmp)):
-                    split = (tuple(result.get("data_split", (1, 1)))
-                             if args.bounds in EARLY_TOLERANCE else (1, 1))
+                    mixed = args.bounds in EARLY_TOLERANCE
+                    split = ((tuple(result.get("data_split", (1, 1))),
+                              result.get("part_weight", 1.0)) if mixed else ((1, 1), 1.0))
                     if split not in refs:
-                        refs[split] = reference(args, split=split)
+                        refs[split] = reference(args, split=split[0], part_weight=split[1])
                     rows.append(compare(result, *refs[split], args.bounds,
                                         ref_norms if clip is not None else None))
                     print(f"  ran {backend} x{world_size} {result['layout']}: "

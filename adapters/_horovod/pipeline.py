@@ -134,6 +134,12 @@ class HvdPipeline(RoundMessages, StrategyBase):
         return self.grid.replicas, self.layout.micro_batches
 
     @property
+    def part_weight(self) -> float:
+        """Each micro-batch's mean loss divided by ``M`` before its backward (the local
+        batch's mean, as with accumulation steps)."""
+        return 1.0 / self.layout.micro_batches
+
+    @property
     def np_dtype(self) -> np.dtype:
         return np.dtype(self.runtime.dtype_name)
 

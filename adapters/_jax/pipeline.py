@@ -8,6 +8,7 @@ layout's strategy (``adapters/_backend.py``) in both JAX backends.
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from typing import Any, Protocol
@@ -85,6 +86,9 @@ class PipelineExecutor(StrategyBase):
 
     clips = True  # build takes clip_grad_norm
     skips = True  # build takes skip_nonfinite; its StepResult then says skipped
+    # mixed: each piece in the compute dtype (StagePrograms' compute); fp16's loss scale
+    # reaches the last stage's backward as an exponent in each action's row
+    precisions = ("32", "64", "bf16-mixed", "fp16-mixed")
     position: tuple[int, int] = (0, 0)  # this process's (stage, replica), known at build
 
     @staticmethod
@@ -115,6 +119,7 @@ class PipelineExecutor(StrategyBase):
         a, jax = self.host, self.host.jax
         name, S = a.name, self.layout.stages
         check_build(name, optimizer, accumulation_steps, sync_batchnorm)
+        a.precision = self.precision  # (the Backend gave it to this executor)
         devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
         if len(devices) % S:
             raise ToolkitError(
@@ -167,7 +172,7 @@ class PipelineExecutor(StrategyBase):
         progs = StagePrograms(jax, self.staged, self.loss_fn, self.tx, self._collectives(), M,
                               mb, 1.0 / n if gather else S / n, gather,
                               jax.ShapeDtypeStruct((mb,) + tuple(x_shape[1:]), x_dtype),
-                              self.host.dtype, self.host.rule)
+                              self.host.dtype, self.host.rule, self.host.compute_dtype)
         self.local = LocalComputes(jax, progs)
         return progs
 
@@ -195,6 +200,8 @@ class PipelineExecutor(StrategyBase):
             self._like = [(t.shape, t.sharding, [sh.device for sh in t.addressable_shards])
                           for t in (self.grads, self.box, self.losses)]
         step, clock = self.step_index, time.time
+        scale = a.rule.loss_scale  # (fp16: a power of two, 2 ** exp)
+        exp = np.asarray([0 if scale is None else math.frexp(scale)[1] - 1], np.int32)
         xs, ys = self._prepare[0](self._batch(xi)), self._prepare[1](self._batch(yi))
         blocks = self._blocks(self.params, self.grads, self.box, self.losses, xs, ys)
         named = self._named_params()
@@ -214,7 +221,8 @@ class PipelineExecutor(StrategyBase):
             a.barrier()
         for waves, rnd in zip(self.ctrl, self.plan.rounds, strict=True):
             start = clock()
-            ran = self.local.run(lambda d, r=rnd: r.ctrl[self._stage_of[d]], blocks)
+            ran = self.local.run(
+                lambda d, r=rnd: np.concatenate([r.ctrl[self._stage_of[d]], exp]), blocks)
             if waves:
                 # Queued at once, the first wave starts on the devices as the computes end,
                 # not after a trip through the host. The computes have ended when their
@@ -294,6 +302,22 @@ class PipelineExecutor(StrategyBase):
         return self.host.jax.make_array_from_single_device_arrays(
             shape, sharding, [blocks[d][i] for d in devices])
 
+    @property
+    def data_split(self) -> tuple[int, int]:
+        """A pipeline replica of processes takes its share of the global batch, each local
+        device a contiguous slice of it and each micro-batch a contiguous part of that: every
+        part's gradient computed apart (rounded apart under mixed precision), their sum in the
+        parameters' dtype."""
+        return (self.env.world_size // self.layout.stages,
+                self.host.jax.local_device_count() * self.layout.micro_batches)
+
+    @property
+    def part_weight(self) -> float:
+        """Each part's backward is of its share of the global batch's mean (a sum over the
+        replicas follows, not a mean)."""
+        ranks, parts = self.data_split
+        return 1.0 / (ranks * parts)
+
     def pipeline_position(self) -> tuple[int, int]:
         """This process's ``(stage, replica)``: its first device's stage, and which of the
         stage's processes it is (``toolkit.PipelineGrid``'s position with one device each)."""
@@ -313,7 +337,7 @@ class PipelineExecutor(StrategyBase):
         params = self._named(self.params)
         if not hasattr(self, "_jeval"):
             self._jeval = self.host.jax.jit(eval_sums(self.staged, self.loss_fn, self.loss_name,
-                                                   self.metrics))
+                                                   self.metrics, self.host.compute_dtype))
         sums = self._jeval(params, self.host.inputs(x), self.host.labels(y))
         return {**{k: float(v) for k, v in sums.items()}, "count": float(len(x))}
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 import numpy as np
 
 from adapters._jax.models.spec import per_sample_loss
+from adapters._jax.stages import computing
 from adapters._jax.update import apply_optimizer, update
 
 
@@ -40,14 +41,18 @@ class StagePrograms:
         x_struct: one micro-batch of inputs (``jax.ShapeDtypeStruct``). dtype: the parameters'.
         rule: the update rule (``adapters._update.UpdateRule``: ``clip_grad_norm`` and
             ``skip_nonfinite``).
+        compute: a mixed-precision policy's compute dtype (None: the parameters'): each piece
+            runs in it (``stages.computing``), the loss in ``dtype``; a 16-bit activation is
+            held in the box exactly (a float32 box holds every bfloat16 value).
     """
 
     def __init__(self, jax, staged, loss_fn, tx, coll, micro_batches: int, mb: int,
-                 inv_b: float, gather: bool, x_struct, dtype, rule):
+                 inv_b: float, gather: bool, x_struct, dtype, rule, compute=None):
         self.jax, self.jnp, self.lax = jax, jax.numpy, jax.lax
         self.staged, self.loss_fn, self.tx, self.coll = staged, loss_fn, tx, coll
         self.M, self.mb, self.inv_b, self.gather = micro_batches, mb, inv_b, gather
-        self.rule = rule
+        self.rule, self.dtype = rule, dtype
+        self.fns = [computing(fn, compute) for fn in staged.fns]
         # The tied parameter counts once in the norm: on the first stage holding it.
         holders = sorted({s for stages in staged.shared.values() for s in stages})
         self.repeats = np.asarray([1.0 if s in holders[1:] else 0.0
@@ -57,7 +62,7 @@ class StagePrograms:
         for k in range(staged.pieces):
             p = {nm: jax.ShapeDtypeStruct(np.shape(staged.init[nm]), dtype)
                  for nm in staged.piece_names[k]}
-            h = jax.eval_shape(staged.fns[k], p, h)
+            h = jax.eval_shape(self.fns[k], p, h)
             self.shapes.append(h)
         self.width = max([int(np.prod(s.shape[1:])) for s in self.shapes[:-1]] or [1])
         K = staged.pieces
@@ -87,27 +92,30 @@ class StagePrograms:
     def _forward(self, k: int):
         staged, jnp, last = self.staged, self.jnp, k == self.staged.pieces - 1
 
-        def run(p, g, bx, ls, x, y, m, a_in, g_in, out):
+        def run(p, g, bx, ls, x, y, m, a_in, g_in, out, scale_exp):
             h = x[m] if k == 0 else self._unpack(bx[a_in], k)
-            o = staged.fns[k](staged.piece_params(p, k), h)
+            o = self.fns[k](staged.piece_params(p, k), h)
             if last:
-                return g, bx, ls.at[m].set(per_sample_loss(jnp, self.loss_fn, o, y[m]))
+                return g, bx, ls.at[m].set(per_sample_loss(jnp, self.loss_fn,
+                                                           o.astype(self.dtype), y[m]))
             return g, bx.at[out].set(self._pack(o)), ls
         return run
 
     def _backward(self, k: int):
         staged, jnp, jax, last = self.staged, self.jnp, self.jax, k == self.staged.pieces - 1
 
-        def run(p, g, bx, ls, x, y, m, a_in, g_in, out):
+        def run(p, g, bx, ls, x, y, m, a_in, g_in, out, scale_exp):
             params = staged.piece_params(p, k)
             h = x[m] if k == 0 else self._unpack(bx[a_in], k)
             if last:
                 def objective(pp, hh):
-                    return jnp.sum(per_sample_loss(jnp, self.loss_fn, staged.fns[k](pp, hh),
-                                                   y[m])) * self.inv_b
+                    out = self.fns[k](pp, hh).astype(self.dtype)
+                    mean = jnp.sum(per_sample_loss(jnp, self.loss_fn, out, y[m])) * self.inv_b
+                    # fp16: the loss scaled by 2 ** scale_exp (exactly), the update unscales
+                    return mean if self.rule.scaler is None else jnp.ldexp(mean, scale_exp)
                 gp, gh = jax.grad(objective, argnums=(0, 1), allow_int=True)(params, h)
             else:
-                _, vjp = jax.vjp(staged.fns[k], params, h)
+                _, vjp = jax.vjp(self.fns[k], params, h)
                 gp, gh = vjp(self._unpack(bx[g_in], k + 1).astype(self.shapes[k].dtype))
             g = staged.add_grads(g, k, gp)
             return g, (bx if k == 0 else bx.at[out].set(self._pack(gh))), ls
@@ -145,8 +153,10 @@ class StagePrograms:
                 sq = sq - repeat * jnp.sum(jnp.square(g[:shared]))
             return coll.holder_sum(sq)
 
+        scale = None if self.rule.scaler is None else scalars[-1]  # (JaxStrategy.loss_scale)
         (p, opt), norm = update(jnp, self.rule, g, squares,
-                                lambda g: apply_optimizer(self.tx, g, opt, p, scalars), (p, opt))
+                                lambda g: apply_optimizer(self.tx, g, opt, p, scalars), (p, opt),
+                                scale)
         return p, opt, jnp.zeros_like(g), coll.total(jnp.sum(ls)) * self.inv_b, norm
 
 
@@ -162,7 +172,8 @@ class LocalComputes:
     vector by every action and the gradients added one parameter at a time.
 
     ``run(row_of, blocks)``: ``row_of(device)`` is the round's ``[branch, micro_batch, act_in,
-    grad_in, out]`` row of the device's stage; ``blocks[device]`` holds its ``[params (by name,
+    grad_in, out]`` row of the device's stage and the step's loss scale exponent (fp16: the
+    scale is a power of two; else 0); ``blocks[device]`` holds its ``[params (by name,
     :meth:`params`), grads, box, losses, inputs, labels]`` blocks (leading axes of length 1 as
     the global arrays give them); the grads, box and losses are replaced by the results.
     Returns the devices that ran something."""
@@ -183,7 +194,7 @@ class LocalComputes:
         structs = self.jax.tree_util.tree_map(
             lambda b: self.jax.ShapeDtypeStruct(b.shape, b.dtype, sharding=b.sharding), blocks)
         self.cache[branch, device] = self._jit(branch).lower(
-            *structs, np.zeros(5, np.int32)).compile()
+            *structs, np.zeros(6, np.int32)).compile()
 
     def _jit(self, branch: int):
         body = self.programs.branches[branch]
@@ -194,7 +205,8 @@ class LocalComputes:
             def core(a):
                 return a.reshape(a.shape[lead:])
             # The gradient keeps its leading axes: reshaped, it was copied whole by XLA.
-            out = body(p, g, core(bx), core(ls), core(x), core(y), c[1], c[2], c[3], c[4])
+            out = body(p, g, core(bx), core(ls), core(x), core(y), c[1], c[2], c[3], c[4],
+                       c[5])
             return tuple(o.reshape(i.shape) for o, i in zip(out, (g, bx, ls), strict=True))
         return self.jax.jit(run, donate_argnums=(1, 2, 3))
 

@@ -253,17 +253,39 @@ def _native_pieces(model, S, v, splits, dtype, backend):
     return [piece(r) for r in ranges], names, named
 
 
-def eval_sums(staged: StagedModel, loss_fn: Any, loss: str, metrics: dict[str, Any]):
+def computing(fn, compute: Any = None):
+    """A piece's ``fn(params, h)`` run in the ``compute`` dtype of a mixed-precision policy (its
+    parameters and a floating input cast to it, as data parallelism's forward casts them);
+    None: ``fn`` itself."""
+    if compute is None:
+        return fn
+
+    def run(params, h):
+        import jax
+
+        from adapters._jax.models.spec import in_compute
+
+        return fn(in_compute(jax, params, compute), in_compute(jax, h, compute))
+
+    return run
+
+
+def eval_sums(staged: StagedModel, loss_fn: Any, loss: str, metrics: dict[str, Any],
+              compute: Any = None):
     """``sums(params_by_name, x, y)``: the evaluation sums of the whole model, piece after
-    piece on one device (``loss_sum``, ``correct`` for classification, one per metric)."""
+    piece on one device (``loss_sum``, ``correct`` for classification, one per metric), in the
+    arithmetic it trains in (``compute``: :func:`computing`), the loss in the parameters'
+    dtype."""
     from adapters._jax.models.spec import correct_per_sample, per_sample_loss
 
     def sums(params, x, y):
         import jax.numpy as jnp
 
-        h = x
+        h, dtype = x, next(iter(params.values())).dtype
         for k in range(staged.pieces):
-            h = staged.fns[k]({n: params[n] for n in staged.piece_names[k]}, h)
+            h = computing(staged.fns[k], compute)(
+                {n: params[n] for n in staged.piece_names[k]}, h)
+        h = h.astype(dtype)
         out = {"loss_sum": jnp.sum(per_sample_loss(jnp, loss_fn, h, y))}
         if loss == "cross_entropy":
             out["correct"] = correct_per_sample(jnp, h, y)

@@ -9,7 +9,7 @@ import numpy as np
 
 from adapters._backend import StrategyBase
 from adapters._common import check_per_sample, loss_name, step_seed
-from adapters._jax.models.spec import JaxModel, correct_per_sample, per_sample_loss
+from adapters._jax.models.spec import JaxModel, correct_per_sample, in_compute, per_sample_loss
 from adapters._jax.runtime import gloo_connect_line_silenced
 from adapters._jax.update import make_optimizer
 from adapters._update import UpdateRule
@@ -66,7 +66,7 @@ class JaxStrategy(StrategyBase):
         ``labels`` and ``optimizer_scalars`` then work as after ``_build_common``."""
         self.loss_name, self.loss_fn = loss_name(loss), loss
         self.opt_spec = optimizer if isinstance(optimizer, SGD | Adam) else None
-        self.rule = UpdateRule(optimizer, clip, skip)
+        self.rule = UpdateRule(optimizer, clip, skip, self.precision)
         self.steps = 0
 
     def count_step(self) -> None:
@@ -110,6 +110,12 @@ class JaxStrategy(StrategyBase):
             raise ToolkitError(f"{self.name} needs the learning rate of each step",
                                "pass an optimizer spec (toolkit.SGD/Adam)")
         return np.asarray([*self.rule.scalars(lr), *scale], self.dtype_name)
+
+    def scalars_like(self) -> np.ndarray:
+        """Zeros shaped as each step's ``optimizer_scalars`` (for compiling ahead; counts
+        nothing)."""
+        return np.zeros((3 if self.opt_spec is not None else 0)
+                        + (self.rule.scaler is not None), self.dtype_name)
 
     def loss_scale(self, scalars):
         """(in the step) The loss scale among the step's ``scalars``; None without scaling."""
@@ -199,9 +205,7 @@ class JaxStrategy(StrategyBase):
     def _in_compute(self, tree):
         """``tree``'s floating leaves in the compute dtype (gathered shards included: what a
         sharded layout gathers is then half as many bytes under bfloat16)."""
-        jnp, dtype = self.jnp, self.compute_dtype
-        return self.jax.tree_util.tree_map(
-            lambda a: a.astype(dtype) if jnp.issubdtype(a.dtype, jnp.floating) else a, tree)
+        return in_compute(self.jax, tree, self.compute_dtype)
 
     def _eval_fn(self, params, model_state, x, y):
         jnp = self.jnp

@@ -135,7 +135,7 @@ class PjitPipeline(PipelineExecutor):
         self._exchange = {(f, b): exchange(f, b).lower(self.box, wave).compile()
                           for f in (False, True) for b in (False, True)
                           if (f or b) and wave is not None}
-        scalars = self._place(np.zeros(3, self.host.dtype_name), ())
+        scalars = self._place(self.host.scalars_like(), ())
         self._update = upd.lower(self.params, self.opt_state, self.grads, self.losses,
                                  scalars).compile()
         self.host.barrier()

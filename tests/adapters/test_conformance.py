@@ -245,12 +245,14 @@ def test_every_strategy_returns_a_step_result(backend, layout):
     for options in ({}, {"clip_grad_norm": 1e9, "skip_nonfinite": True}):
         adapter = adapters.get(backend, dtype="float64")
         adapter.setup(ENV, parse_layout(layout))
+        adapter.build(SPEC, SGD(lr=0.1), "cross_entropy", seed=3, **options)
         # every strategy answers what the Backend and the equivalence worker ask of it
         assert isinstance(adapter.strategy, StrategyBase), type(adapter.strategy)
         ranks, parts = adapter.strategy.data_split  # (a pipeline's parts: micro-batches)
         micro = getattr(adapter.strategy.layout, "micro_batches", 1)
-        assert ranks == 1 and parts in {1, adapter.strategy.runtime.local_device_count(), micro}
-        adapter.build(SPEC, SGD(lr=0.1), "cross_entropy", seed=3, **options)
+        devices = adapter.strategy.runtime.local_device_count()
+        assert ranks == 1 and parts in {1, devices, micro, devices * micro}
+        assert 0 < adapter.strategy.part_weight <= 1
         before = {k: v for k, v in adapter.state_dict().items() if k.startswith("params/")}
         result = adapter.train_step(x, y, 0.1)
         assert isinstance(result, StepResult), type(result)

@@ -7,7 +7,8 @@ The first steps equal the rounded reference within 1e-6 (a float32 run is 1e-5 a
 that bound); over 50 steps the runs drift apart only as rounding boundaries move (a float32
 update that differs in its last bit flips a bfloat16 rounding later), which the looser bound
 measures. In this process: world size 1 for horovod-torch, the two CPU devices of
-tests/conftest.py for jax-pmap (the reference then splits each batch in two, as the devices do).
+tests/conftest.py for jax-pmap (the reference then splits each batch in two, as the devices do);
+a pipeline's micro-batches are split so too.
 """
 
 from __future__ import annotations
@@ -31,7 +32,11 @@ CASES = [("horovod-torch", "data", (1, 1)), ("horovod-torch", "sharded:1", (1, 1
          ("horovod-torch", "sharded:3", (1, 1)), ("jax-pmap", "data", (1, 2)),
          ("jax-pmap", "sharded:1", (1, 2)), ("jax-pmap", "sharded:2", (1, 2)),
          # one program over the global batch: its arithmetic is the whole batch's
-         ("jax-pjit", "data", (1, 1)), ("jax-pjit", "sharded:3", (1, 1))]
+         ("jax-pjit", "data", (1, 1)), ("jax-pjit", "sharded:3", (1, 1)),
+         # a pipeline rounds each micro-batch's gradient apart (and each device's share)
+         # (each micro-batch's loss weighted by 1/M in torch, by its share of the batch in JAX)
+         ("horovod-torch", "pipeline:1:4", (1, 4, 1 / 4)),
+         ("jax-pmap", "pipeline:1:4", (1, 8, 1 / 8)), ("jax-pjit", "pipeline:1:4", (1, 8, 1 / 8))]
 MODEL = toolkit.MLP((64, 128, 10))
 
 
@@ -56,12 +61,14 @@ def losses(*args, **options):
 
 
 def rounded_reference(split, steps=STEPS, precision="bf16-mixed", x=None, scaler=None):
+    """``split``: ``(ranks, parts)``, or ``(ranks, parts, part_weight)`` (a pipeline)."""
     x, y = data() if x is None else (x, data()[1])
     if scaler is None and precision == "fp16-mixed":
         scaler = LossScaler()
+    weight = split[2] if len(split) > 2 else 1.0
     losses, _ = reference_run(MODEL, optimizer(), "cross_entropy", x, y, global_batch_size=BATCH,
                               steps=steps, seed=0, dtype="float32", compute=COMPUTE[precision],
-                              split=split, scaler=scaler)
+                              split=split[:2], part_weight=weight, scaler=scaler)
     return np.asarray(losses)
 
 
@@ -98,7 +105,8 @@ class RecordingScaler(LossScaler):
         super().update(finite)
 
 
-@pytest.mark.parametrize("backend, layout, split", [CASES[0], CASES[2], CASES[3]])
+@pytest.mark.parametrize("backend, layout, split", [CASES[0], CASES[2], CASES[3], CASES[8],
+                                                    CASES[10]])
 def test_the_loss_scaler_skips_and_halves_where_the_reference_does(backend, layout, split):
     """Inputs 30 times larger make the first scaled gradients overflow float16: the scaler
     skips those steps and halves its scale, as the reference's does, and the divergence guard
@@ -139,21 +147,25 @@ def test_the_reference_rounds_only_under_mixed_precision():
     assert one[0] == pytest.approx(rounded[0], rel=1e-12)
 
 
-@pytest.mark.parametrize("backend, layout", [("horovod-tf", "data"), ("jax-pmap", "sharded:3"),
-                                             ("jax-pjit", "pipeline:1:2")])
-def test_a_strategy_without_bf16_says_so_before_building(backend, layout):
+@pytest.mark.parametrize("backend, layout, precision, runs", [
+    ("horovod-tf", "data", "bf16-mixed", "32, 64"),
+    ("jax-pmap", "sharded:3", "bf16-mixed", "32, 64"),
+    ("horovod-tf", "pipeline:1:2", "fp16-mixed", "32, 64")])
+def test_a_strategy_without_the_precision_says_so_before_building(backend, layout, precision,
+                                                                   runs):
     x, y = data()
-    trainer = toolkit.Trainer(adapters.get(backend, precision="bf16-mixed"), MODEL, optimizer(),
+    trainer = toolkit.Trainer(adapters.get(backend, precision=precision), MODEL, optimizer(),
                               layout=layout, global_batch_size=BATCH, max_steps=1,
                               progress=False)
-    with pytest.raises(ToolkitError, match="does not run precision 'bf16-mixed'") as err:
+    with pytest.raises(ToolkitError, match=f"does not run precision '{precision}'") as err:
         trainer.fit(x, y)
-    assert "this strategy runs: 32, 64" in err.value.hint
+    assert err.value.hint == f"this strategy runs: {runs}"
 
 
 @pytest.mark.parametrize("backend, layout", [
     ("horovod-torch", "data"), ("horovod-torch", "sharded:3"), ("jax-pmap", "data"),
-    ("jax-pmap", "sharded:2"), ("jax-pjit", "data"), ("jax-pjit", "sharded:3:tp2")])
+    ("jax-pmap", "sharded:2"), ("jax-pjit", "data"), ("jax-pjit", "sharded:3:tp2"),
+    ("horovod-torch", "pipeline:1:2"), ("jax-pjit", "pipeline:1:2")])
 def test_a_gpt_trains_in_bf16_mixed_as_in_float32(backend, layout):
     """The GPT (layer norms and softmax in float32, the rest in bfloat16) follows the float32
     run's losses within a percent over its first steps, and holds float32 parameters."""

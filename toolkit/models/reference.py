@@ -92,18 +92,19 @@ def check_clip(value) -> float | None:
     return float(value)
 
 
-def _split_grads(model, params, x, y, loss, compute, split, scale=1.0):
+def _split_grads(model, params, x, y, loss, compute, split, scale=1.0, weight=1.0):
     """The mean loss and gradient of a global batch split over ``split = (ranks, devices)``
-    (``(1, 1)``: the batch itself)."""
+    (``(1, 1)``: the batch itself), each part's backward of its mean loss times ``scale`` x
+    ``weight``."""
     if compute is None and split == (1, 1):
         return model.loss_and_grads(params, x, y, loss)
     ranks, devices = split
-    parts = [model.loss_and_grads(params, xp, yp, loss, compute=compute, scale=scale)
+    parts = [model.loss_and_grads(params, xp, yp, loss, compute=compute, scale=scale * weight)
              for r in range(ranks)
              for xp, yp in zip(np.split(x[r::ranks], devices), np.split(y[r::ranks], devices),
                                strict=True)]
-    grads = {n: (sum(g[n].astype(np.float64) for _, g in parts) / len(parts)).astype(a.dtype)
-             for n, a in params.items()}
+    grads = {n: (sum(g[n].astype(np.float64) for _, g in parts) / len(parts) / weight
+                 ).astype(a.dtype) for n, a in params.items()}
     return float(np.mean([v for v, _ in parts])), grads
 
 
@@ -111,7 +112,7 @@ def reference_run(model, optimizer: OptimizerSpec, loss: str, x: np.ndarray, y: 
                   global_batch_size: int, steps: int, seed: int = 0, dtype: str = "float64",
                   clip_grad_norm: float | None = None, norms: list[float] | None = None,
                   compute: str | None = None,
-                  split: tuple[int, int] = (1, 1),
+                  split: tuple[int, int] = (1, 1), part_weight: float = 1.0,
                   scaler: Any = None) -> tuple[list[float], dict[str, np.ndarray]]:
     """Sequential training in numpy: one process, the global batch, the same sampler.
 
@@ -123,9 +124,13 @@ def reference_run(model, optimizer: OptimizerSpec, loss: str, x: np.ndarray, y: 
     global batch split as the sampler gives ranks their samples (rank ``r`` every ``r``-th)
     and a rank its devices (contiguous parts), each part's gradient in the compute dtype's
     arithmetic, their mean in ``dtype`` (the same as the whole batch's in exact arithmetic,
-    not in rounded arithmetic). ``scaler``: a ``toolkit.precision.LossScaler`` (fp16): the
-    loss scaled, the gradients unscaled, a step whose gradient is not finite skipped and the
-    scale updated, as the strategies' update path does.
+    not in rounded arithmetic). ``part_weight``: what each part's mean loss is multiplied by
+    before its backward pass (a pipeline's micro-batches: ``1 / M`` in horovod-torch, the
+    part's share of the global batch in JAX), so its float16 gradients overflow where the run's
+    do; the parts' gradients are divided by it again. ``scaler``: a
+    ``toolkit.precision.LossScaler`` (fp16): the loss scaled, the gradients unscaled, a step
+    whose gradient is not finite skipped and the scale updated, as the strategies' update path
+    does.
 
     Returns:
         The loss of every step and the final parameters (neutral names, no prefix).
@@ -144,7 +149,7 @@ def reference_run(model, optimizer: OptimizerSpec, loss: str, x: np.ndarray, y: 
         for idx in sampler:
             scale = 1.0 if scaler is None else scaler.scale
             value, grads = _split_grads(model, params, x[idx], y[idx], loss, compute, split,
-                                        scale)
+                                        scale, part_weight)
             if scaler is not None:
                 grads = {n: g * g.dtype.type(1.0 / scale) for n, g in grads.items()}
             norm = global_norm(grads)

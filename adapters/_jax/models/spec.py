@@ -112,6 +112,14 @@ class JaxModel:
             for c, tree in like.items()}
 
 
+def in_compute(jax, tree, dtype):
+    """``tree``'s floating leaves in ``dtype`` (a mixed-precision forward's parameters and
+    inputs); integer leaves (token ids) as they are."""
+    jnp = jax.numpy
+    return jax.tree_util.tree_map(
+        lambda a: a.astype(dtype) if jnp.issubdtype(a.dtype, jnp.floating) else a, tree)
+
+
 def dense(jnp, h, kernel, bias):
     """``h @ kernel + bias`` rounded once to ``h``'s dtype: the products summed and the bias
     added in float32 (or wider), the mixed-precision contract's dense layer (docs/precision.md);
