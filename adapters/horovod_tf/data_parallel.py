@@ -42,6 +42,10 @@ class TFDataParallel(StrategyBase):
     clips = True  # build takes clip_grad_norm; the StepResult then has grad_norm
     skips = True  # build takes skip_nonfinite; the StepResult then says skipped
     compresses = True  # the runtime's compression goes to each gradient's allreduce
+    # bf16-mixed: the spec model's forward on its variables and inputs cast to bfloat16
+    # (TFOps.in_compute), the loss in float32. Not fp16-mixed: TensorFlow's float16 matmul on
+    # CPUs without AVX512-FP16 is Eigen's, which rounds otherwise (docs/precision.md)
+    precisions = ("32", "64", "bf16-mixed")
 
     def __init__(self, runtime, layout):
         super().__init__(runtime, layout)
@@ -53,8 +57,8 @@ class TFDataParallel(StrategyBase):
               metrics: Any = None, clip_grad_norm: float | None = None,
               skip_nonfinite: bool = False) -> None:
         tf = self.tf
-        self.rule = UpdateRule(optimizer, clip_grad_norm, skip_nonfinite)
-        self.ops = TFOps(self.runtime, model, loss, metrics)
+        self.rule = UpdateRule(optimizer, clip_grad_norm, skip_nonfinite, self.precision)
+        self.ops = TFOps(self.runtime, model, loss, metrics, self.precision)
         self.spec, self.native = model, self.ops.native
         self.accumulation_steps, self.seed = accumulation_steps, seed
         self.sync_batchnorm = sync_batchnorm and self.native
@@ -86,7 +90,9 @@ class TFDataParallel(StrategyBase):
         """(hook) The model's outputs."""
         if self.native:
             return self.keras_model.model(x, training=training)
-        return spec_forward(self.tf, self.spec, self.state.vars, x)
+        ops = self.ops
+        return spec_forward(self.tf, self.spec, ops.in_compute(self.state.vars),
+                            ops.in_compute(x))
 
     def local_grads(self, x, y, variables):
         """This rank's gradients w.r.t. ``variables``, summed over the micro-batches, and its

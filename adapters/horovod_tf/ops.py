@@ -23,14 +23,36 @@ def _is_int(a: np.ndarray) -> bool:
 
 class TFOps:
     """The loss (``cross_entropy``, ``mse`` or a callable) and metrics of one build of
-    ``model`` (a spec or a Keras model), in the runtime's ``dtype``."""
+    ``model`` (a spec or a Keras model), in the runtime's ``dtype``; under a mixed
+    ``precision`` the forward's compute dtype (``compute``, :meth:`in_compute`)."""
 
-    def __init__(self, runtime, model: Any, loss: Any, metrics: dict[str, Any] | None = None):
+    def __init__(self, runtime, model: Any, loss: Any, metrics: dict[str, Any] | None = None,
+                 precision: Any = None):
         self.tf, self.dtype = runtime.tf, runtime.dtype
         self.loss_name, self.loss_fn = loss_name(loss), loss
         self.metrics = dict(metrics or {})
         self.native = not isinstance(model, ModelSpec)
         self.is_gpt = isinstance(model, GPT)
+        mixed = precision is not None and precision.mixed
+        self.compute = getattr(self.tf, precision.compute_dtype) if mixed else None
+        if mixed and self.native:
+            raise ToolkitError(
+                f"horovod-tf runs precision {precision.name!r} for the toolkit's spec models, "
+                f"not for the Keras model {describe(model)}",
+                "train it with precision '32', or use toolkit.MLP/CNN/GPT")
+
+    def in_compute(self, tree: Any) -> Any:
+        """``tree``'s floating tensors in the compute dtype (cast inside the step, so their
+        gradients come back in the parameters' dtype); as they are without one."""
+        tf = self.tf
+        if self.compute is None:
+            return tree
+
+        def cast(t):
+            t = tf.convert_to_tensor(t)
+            return tf.cast(t, self.compute) if t.dtype.is_floating else t
+        return tf.nest.map_structure(cast, tree)
+
 
     def inputs(self, x, y):
         """Float inputs in the backend's dtype; integer ones (token ids) stay integers, except
@@ -51,6 +73,8 @@ class TFOps:
         """One loss per sample; a token-level loss (outputs with a sequence axis) is averaged
         over the sample's tokens."""
         tf = self.tf
+        if out.dtype != self.dtype and out.dtype.is_floating:  # (mixed: the loss in float32)
+            out = tf.cast(out, self.dtype)
         if self.loss_name == "custom":
             losses = self.loss_fn(out, y)
             check_per_sample(getattr(losses, "shape", ()), out.shape[0])

@@ -8,6 +8,7 @@ from typing import Any
 
 import numpy as np
 
+from adapters._backend import PLAIN
 from adapters.horovod_tf.data_parallel import TFDataParallel
 from adapters.horovod_tf.flat_shards import ShardedTF
 from toolkit import CNN, GPT, MLP, SGD, Adam, Sharded, ToolkitError
@@ -33,6 +34,14 @@ class TFSharded(TFDataParallel):
 
     shards: ShardedTF
     compresses = False  # (its reductions are the flat shards')
+
+    @property
+    def precisions(self) -> tuple[str, ...]:
+        """Stages 1 and 2 run data parallelism's forward; stage 3's per-unit forward (a
+        custom gradient around gathered shards) computes its bfloat16 dense layers with the
+        bias added after the product was rounded (measured: 7e-5 from the contract's
+        arithmetic), so it runs the plain policies."""
+        return PLAIN if self.layout.stage == 3 else super().precisions
 
     @staticmethod
     def check_layout(layout: Sharded) -> None:

@@ -38,10 +38,28 @@ def _lookup(tf, table, ids):
     return gather(tf.convert_to_tensor(table))
 
 
+def _wide(tf, z):
+    """``z`` in float32 when it is 16-bit (mixed precision), else as it is."""
+    return tf.cast(z, tf.float32) if z.dtype in (tf.bfloat16, tf.float16) else z
+
+
 def _layer_norm(tf, v, name, z):
-    """(z - mean) / sqrt(var + 1e-5) * scale + bias over the last axis (biased variance)."""
-    mean, var = tf.nn.moments(z, axes=[-1], keepdims=True)
-    return (z - mean) * tf.math.rsqrt(var + 1e-5) * v[f"{name}.scale"] + v[f"{name}.bias"]
+    """(z - mean) / sqrt(var + 1e-5) * scale + bias over the last axis (biased variance); the
+    statistics and the normalisation in float32 under mixed precision, the result in ``z``'s
+    dtype."""
+    zf = _wide(tf, z)
+    mean, var = tf.nn.moments(zf, axes=[-1], keepdims=True)
+    out = ((zf - mean) * tf.math.rsqrt(var + 1e-5) * tf.cast(v[f"{name}.scale"], zf.dtype)
+           + tf.cast(v[f"{name}.bias"], zf.dtype))
+    return tf.cast(out, z.dtype)
+
+
+def causal_softmax(tf, s, causal):
+    """The attention weights of scores ``s`` (``-inf`` where ``causal`` is False), computed in
+    float32 under mixed precision, in ``s``'s dtype."""
+    sf = _wide(tf, s)
+    p = tf.nn.softmax(tf.where(causal, sf, tf.constant(float("-inf"), sf.dtype)), axis=-1)
+    return tf.cast(p, s.dtype)
 
 
 def _gelu(tf, z):
@@ -82,7 +100,6 @@ def gpt_forward(tf, spec, variables, x):
     dtype = h.dtype
     scale = tf.constant(math.sqrt(dh), dtype)
     causal = tf.linalg.band_part(tf.ones([T, T], tf.bool), -1, 0)  # key j <= query i
-    neg = tf.constant(float("-inf"), dtype)
     for i in range(spec.layers):
         b = f"blocks.{i}"
         qkv = _dense(tf, v, f"{b}.attn.qkv", _layer_norm(tf, v, f"{b}.ln1", h))
@@ -90,7 +107,7 @@ def gpt_forward(tf, spec, variables, x):
         q, k, val = tf.unstack(tf.transpose(tf.reshape(qkv, [B, T, 3, heads, dh]),
                                             [2, 0, 3, 1, 4]))
         s = tf.matmul(q, k, transpose_b=True) / scale
-        p = tf.nn.softmax(tf.where(causal, s, neg), axis=-1)
+        p = causal_softmax(tf, s, causal)
         o = tf.reshape(tf.transpose(tf.matmul(p, val), [0, 2, 1, 3]), [B, T, spec.width])
         h = h + _dense(tf, v, f"{b}.attn.proj", o)
         m = _dense(tf, v, f"{b}.mlp.fc", _layer_norm(tf, v, f"{b}.ln2", h))

@@ -53,7 +53,7 @@ def _cnn_unit(tf, spec: CNN, i: int, last: bool) -> Callable:
 def _gpt_unit(tf, spec: GPT, i: int) -> Callable:
     """Block ``i`` of ``_gpt_tf.gpt_forward`` (the same ops in the same order), with the
     embeddings before block 0 and ``ln_f``/``head`` after the last block."""
-    from adapters.horovod_tf.models.gpt import _dense, _gelu, _layer_norm, _lookup
+    from adapters.horovod_tf.models.gpt import _dense, _gelu, _layer_norm, _lookup, causal_softmax
 
     heads, dh = spec.heads, spec.width // spec.heads
     first, last = i == 0, i == spec.layers - 1
@@ -70,7 +70,7 @@ def _gpt_unit(tf, spec: GPT, i: int) -> Callable:
         q, k, val = tf.unstack(tf.transpose(tf.reshape(qkv, [B, T, 3, heads, dh]),
                                             [2, 0, 3, 1, 4]))
         s = tf.matmul(q, k, transpose_b=True) / scale
-        p = tf.nn.softmax(tf.where(causal, s, tf.constant(float("-inf"), dtype)), axis=-1)
+        p = causal_softmax(tf, s, causal)
         o = tf.reshape(tf.transpose(tf.matmul(p, val), [0, 2, 1, 3]), [B, T, spec.width])
         h = h + _dense(tf, v, f"{b}.attn.proj", o)
         m = _dense(tf, v, f"{b}.mlp.fc", _layer_norm(tf, v, f"{b}.ln2", h))
