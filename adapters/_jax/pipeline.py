@@ -304,17 +304,14 @@ class PipelineExecutor(StrategyBase):
 
     @property
     def data_split(self) -> tuple[int, int]:
-        """A pipeline replica of processes takes its share of the global batch, each local
-        device a contiguous slice of it and each micro-batch a contiguous part of that: every
-        part's gradient computed apart (rounded apart under mixed precision), their sum in the
-        parameters' dtype."""
+        """A replica's share of the batch, cut into local devices' and micro-batches'
+        contiguous parts, each part's gradient rounded apart (mixed precision)."""
         return (self.env.world_size // self.layout.stages,
                 self.host.jax.local_device_count() * self.layout.micro_batches)
 
     @property
     def part_weight(self) -> float:
-        """Each part's backward is of its share of the global batch's mean (a sum over the
-        replicas follows, not a mean)."""
+        """Each part's loss is its share of the global batch's mean (replicas then sum)."""
         ranks, parts = self.data_split
         return 1.0 / (ranks * parts)
 
