@@ -236,3 +236,56 @@ def test_compression_is_a_horovod_option():
         adapters.get("jax-pjit", compression="fp16")
     with pytest.raises(ToolkitError, match="unknown compression 'int8'"):
         adapters.get("horovod-torch", compression="int8")
+
+
+def _native_model(backend):
+    """The digits MLP as the framework's own model (bring your own)."""
+    if backend == "horovod-torch":
+        import torch
+
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(),
+                                   torch.nn.Linear(128, 10))
+    if backend == "horovod-tf":
+        import keras
+
+        keras.utils.set_random_seed(0)
+        return keras.Sequential([keras.Input((64,)), keras.layers.Dense(128, activation="relu"),
+                                 keras.layers.Dense(10)])
+    import flax.linen as nn
+    import jax
+
+    class Net(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return nn.Dense(10)(nn.relu(nn.Dense(128)(x)))
+
+    return Net(), Net().init(jax.random.PRNGKey(0), np.zeros((1, 64), np.float32))
+
+
+@pytest.mark.parametrize("backend", ["horovod-torch", "jax-pmap", "jax-pjit"])
+def test_a_native_model_trains_in_bf16_mixed_as_in_float32(backend):
+    """Bring your own: a torch module under autocast, a Flax module with its parameters and
+    inputs cast; float32 parameters kept, the losses within a percent of float32's, and not
+    float32's own (it rounded)."""
+    x, y = data()
+    losses = {}
+    for precision in ("32", "bf16-mixed"):
+        adapter = adapters.get(backend, precision=precision)
+        trainer = toolkit.Trainer(adapter, _native_model(backend), optimizer(),
+                                  global_batch_size=BATCH, max_steps=10, seed=0, progress=False)
+        losses[precision] = np.asarray(trainer.fit(x, y).losses)
+        assert all(v.dtype == np.float32 for k, v in adapter.state_dict().items()
+                   if k.startswith("params/"))
+    assert deviation(losses["bf16-mixed"], losses["32"]).max() < 1e-2, losses
+    assert deviation(losses["bf16-mixed"], losses["32"]).max() > 1e-6, losses
+
+
+def test_a_keras_model_in_mixed_precision_is_refused_with_the_reason():
+    x, y = data()
+    trainer = toolkit.Trainer(adapters.get("horovod-tf", precision="bf16-mixed"),
+                              _native_model("horovod-tf"), optimizer(), global_batch_size=BATCH,
+                              max_steps=1, progress=False)
+    with pytest.raises(ToolkitError, match="not for the Keras model Sequential") as err:
+        trainer.fit(x, y)
+    assert "precision '32'" in err.value.hint
