@@ -158,7 +158,8 @@ class JaxStrategy(StrategyBase):
             self._compiled_for = shapes
         return self._compiled(*args)
 
-    def _accumulated_grads(self, params, model_state, x, y, key, forward=None, scale=None):
+    def _accumulated_grads(self, params, model_state, x, y, key, forward=None, scale=None,
+                           cast_params=True):
         """Gradients of the batch mean over ``accumulation_steps`` micro-batches (unrolled:
         the count is static), every sample's loss in batch order, and the new model state;
         with a loss ``scale``, the gradients of the scaled mean (the update unscales them).
@@ -174,7 +175,9 @@ class JaxStrategy(StrategyBase):
 
         def loss_fn(params, model_state, xb, yb, rng):  # mean for the gradient, per sample too
             if compute is not None:  # mixed precision: the arithmetic in the compute dtype
-                params, xb = self._in_compute(params), self._in_compute(xb)
+                # (cast_params False: ``forward`` casts them, once gathered)
+                params = self._in_compute(params) if cast_params else params
+                xb = self._in_compute(xb)
             out, model_state = forward(params, model_state, xb, rng)
             # the loss in the parameters' dtype (float32 under mixed precision)
             losses = per_sample_loss(jnp, self.loss_fn, out.astype(self.dtype), yb)
@@ -204,8 +207,10 @@ class JaxStrategy(StrategyBase):
 
     def _in_compute(self, tree):
         """``tree``'s floating leaves in the compute dtype (gathered shards included: what a
-        sharded layout gathers is then half as many bytes under bfloat16)."""
-        return in_compute(self.jax, tree, self.compute_dtype)
+        sharded layout gathers is then half as many bytes under bfloat16); without a compute
+        dtype, ``tree`` itself."""
+        dtype = self.compute_dtype
+        return tree if dtype is None else in_compute(self.jax, tree, dtype)
 
     def _eval_fn(self, params, model_state, x, y):
         jnp = self.jnp

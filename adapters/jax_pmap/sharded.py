@@ -25,7 +25,6 @@ from typing import Any
 
 import numpy as np
 
-from adapters._backend import PLAIN
 from adapters._jax.flat_units import (
     FlatUnits,
     check_layout,
@@ -50,13 +49,6 @@ class PmapSharded(PmapDataParallel):
     @staticmethod
     def check_layout(layout) -> None:
         check_layout("jax-pmap", layout)
-
-    @property
-    def precisions(self) -> tuple[str, ...]:
-        """Stages 1 and 2 cast the full flat buffers and reduce float32 gradients; stage 3
-        would gather bfloat16 shards, whose transpose reduces the gradient in bfloat16, so it
-        runs the plain policies until its reduction is float32."""
-        return PLAIN if self.layout.stage == 3 else super().precisions
 
     def _build_layout(self, model, optimizer, loss, seed, accumulation_steps, metrics):
         jax, lax = self.jax, self.jax.lax
@@ -122,7 +114,9 @@ class PmapSharded(PmapDataParallel):
                 if with_embedding:
                     full = jax.lax.all_gather(embedding_shard, AXIS, tiled=True)
                     named["tok_emb"] = unit_named(layouts[names[0]], full)["tok_emb"]
-                return unit_forward(self.spec, unit, named, h)
+                # mixed precision: float32 shards gathered, then cast, so the gather's
+                # transpose reduce-scatters a float32 gradient
+                return unit_forward(self.spec, unit, self._in_compute(named), h)
 
             return jax.checkpoint(run)
 
@@ -142,7 +136,8 @@ class PmapSharded(PmapDataParallel):
         before = (params, opt_state, model_state)
         scale = self.loss_scale(scalars)
         grads, losses, new_state = self._accumulated_grads(params, model_state, x, y, key,
-                                                           forward=forward, scale=scale)
+                                                           forward=forward, scale=scale,
+                                                           cast_params=stage < 3)
         new_state = lax.pmean(new_state, AXIS)
 
         def mine(full, unit):  # this device's slice of a full flat buffer
