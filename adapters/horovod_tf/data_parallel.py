@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 
 from adapters._backend import StrategyBase
-from adapters._common import unwrapped_toolkit_errors
+from adapters._common import check_recompute, unwrapped_toolkit_errors
 from adapters._update import UpdateRule
 from adapters.horovod_tf.models.keras_native import KerasNative
 from adapters.horovod_tf.models.spec import spec_forward
@@ -46,6 +46,7 @@ class TFDataParallel(StrategyBase):
     # (TFOps.in_compute), the loss in float32. Not fp16-mixed: TensorFlow's float16 matmul on
     # CPUs without AVX512-FP16 is Eigen's, which rounds otherwise (docs/precision.md)
     precisions = ("32", "64", "bf16-mixed")
+    recomputes = True  # activation_checkpointing: tf.recompute_grad in the spec forward
 
     def __init__(self, runtime, layout):
         super().__init__(runtime, layout)
@@ -55,8 +56,9 @@ class TFDataParallel(StrategyBase):
     def build(self, model: Any, optimizer: Any, loss: Any, *, seed: int = 0,
               accumulation_steps: int = 1, sync_batchnorm: bool = False,
               metrics: Any = None, clip_grad_norm: float | None = None,
-              skip_nonfinite: bool = False) -> None:
+              skip_nonfinite: bool = False, activation_checkpointing: bool = False) -> None:
         tf = self.tf
+        self.recompute = check_recompute("horovod-tf", model, activation_checkpointing)
         self.rule = UpdateRule(optimizer, clip_grad_norm, skip_nonfinite, self.precision)
         self.ops = TFOps(self.runtime, model, loss, metrics, self.precision)
         self.spec, self.native = model, self.ops.native
@@ -92,7 +94,7 @@ class TFDataParallel(StrategyBase):
             return self.keras_model.model(x, training=training)
         ops = self.ops
         return spec_forward(self.tf, self.spec, ops.in_compute(self.state.vars),
-                            ops.in_compute(x))
+                            ops.in_compute(x), self.recompute and training)
 
     def local_grads(self, x, y, variables):
         """This rank's gradients w.r.t. ``variables``, summed over the micro-batches, and its

@@ -14,7 +14,8 @@ from toolkit import ToolkitError
 from toolkit.equivalence import load_data, make_model
 
 CASES = [("horovod-torch", "data"), ("horovod-torch", "sharded:3"), ("jax-pmap", "data"),
-         ("jax-pmap", "sharded:1"), ("jax-pjit", "data"), ("jax-pjit", "sharded:3:tp2")]
+         ("jax-pmap", "sharded:1"), ("jax-pjit", "data"), ("jax-pjit", "sharded:3:tp2"),
+         ("horovod-tf", "data"), ("horovod-tf", "sharded:2")]
 
 
 def train(backend, layout, model, recompute, steps=4):
@@ -59,7 +60,7 @@ def test_torch_keeps_less_for_the_backward_pass():
     assert saved[True] < saved[False] / 2, saved
 
 
-@pytest.mark.parametrize("backend, layout", [("horovod-tf", "data"),
+@pytest.mark.parametrize("backend, layout", [("horovod-tf", "pipeline:1:2"),
                                              ("horovod-torch", "pipeline:1:2")])
 def test_a_strategy_that_cannot_recompute_says_so(backend, layout):
     x, y = load_data("mlp", "float32")

@@ -81,7 +81,23 @@ def _dense(tf, v, name, z):
     return tf.reshape(flat, tf.concat([tf.shape(z)[:-1], tf.shape(kernel)[1:]], 0))
 
 
-def gpt_forward(tf, spec, variables, x):
+def _block(tf, spec, v, b: str, h, causal):
+    """Block ``b`` (its parameters ``v[f"{b}.*"]``) on the residual stream ``h``."""
+    heads, dh = spec.heads, spec.width // spec.heads
+    B, T = tf.shape(h)[0], tf.shape(h)[1]
+    qkv = _dense(tf, v, f"{b}.attn.qkv", _layer_norm(tf, v, f"{b}.ln1", h))
+    # columns [q | k | v], head h at h*dh:(h+1)*dh of each -> 3 x (B, H, T, dh)
+    q, k, val = tf.unstack(tf.transpose(tf.reshape(qkv, [B, T, 3, heads, dh]),
+                                        [2, 0, 3, 1, 4]))
+    s = tf.matmul(q, k, transpose_b=True) / tf.constant(math.sqrt(dh), h.dtype)
+    p = causal_softmax(tf, s, causal)
+    o = tf.reshape(tf.transpose(tf.matmul(p, val), [0, 2, 1, 3]), [B, T, spec.width])
+    h = h + _dense(tf, v, f"{b}.attn.proj", o)
+    m = _dense(tf, v, f"{b}.mlp.fc", _layer_norm(tf, v, f"{b}.ln2", h))
+    return h + _dense(tf, v, f"{b}.mlp.proj", _gelu(tf, m))
+
+
+def gpt_forward(tf, spec, variables, x, recompute: bool = False):
     """Logits ``(B, T, vocab)`` of the ``toolkit.GPT`` spec for token ids ``x`` ``(B, T)``.
 
     Args:
@@ -89,29 +105,24 @@ def gpt_forward(tf, spec, variables, x):
         spec: the ``toolkit.GPT`` spec (its sizes and ``tied``).
         variables: neutral name -> ``tf.Variable`` (or tensor), in the neutral layout.
         x: integer token ids, shape ``(B, T)`` with ``T <= spec.context``.
+        recompute: each block under ``tf.recompute_grad`` (``models/spec.checkpointed``).
     """
+    from adapters.horovod_tf.models.spec import checkpointed
+
     v = variables
-    heads, dh = spec.heads, spec.width // spec.heads
     x = tf.convert_to_tensor(x)
     if x.dtype not in (tf.int32, tf.int64):
         x = tf.cast(x, tf.int64)
     B, T = tf.shape(x)[0], tf.shape(x)[1]
     h = _lookup(tf, v["tok_emb"], x) + v["pos_emb"][:T]
-    dtype = h.dtype
-    scale = tf.constant(math.sqrt(dh), dtype)
     causal = tf.linalg.band_part(tf.ones([T, T], tf.bool), -1, 0)  # key j <= query i
     for i in range(spec.layers):
         b = f"blocks.{i}"
-        qkv = _dense(tf, v, f"{b}.attn.qkv", _layer_norm(tf, v, f"{b}.ln1", h))
-        # columns [q | k | v], head h at h*dh:(h+1)*dh of each -> 3 x (B, H, T, dh)
-        q, k, val = tf.unstack(tf.transpose(tf.reshape(qkv, [B, T, 3, heads, dh]),
-                                            [2, 0, 3, 1, 4]))
-        s = tf.matmul(q, k, transpose_b=True) / scale
-        p = causal_softmax(tf, s, causal)
-        o = tf.reshape(tf.transpose(tf.matmul(p, val), [0, 2, 1, 3]), [B, T, spec.width])
-        h = h + _dense(tf, v, f"{b}.attn.proj", o)
-        m = _dense(tf, v, f"{b}.mlp.fc", _layer_norm(tf, v, f"{b}.ln2", h))
-        h = h + _dense(tf, v, f"{b}.mlp.proj", _gelu(tf, m))
+
+        def block(p, h, b=b):
+            return _block(tf, spec, p, b, h, causal)
+        names = [n for n in v if n.startswith(f"{b}.")]
+        h = checkpointed(tf, block, v, names)(h) if recompute else block(v, h)
     f = _layer_norm(tf, v, "ln_f", h)
     if spec.tied:  # the same variable as the lookup
         flat = tf.matmul(tf.reshape(f, [-1, spec.width]), v["tok_emb"], transpose_b=True)

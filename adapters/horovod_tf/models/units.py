@@ -5,7 +5,6 @@ pipeline's stages (``_tf_stages.py``)."""
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from typing import Any
 
@@ -53,28 +52,16 @@ def _cnn_unit(tf, spec: CNN, i: int, last: bool) -> Callable:
 def _gpt_unit(tf, spec: GPT, i: int) -> Callable:
     """Block ``i`` of ``_gpt_tf.gpt_forward`` (the same ops in the same order), with the
     embeddings before block 0 and ``ln_f``/``head`` after the last block."""
-    from adapters.horovod_tf.models.gpt import _dense, _gelu, _layer_norm, _lookup, causal_softmax
+    from adapters.horovod_tf.models.gpt import _block, _dense, _layer_norm, _lookup
 
-    heads, dh = spec.heads, spec.width // spec.heads
     first, last = i == 0, i == spec.layers - 1
 
     def fn(v, h, x):
         B, T = tf.shape(x)[0], tf.shape(x)[1]
         if first:
             h = _lookup(tf, v["tok_emb"], x) + v["pos_emb"][:T]
-        dtype = h.dtype
-        scale = tf.constant(math.sqrt(dh), dtype)
         causal = tf.linalg.band_part(tf.ones([T, T], tf.bool), -1, 0)  # key j <= query i
-        b = f"blocks.{i}"
-        qkv = _dense(tf, v, f"{b}.attn.qkv", _layer_norm(tf, v, f"{b}.ln1", h))
-        q, k, val = tf.unstack(tf.transpose(tf.reshape(qkv, [B, T, 3, heads, dh]),
-                                            [2, 0, 3, 1, 4]))
-        s = tf.matmul(q, k, transpose_b=True) / scale
-        p = causal_softmax(tf, s, causal)
-        o = tf.reshape(tf.transpose(tf.matmul(p, val), [0, 2, 1, 3]), [B, T, spec.width])
-        h = h + _dense(tf, v, f"{b}.attn.proj", o)
-        m = _dense(tf, v, f"{b}.mlp.fc", _layer_norm(tf, v, f"{b}.ln2", h))
-        h = h + _dense(tf, v, f"{b}.mlp.proj", _gelu(tf, m))
+        h = _block(tf, spec, v, f"blocks.{i}", h, causal)
         if not last:
             return h
         f = _layer_norm(tf, v, "ln_f", h)
