@@ -156,31 +156,30 @@ class Backend:
     # ------------------------------------------------------------------ the strategy's
     def build(self, model: Any, optimizer: Any, loss: Any, **options: Any) -> None:
         strategy = self._started()
-        if options.get("clip_grad_norm") is not None and not getattr(strategy, "clips", False):
+        if options.get("clip_grad_norm") is not None and not strategy.clips:
             raise ToolkitError(
                 f"{self.name} does not clip gradients under {self.layout.name} "
                 f"(clip_grad_norm={options['clip_grad_norm']})",
                 "drop clip_grad_norm, or give this strategy a clip_grad_norm build option "
                 "(docs/architecture.md)")
-        if options.get("skip_nonfinite") and not getattr(strategy, "skips", False):
+        if options.get("skip_nonfinite") and not strategy.skips:
             raise ToolkitError(
                 f"{self.name} cannot skip a step under {self.layout.name} "
                 "(on_nonfinite='skip')",
                 "use on_nonfinite='stop', or give this strategy a skip_nonfinite build option "
                 "(docs/architecture.md)")
-        if options.get("activation_checkpointing") and not getattr(strategy, "recomputes",
-                                                                   False):
+        if options.get("activation_checkpointing") and not strategy.recomputes:
             raise ToolkitError(
                 f"{self.name} cannot recompute activations under {self.layout.name} "
                 "(activation_checkpointing=True)", "drop activation_checkpointing for this "
                 "layout (docs/memory.md says which recompute)")
         compression = getattr(self.runtime, "compression", "none")
-        if compression != "none" and not getattr(strategy, "compresses", False):
+        if compression != "none" and not strategy.compresses:
             raise ToolkitError(
                 f"{self.name} does not compress gradients under {self.layout.name} "
                 f"(compression={compression!r})", "the data-parallel layout compresses its "
                 "gradient allreduce; drop compression for this layout")
-        runs = getattr(strategy, "precisions", PLAIN)
+        runs = strategy.precisions
         if self.precision.name not in runs:
             raise ToolkitError(
                 f"{self.name} does not run precision {self.precision.name!r} under "
