@@ -86,9 +86,7 @@ class PipelineExecutor(StrategyBase):
 
     clips = True  # build takes clip_grad_norm
     skips = True  # build takes skip_nonfinite; its StepResult then says skipped
-    # mixed: each piece in the compute dtype (StagePrograms' compute); fp16's loss scale
-    # reaches the last stage's backward as an exponent in each action's row
-    precisions = ("32", "64", "bf16-mixed", "fp16-mixed")
+    precisions = ("32", "64", "bf16-mixed", "fp16-mixed")  # (StagePrograms' compute)
     position: tuple[int, int] = (0, 0)  # this process's (stage, replica), known at build
 
     @staticmethod
@@ -304,8 +302,7 @@ class PipelineExecutor(StrategyBase):
 
     @property
     def data_split(self) -> tuple[int, int]:
-        """A replica's share of the batch, cut into local devices' and micro-batches'
-        contiguous parts, each part's gradient rounded apart (mixed precision)."""
+        """A replica's batch in contiguous parts (local devices x micro-batches)."""
         return (self.env.world_size // self.layout.stages,
                 self.host.jax.local_device_count() * self.layout.micro_batches)
 
