@@ -92,8 +92,7 @@ def check_per_sample(shape: tuple, batch: int, what: str = "the loss function") 
             "mean over every axis but the first")
 
 
-def check_build(backend: str, optimizer: object, accumulation_steps: int,
-                sync_batchnorm: bool) -> None:
+def check_build(accumulation_steps: int, sync_batchnorm: bool) -> None:
     """The build options a pipeline refuses, each with a ToolkitError."""
     if accumulation_steps != 1:
         raise ToolkitError(f"accumulation_steps={accumulation_steps} with a pipeline layout",
@@ -102,8 +101,13 @@ def check_build(backend: str, optimizer: object, accumulation_steps: int,
     if sync_batchnorm:
         raise ToolkitError("sync_batchnorm is not available with a pipeline layout",
                            "use sync_batchnorm=False (each replica keeps its statistics)")
+
+
+def check_spec_optimizer(backend: str, layout: str, optimizer: object) -> None:
+    """A ToolkitError unless ``optimizer`` is a toolkit spec (where a layout does not yet take
+    the framework's own optimizers)."""
     if not isinstance(optimizer, SGD | Adam):
-        raise ToolkitError(f"under a pipeline layout {backend} cannot use the optimizer "
+        raise ToolkitError(f"under a {layout} layout {backend} cannot use the optimizer "
                            f"{describe(optimizer)}", "pass toolkit.SGD(...) or toolkit.Adam(...): "
                            "each stage builds it over its own parameters")
 

@@ -16,7 +16,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from adapters._backend import StrategyBase
-from adapters._common import check_build, loss_name
+from adapters._common import check_build, check_spec_optimizer, loss_name
 from adapters._jax.programs import LocalComputes, StagePrograms
 from adapters._jax.rounds import RoundPlan
 from adapters._jax.stages import eval_sums, stage_model
@@ -116,7 +116,8 @@ class PipelineExecutor(StrategyBase):
               skip_nonfinite: bool = False) -> None:
         a, jax = self.host, self.host.jax
         name, S = a.name, self.layout.stages
-        check_build(name, optimizer, accumulation_steps, sync_batchnorm)
+        check_build(accumulation_steps, sync_batchnorm)
+        check_spec_optimizer(name, "pipeline", optimizer)
         a.precision = self.precision  # (the Backend gave it to this executor)
         devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
         if len(devices) % S:

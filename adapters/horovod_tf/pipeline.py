@@ -37,7 +37,7 @@ from typing import Any
 
 import numpy as np
 
-from adapters._common import check_build
+from adapters._common import check_build, check_spec_optimizer
 from adapters._horovod.pipeline import HvdPipeline
 from adapters._horovod.rounds import ALIGNMENT, aligned_empty
 from adapters._update import UpdateRule
@@ -130,7 +130,8 @@ class TFPipeline(HvdPipeline):
               accumulation_steps: int = 1, sync_batchnorm: bool = False,
               metrics: Any = None, clip_grad_norm: float | None = None,
               skip_nonfinite: bool = False) -> None:
-        check_build("horovod-tf", optimizer, accumulation_steps, sync_batchnorm)
+        check_build(accumulation_steps, sync_batchnorm)
+        check_spec_optimizer("horovod-tf", "pipeline", optimizer)
         self.ops = TFOps(self.runtime, model, loss, metrics)
         self.metric_names, self.seed = tuple(self.ops.metrics), seed
         self.cut = cut_model(self.tf, model, self.layout, self.stage, self.runtime, seed)

@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from adapters._common import check_build, step_seed
+from adapters._common import check_build, check_spec_optimizer, step_seed
 from adapters._horovod.pipeline import HvdPipeline, check_pipeline
 from adapters._horovod.rounds import NARROW
 from adapters._update import UpdateRule
@@ -93,7 +93,8 @@ class TorchPipeline(HvdPipeline):
         # (torch.optim counts its own steps)
         self.rule = UpdateRule(None, clip_grad_norm, skip_nonfinite, self.precision)
         torch, hvd = self.torch, self.hvd
-        check_build("horovod-torch", optimizer, accumulation_steps, sync_batchnorm)
+        check_build(accumulation_steps, sync_batchnorm)
+        check_spec_optimizer("horovod-torch", "pipeline", optimizer)
         self.ops = TorchOps(self.runtime, loss, metrics, self.precision)
         self.metric_names = tuple(self.ops.metrics)
         self.seed, self.spec = seed, optimizer
