@@ -99,6 +99,9 @@ class TorchDataParallel(StrategyBase):
         # DistributedOptimizer builds a new optimizer over the same param groups (with empty
         # state), so slots are filled in after wrapping, before the state is broadcast.
         params = list(self.net.parameters())
+        # the state a torch.optim optimizer makes when built (Adagrad's initial sums), which
+        # DistributedOptimizer's new optimizer of the same class builds from its defaults
+        made = {p: dict(s) for p, s in getattr(optimizer, "state", {}).items()}
         self.opt = hvd.DistributedOptimizer(
             make_optimizer(torch, optimizer, params), named_parameters=self.net.named_parameters(),
             op=hvd.Average, backward_passes_per_step=self.accumulation_steps,
@@ -115,6 +118,9 @@ class TorchDataParallel(StrategyBase):
                     for value in slots.values():
                         if torch.is_tensor(value):
                             value.zero_()
+        for p, slots in made.items():  # (made before the model moved to its device and dtype)
+            self.opt.state[p].update({k: v.to(p) if torch.is_tensor(v) and v.shape == p.shape
+                                      else v for k, v in slots.items()})
 
     # -------------------------------------------------------------------------- hooks
     def _forwarding(self):

@@ -37,8 +37,12 @@ rank's data), since each first touch is a collective.
 
 The optimizer is ``toolkit/models/reference.py``'s arithmetic on flat shards (Adam's bias
 corrections computed on the host in float64, as the data-parallel path's ``torch.optim`` does;
-the step count and those scalars are the strategy's ``adapters._update.UpdateRule``); padding
-elements get zero gradients and stay zero. A step is :meth:`ShardedParameters.reduce`, the
+the step count and those scalars are the strategy's ``adapters._update.UpdateRule``), or the
+user's own elementwise ``torch.optim`` optimizer (``torch_optim.py``): its groups then hold, in
+place of each parameter, a view of this rank's piece of it in the flat shard (the gradient
+shard's view as its ``.grad``), and its state tensors are views of the same flat slot buffers
+the spec's slots are, so both save and load alike. Padding elements get zero gradients and
+stay zero. A step is :meth:`ShardedParameters.reduce`, the
 family's update path (``update.py``) with :meth:`ShardedParameters.norm`, then
 :meth:`ShardedParameters.step`; stages 1 and 2 then re-assemble the parameters with one
 grouped ``allgather`` of the updated shards.
@@ -52,6 +56,14 @@ import itertools
 import numpy as np
 
 from adapters.horovod_torch.models.units import SHARDABLE, native_units, spec_units, update_shard
+from adapters.horovod_torch.ops import NEUTRAL_SLOTS
+from adapters.horovod_torch.torch_optim import (
+    fill_state,
+    rebind,
+    set_step_count,
+    state_templates,
+    step_count,
+)
 from toolkit import SGD, Adam, ToolkitError
 from toolkit.models.reference import optimizer_slots
 from toolkit.parallel.shards import FlatLayout
@@ -123,19 +135,25 @@ class ShardedParameters:
         arrays: neutral name -> initial value (numpy, neutral layout), in the model's order.
         units: unit name -> neutral names in it.
         stage: 1, 2 or 3.
-        optimizer: ``toolkit.SGD`` or ``toolkit.Adam``.
+        optimizer: ``toolkit.SGD`` or ``toolkit.Adam``, or an elementwise ``torch.optim``
+            optimizer over ``net``'s parameters (``torch_optim.check_elementwise``).
         dtype: the torch dtype of every buffer.
         device: the torch device every buffer lives on (the rank's GPU, or the CPU).
     """
 
     def __init__(self, torch, hvd, net, layout, arrays: dict[str, np.ndarray],
-                 units: dict[str, list[str]], stage: int, optimizer: SGD | Adam, dtype,
-                 device=None):
+                 units: dict[str, list[str]], stage: int, optimizer, dtype, device=None):
         self.torch, self.hvd, self.stage, self.spec = torch, hvd, stage, optimizer
         self.rank, self.size = hvd.rank(), hvd.size()
         self.layouts = [FlatLayout.from_shapes({n: np.shape(arrays[n]) for n in names},
                                                self.size) for names in units.values()]
-        self.slot_names = optimizer_slots(optimizer)
+        self.native = None if isinstance(optimizer, SGD | Adam) else optimizer
+        if self.native is None:
+            self.slot_names = optimizer_slots(optimizer)
+        else:
+            templates = state_templates(torch, optimizer)
+            self.slot_names = tuple(dict.fromkeys(
+                NEUTRAL_SLOTS.get(k, k) for t in templates for k in t if k != "step"))
         self.sources, self.grads, self.slots = [], [], []
         for unit, flat_layout in enumerate(self.layouts):
             flat = flat_layout.flatten({n: arrays[n] for n in flat_layout.names})
@@ -148,6 +166,8 @@ class ShardedParameters:
         self._fn = _unit_function(torch)
         self._cache: dict[int, tuple] = {}  # unit -> its tensors in the current forward
         self._live: dict[int, _Use] = {}  # storage address -> stage 3's current gathered unit
+        if self.native is not None:
+            self._bind(layout, templates)
         self._route(net, layout)
 
     # ---------------------------------------------------------------------- the module's view
@@ -155,6 +175,38 @@ class ShardedParameters:
         """This rank's elements of ``unit``'s padded buffer."""
         n = self.layouts[unit].shard_size
         return slice(self.rank * n, (self.rank + 1) * n)
+
+    def _bind(self, layout, templates) -> None:
+        """The native optimizer's groups rebound to views of this rank's pieces, its state to
+        views of the flat slot buffers (see the module docstring)."""
+        torch = self.torch
+        unit_of = {n: u for u, fl in enumerate(self.layouts) for n in fl.names}
+        by_id = {id(param): name for name, param, _, _ in layout}
+        placed = {}  # id(view) -> (unit, start in the shard, length)
+
+        def new(p):
+            name = by_id[id(p)]
+            unit = unit_of[name]
+            a, b, at = next(((a, b, at) for n, a, b, at in self.layouts[unit].owned(self.rank)
+                             if n == name), (0, 0, 0))
+            if b == a:  # none of it on this rank
+                return None
+            shard = self.sources[unit].detach()
+            shard = shard if self.stage == 3 else shard[self._owned(unit)]
+            grads = self.grads[unit][self._owned(unit)] if self.stage == 1 else self.grads[unit]
+            view = shard[at:at + b - a]
+            view.grad = grads[at:at + b - a]
+            placed[id(view)] = (unit, at, b - a)
+            return view, lambda v: v.detach().reshape(-1)[a:b]
+
+        rebind(self.native, new)
+
+        def slot(view, key):
+            unit, at, n = placed[id(view)]
+            return self.slots[unit][NEUTRAL_SLOTS.get(key, key)][at:at + n]
+
+        with torch.no_grad():
+            fill_state(torch, self.native, templates, slot)
 
     def _route(self, net, layout) -> None:
         """Every parameter attribute of ``net``'s modules becomes a property returning its view."""
@@ -275,12 +327,15 @@ class ShardedParameters:
         (``UpdateRule.scalars``), then re-assembles the parameters (stages 1/2)."""
         torch, hvd, spec = self.torch, self.hvd, self.spec
         with torch.no_grad():
-            for unit, (source, grad, slots) in enumerate(
-                    zip(self.sources, self.grads, self.slots, strict=True)):
-                own = self._owned(unit)
-                param = source if self.stage == 3 else source[own]
-                update_shard(spec, param, grad[own] if self.stage == 1 else grad, slots, lr,
-                             step_size, c2_sqrt)
+            if self.native is not None:
+                self.native.step()  # (over views of the shards: see _bind)
+            else:
+                for unit, (source, grad, slots) in enumerate(
+                        zip(self.sources, self.grads, self.slots, strict=True)):
+                    own = self._owned(unit)
+                    param = source if self.stage == 3 else source[own]
+                    update_shard(spec, param, grad[own] if self.stage == 1 else grad, slots,
+                                 lr, step_size, c2_sqrt)
             if self.stage < 3:
                 gathered = hvd.grouped_allgather(
                     [s.detach()[self._owned(u)] for u, s in enumerate(self.sources)],
@@ -295,8 +350,8 @@ class ShardedParameters:
             return full.cpu().numpy()
 
     def state_dict(self) -> dict[str, np.ndarray]:
-        """Full tensors under the neutral names, on every rank (gathers the shards); the
-        step count is the strategy's."""
+        """Full tensors under the neutral names, on every rank (gathers the shards); a spec
+        optimizer's step count is the strategy's."""
         out: dict[str, np.ndarray] = {}
         for unit, fl in enumerate(self.layouts):
             source = self.sources[unit].detach()
@@ -305,7 +360,12 @@ class ShardedParameters:
             for slot, shard in self.slots[unit].items():
                 full = fl.unflatten(self._full(unit, shard, slot))
                 out.update({f"opt/{slot}/{n}": a for n, a in full.items()})
-        return out
+        return {**out, **self._count()}
+
+    def _count(self) -> dict[str, np.ndarray]:
+        """A native optimizer's step count (a spec's is the strategy's UpdateRule's)."""
+        count = None if self.native is None else step_count(self.torch, self.native)
+        return {} if count is None else {"opt/count": np.asarray(count, np.int64)}
 
     def load_state_dict(self, state: dict[str, np.ndarray]) -> None:
         """Takes this rank's shards of full tensors (from :meth:`state_dict` or a checkpoint)."""
@@ -318,6 +378,8 @@ class ShardedParameters:
                 for slot, shard in self.slots[unit].items():
                     values = {n: state[f"opt/{slot}/{n}"] for n in fl.names}
                     shard.copy_(torch.as_tensor(fl.shard(values, self.rank)))
+            if self._count() and "opt/count" in state:
+                set_step_count(torch, self.native, int(state["opt/count"]))
 
     def sharded_state(self) -> tuple[dict[str, np.ndarray], dict[str, tuple]]:
         """``(replicated, pieces)`` as ``toolkit.ShardedAdapter`` says (no buffers or step
@@ -339,7 +401,7 @@ class ShardedParameters:
                 replicated.update({f"params/{n}": a for n, a in fl.unflatten(source).items()})
             for slot, shard in self.slots[unit].items():
                 cut(shard.cpu().numpy(), f"opt/{slot}/")
-        return replicated, pieces
+        return {**replicated, **self._count()}, pieces
 
     def memory_bytes(self) -> dict[str, int]:
         """Bytes of the buffers this rank holds between steps (their real sizes)."""

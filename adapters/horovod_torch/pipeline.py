@@ -23,12 +23,13 @@ from typing import Any
 
 import numpy as np
 
-from adapters._common import check_build, check_spec_optimizer, step_seed
+from adapters._common import check_build, step_seed
 from adapters._horovod.pipeline import HvdPipeline, check_pipeline
 from adapters._horovod.rounds import NARROW
 from adapters._update import UpdateRule
 from adapters.horovod_torch.models.spec import from_host, same, to_host
 from adapters.horovod_torch.ops import (
+    NEUTRAL_SLOTS,
     TORCH_SLOTS,
     TorchOps,
     count_like,
@@ -36,7 +37,16 @@ from adapters.horovod_torch.ops import (
     set_lr,
     zero_slots,
 )
+from adapters.horovod_torch.scheduler import load_scheduler_state, scheduler_state, split_scheduler
 from adapters.horovod_torch.stages import cut_model
+from adapters.horovod_torch.torch_optim import (
+    check_elementwise,
+    fill_state,
+    rebind,
+    state_templates,
+    step_count,
+)
+from toolkit import SGD, Adam
 from toolkit.contract import StepResult
 from toolkit.models.reference import optimizer_slots
 from toolkit.parallel.layouts import Pipeline
@@ -94,10 +104,14 @@ class TorchPipeline(HvdPipeline):
         self.rule = UpdateRule(None, clip_grad_norm, skip_nonfinite, self.precision)
         torch, hvd = self.torch, self.hvd
         check_build(accumulation_steps, sync_batchnorm)
-        check_spec_optimizer("horovod-torch", "pipeline", optimizer)
+        optimizer, self.scheduler = split_scheduler(torch, optimizer)
+        native_optimizer = not isinstance(optimizer, SGD | Adam)
+        if native_optimizer:  # the user's, over the whole model's parameters
+            check_elementwise(torch, optimizer, "horovod-torch", "pipeline")
+            make_optimizer(torch, optimizer, list(getattr(model, "parameters", list)()))
         self.ops = TorchOps(self.runtime, loss, metrics, self.precision)
         self.metric_names = tuple(self.ops.metrics)
-        self.seed, self.spec = seed, optimizer
+        self.seed = seed
         if isinstance(model, torch.nn.Sequential):  # rank 0's initial values, then cut
             hvd.broadcast_parameters(model.state_dict(), root_rank=0)
         self.cut = cut_model(torch, model, self.layout, self.stage, self.dtype,
@@ -110,9 +124,18 @@ class TorchPipeline(HvdPipeline):
                 for name, p, to_torch, _ in self.params:
                     p.copy_(from_host(torch, arrays[name], to_torch, self.dtype, p.device))
         params = [p for _, p, _, _ in self.params]
-        self.opt = make_optimizer(torch, optimizer, params)
-        zero_slots(torch, self.opt, params, optimizer)  # as data parallel: state from step 0
-        self.slots = optimizer_slots(optimizer)
+        if native_optimizer:  # its groups keep this stage's parameters (torch_optim.py)
+            templates = state_templates(torch, optimizer)
+            mine = {id(p) for p in params}
+            rebind(optimizer, lambda p: (p, lambda v: v) if id(p) in mine else None)
+            fill_state(torch, optimizer, templates)  # as data parallel: state from step 0
+            self.opt = optimizer
+            self.slots = tuple(dict.fromkeys(NEUTRAL_SLOTS.get(k, k) for t in templates
+                                             for k in t if k != "step"))
+        else:
+            self.opt = make_optimizer(torch, optimizer, params)
+            zero_slots(torch, self.opt, params, optimizer)
+            self.slots = optimizer_slots(optimizer)
         self._start([n for n, *_ in self.params])
 
     # ------------------------------------------------------------------------------ hooks
@@ -220,6 +243,8 @@ class TorchPipeline(HvdPipeline):
         result = self.rule.result(*self._run_rounds())
         if not result.skipped:
             self.opt.step()
+            if self.scheduler is not None:
+                self.scheduler.step()
         self.steps += 1
         self.xs = self.ys = None
         return result
@@ -249,17 +274,21 @@ class TorchPipeline(HvdPipeline):
         out = {}
         for n, p, _, from_torch in self.params:
             out[f"params/{n}"] = to_host(p, from_torch)
-            for slot in self.slots:
-                out[f"opt/{slot}/{n}"] = to_host(self.opt.state[p][TORCH_SLOTS[slot]], from_torch)
+            for slot in self.slots:  # (zeros where the parameter's group keeps no such slot)
+                value = self.opt.state[p].get(TORCH_SLOTS.get(slot, slot))
+                out[f"opt/{slot}/{n}"] = to_host(value if value is not None
+                                                 else self.torch.zeros_like(p), from_torch)
         for n, b in self.cut.buffers:
             out[f"buffers/{n}"] = to_host(b, same)
         return out
 
     def _replicated(self) -> dict[str, np.ndarray]:
         out = {}
-        if "mu" in self.slots:
-            step = self.opt.state[self.params[0][1]]["step"]
-            out["opt/count"] = np.asarray(int(step), np.int64)
+        count = step_count(self.torch, self.opt)
+        if count is not None:
+            out["opt/count"] = np.asarray(count, np.int64)
+        if self.scheduler is not None:
+            out.update(scheduler_state(self.scheduler, self.opt))
         if self.native:
             out["rng/step"] = np.asarray(self.steps, np.int64)
         return out
@@ -275,12 +304,14 @@ class TorchPipeline(HvdPipeline):
             for n, p, to_torch, _ in self.params:
                 p.copy_(tensor(state[f"params/{n}"], to_torch))
                 slots = self.opt.state[p]
-                for slot in self.slots:
-                    slots[TORCH_SLOTS[slot]] = tensor(state[f"opt/{slot}/{n}"], to_torch)
-                if "step" in slots:
-                    slots["step"] = count_like(torch, slots["step"], state["opt/count"])
+                for key in list(slots):
+                    slots[key] = (count_like(torch, slots[key], state["opt/count"])
+                                  if key == "step" else
+                                  tensor(state[f"opt/{NEUTRAL_SLOTS.get(key, key)}/{n}"], to_torch))
             for n, b in self.cut.buffers:
                 b.copy_(tensor(state[f"buffers/{n}"], same, b.dtype))
+        if self.scheduler is not None:
+            load_scheduler_state(self.scheduler, self.opt, state)
         if self.native:
             self.steps = int(state["rng/step"])
 

@@ -3,7 +3,9 @@
 The scheduler is stepped after every optimizer step (torch's order) and its state is part of
 the checkpoint under ``sched/...``: every number of ``scheduler.state_dict()`` (nested
 schedulers of ``SequentialLR``/``ChainedScheduler`` included, by dotted path) and each param
-group's current ``lr``, so a resumed run continues the schedule where it stopped. A
+group's current settings that a scheduler may move (``lr``, and ``betas`` or ``momentum`` that
+``OneCycleLR`` cycles: every float or tuple of floats), so a resumed run continues the
+schedule where it stopped. A
 scheduler's functions (``LambdaLR``'s lambdas) are code, not state: the resumed run brings its
 own, as it brings its model.
 """
@@ -65,7 +67,10 @@ def scheduler_state(sched, optimizer) -> dict[str, np.ndarray]:
     for key, value in sched.state_dict().items():
         _numbers(value, f"sched/{key}", out)
     for i, group in enumerate(optimizer.param_groups):
-        out[f"sched/param_groups.{i}.lr"] = np.asarray(float(group["lr"]))
+        for key, value in group.items():
+            if isinstance(value, float) or (isinstance(value, tuple) and value
+                                            and all(isinstance(v, float) for v in value)):
+                out[f"sched/param_groups.{i}.{key}"] = np.asarray(value, np.float64)
     return out
 
 
@@ -89,14 +94,16 @@ def load_scheduler_state(sched, optimizer, state: dict[str, np.ndarray]) -> None
     """Puts :func:`scheduler_state`'s arrays back into the scheduler and the param groups."""
     current = sched.state_dict()
     expected = scheduler_state(sched, optimizer)
-    missing = sorted(set(expected) - set(state))
+    missing = sorted(n for n in set(expected) - set(state)
+                     if not n.startswith("sched/param_groups.") or n.endswith(".lr"))
     if missing:
         raise ToolkitError(f"the checkpoint lacks the scheduler state {missing[:3]}",
                            "resume with the scheduler the checkpoint was written with")
-    for name in expected:
+    for name in (n for n in expected if n in state):
         parts = name[len("sched/"):].split(".")
         if parts[0] == "param_groups":
-            optimizer.param_groups[int(parts[1])]["lr"] = float(state[name])
+            group, key = optimizer.param_groups[int(parts[1])], parts[2]
+            group[key] = _restore(group[key], [], state[name])
         else:
             current = _restore(current, parts, state[name])
     sched.load_state_dict(current)

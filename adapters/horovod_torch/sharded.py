@@ -13,6 +13,9 @@ import numpy as np
 from adapters.horovod_torch.data_parallel import TorchDataParallel
 from adapters.horovod_torch.flat_shards import ShardedParameters, native_units, spec_units
 from adapters.horovod_torch.models.spec import same, to_host
+from adapters.horovod_torch.ops import make_optimizer
+from adapters.horovod_torch.scheduler import load_scheduler_state, scheduler_state
+from adapters.horovod_torch.torch_optim import check_elementwise
 from adapters.horovod_torch.update import update
 from toolkit import SGD, Adam, ToolkitError
 
@@ -33,15 +36,16 @@ class TorchSharded(TorchDataParallel):
                 "only jax-pjit splits layers: use tensor_parallel=1 or --backend jax-pjit")
 
     def _build_optimizer(self, model: Any, optimizer: Any, seed: int) -> None:
+        if not isinstance(optimizer, SGD | Adam):  # the user's torch.optim optimizer
+            check_elementwise(self.torch, optimizer, "horovod-torch", self.layout.name)
+            make_optimizer(self.torch, optimizer, [p for _, p, _, _ in self.params])
         if self.native:
-            units = native_units(self.torch, self.net, optimizer)
+            units = native_units(self.torch, self.net)
             self.hvd.broadcast_parameters(self.net.state_dict(), root_rank=0)
             arrays = {n: to_host(p, same) for n, p in self.net.named_parameters()}
         else:
             arrays = model.init(seed, self.runtime.dtype_name)
             units = spec_units(arrays)
-            if not isinstance(optimizer, SGD | Adam):
-                native_units(self.torch, self.net, optimizer)  # its error for the optimizer
         self.shards = ShardedParameters(self.torch, self.hvd, self.net, self.params, arrays,
                                         units, self.layout.stage, optimizer, self.dtype,
                                         self.runtime.dev)
@@ -64,6 +68,12 @@ class TorchSharded(TorchDataParallel):
     def memory_bytes(self) -> dict[str, int]:
         return self.shards.memory_bytes()
 
+    def _model_state(self) -> dict[str, np.ndarray]:
+        out = super()._model_state()
+        if self.scheduler is not None:
+            out.update(scheduler_state(self.scheduler, self.shards.native))
+        return out
+
     def state_dict(self) -> dict[str, np.ndarray]:
         return {**self.shards.state_dict(), **self._model_state()}
 
@@ -75,5 +85,7 @@ class TorchSharded(TorchDataParallel):
     def _load(self, state: dict[str, np.ndarray], params_only: bool = False) -> None:
         with self.torch.no_grad():
             self.shards.load_state_dict(state)
+        if self.scheduler is not None:
+            load_scheduler_state(self.scheduler, self.shards.native, state)
         self.rule.load(state)
-        self._load_model_state(state)  # (a sharded build takes optimizer specs: no scheduler)
+        self._load_model_state(state)

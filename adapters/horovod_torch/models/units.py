@@ -3,12 +3,9 @@ module or a spec model, and ``toolkit.models.reference.apply_update`` in place o
 
 from __future__ import annotations
 
-from typing import Any
-
 import numpy as np
 
-from toolkit import SGD, Adam, ToolkitError
-from toolkit.errors import describe
+from toolkit import SGD, ToolkitError
 from toolkit.parallel.shards import unit_layouts
 
 SHARDABLE = ("horovod-torch shards toolkit.MLP/CNN/GPT specs, and native nn.Modules whose "
@@ -16,14 +13,9 @@ SHARDABLE = ("horovod-torch shards toolkit.MLP/CNN/GPT specs, and native nn.Modu
              "Embedding, ...); units are the module's top-level children")
 
 
-def native_units(torch, net, optimizer: Any) -> dict[str, list[str]]:
+def native_units(torch, net) -> dict[str, list[str]]:
     """Units of a native module (its top-level children; a parameter of the root module is a
-    unit of its own), or a ToolkitError for a module or optimizer this cannot shard soundly."""
-    if not isinstance(optimizer, SGD | Adam):
-        raise ToolkitError(
-            f"under a Sharded layout horovod-torch cannot use the optimizer {describe(optimizer)}",
-            "pass toolkit.SGD(...) or toolkit.Adam(...): the backend applies them to flat "
-            "shards itself (a torch.optim optimizer works with the data-parallel layout)")
+    unit of its own), or a ToolkitError for a module this cannot shard soundly."""
     recurrent = [n or type(m).__name__ for n, m in net.named_modules()
                  if isinstance(m, torch.nn.RNNBase)]
     if recurrent:

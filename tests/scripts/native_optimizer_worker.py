@@ -1,0 +1,66 @@
+"""A native model with the framework's own optimizer and LR schedule, under any layout; rank 0
+reports the losses (_emit).
+
+    mpirun -np 2 python tests/scripts/native_optimizer_worker.py BACKEND STEPS LAYOUT [LAYOUT...]
+    mpirun -np 2 python tests/scripts/native_optimizer_worker.py BACKEND STEPS LAYOUT \
+        --checkpoint-dir DIR [--stop-after N] [--resume]
+
+horovod-torch: a torch ``nn.Sequential`` MLP on the digits with ``torch.optim.AdamW`` and a
+``OneCycleLR`` over ``STEPS`` steps, clipped at 1.0, in float64; each LAYOUT (``data``,
+``sharded:1``, ``pipeline:2:2``, ...) trains a fresh copy from the same seed for ``STEPS``
+steps. With ``--checkpoint-dir``, one layout writes a checkpoint every 5 steps (stopping after
+``--stop-after`` steps), or ``--resume`` continues from the latest.
+"""
+
+import argparse
+
+import numpy as np
+from _emit import emit
+
+import adapters
+import toolkit
+from toolkit.datasets import load_digits
+
+
+def torch_build(steps: int):
+    import torch
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.Tanh(), torch.nn.Linear(32, 32),
+                              torch.nn.Tanh(), torch.nn.Linear(32, 10))
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-3, weight_decay=0.01)
+    return net, (opt, torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.02, total_steps=steps))
+
+
+BUILDERS = {"horovod-torch": torch_build}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("backend", choices=sorted(BUILDERS))
+    parser.add_argument("steps", type=int)
+    parser.add_argument("layouts", nargs="+")
+    parser.add_argument("--checkpoint-dir")
+    parser.add_argument("--stop-after", type=int)
+    parser.add_argument("--resume", action="store_true")
+    args = parser.parse_args()
+    (x, y), _ = load_digits()
+    for layout in args.layouts:
+        model, optimizer = BUILDERS[args.backend](args.steps)
+        saving = {}
+        if args.checkpoint_dir:
+            saving = {"checkpoint_dir": args.checkpoint_dir, "checkpoint_every": 5,
+                      "resume": "latest" if args.resume else None}
+        trainer = toolkit.Trainer(
+            adapters.get(args.backend, precision="64"), model, optimizer,
+            layout=None if layout == "data" else layout, global_batch_size=32,
+            max_steps=args.stop_after or args.steps, clip_grad_norm=1.0, progress=False,
+            **saving)
+        losses = trainer.fit(x, y).losses
+        if trainer.env.rank == 0:
+            emit({"layout": layout, "start": trainer.global_step - len(losses),
+                  "losses": np.asarray(losses, np.float64).tolist()})
+
+
+if __name__ == "__main__":
+    toolkit.run(main)
