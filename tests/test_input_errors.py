@@ -87,14 +87,15 @@ def test_every_launcher_says_it_once_by_rank_0_with_status_2(launch, said_by_one
 
 @pytest.mark.slow
 def test_a_refused_optimizer_is_named_by_class_and_settings(launch):
-    """The bring-your-own refusal names the torch optimizer as ``AdamW(lr=...)``, not its
-    14-line repr, once."""
-    job = launch("horovodrun-gloo", 2, ["examples/bring_your_own/torch_cnn.py", "--layout",
-                                        "pipeline:2:2", "--steps", "1"], timeout=120)
+    """A refused torch optimizer is named as ``NAdam(lr=...)``, not its 14-line repr, once."""
+    job = launch("horovodrun-gloo", 2, ["tests/scripts/native_optimizer_worker.py",
+                                        "horovod-torch", "2", "sharded:1", "--optimizer",
+                                        "NAdam"], timeout=120)
     out = job.stdout + job.stderr
     assert job.returncode == 2, job
     lines = _toolkit_lines(out, "horovodrun-gloo")
     assert len(lines) == 2 and lines[1].startswith("HINT: "), job
-    assert re.fullmatch(r"error: under a pipeline layout horovod-torch cannot use the optimizer "
-                        r"AdamW\(lr=0\.003, .*weight_decay=0\.0001.*\)", lines[0]), lines
+    assert re.fullmatch(r"error: under a sharded:1 layout horovod-torch cannot use the "
+                        r"optimizer NAdam\(lr=0\.001, .*weight_decay=0\.01.*\): it keeps a "
+                        r"per-tensor scalar .*", lines[0]), lines
     assert "Parameter Group" not in out, job

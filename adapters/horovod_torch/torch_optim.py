@@ -26,6 +26,7 @@ from collections.abc import Callable
 from typing import Any
 
 from toolkit import ToolkitError
+from toolkit.errors import describe
 
 ELEMENTWISE = ("SGD", "Adam", "AdamW", "RMSprop", "Adagrad", "Adamax", "RAdam", "Adadelta")
 REFUSED = {
@@ -47,15 +48,15 @@ def check_elementwise(torch, optimizer: Any, backend: str, layout: str) -> None:
     change the update)."""
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise ToolkitError(f"under a {layout} layout {backend} cannot use the optimizer "
-                           f"{type(optimizer).__name__}", f"pass one of {WORKS}")
+                           f"{describe(optimizer)}", f"pass one of {WORKS}")
     name = type(optimizer).__name__
     if type(optimizer) is getattr(torch.optim, name, None) and name in ELEMENTWISE:
         return
     why = REFUSED.get(name, "it is not one of the torch.optim optimizers known to update "
                             "each element from that element alone")
-    raise ToolkitError(f"under a {layout} layout {backend} cannot use the optimizer {name}: "
-                       f"{why}", f"use one of {WORKS}; or the data-parallel layout, where "
-                       "every rank holds whole tensors")
+    raise ToolkitError(f"under a {layout} layout {backend} cannot use the optimizer "
+                       f"{describe(optimizer)}: {why}", f"use one of {WORKS}; or the "
+                       "data-parallel layout, where every rank holds whole tensors")
 
 
 def state_templates(torch, optimizer: Any) -> list[dict[str, Any]]:

@@ -5,11 +5,12 @@ reports the losses (_emit).
     mpirun -np 2 python tests/scripts/native_optimizer_worker.py BACKEND STEPS LAYOUT \
         --checkpoint-dir DIR [--stop-after N] [--resume]
 
-horovod-torch: a torch ``nn.Sequential`` MLP on the digits with ``torch.optim.AdamW`` and a
-``OneCycleLR`` over ``STEPS`` steps, clipped at 1.0, in float64; each LAYOUT (``data``,
-``sharded:1``, ``pipeline:2:2``, ...) trains a fresh copy from the same seed for ``STEPS``
-steps. With ``--checkpoint-dir``, one layout writes a checkpoint every 5 steps (stopping after
-``--stop-after`` steps), or ``--resume`` continues from the latest.
+horovod-torch: a torch ``nn.Sequential`` MLP on the digits with ``torch.optim.AdamW`` (or
+``--optimizer NAME``, another torch.optim class) and a ``OneCycleLR`` over ``STEPS`` steps,
+clipped at 1.0, in float64; each LAYOUT (``data``, ``sharded:1``, ``pipeline:2:2``, ...)
+trains a fresh copy from the same seed for ``STEPS`` steps. With ``--checkpoint-dir``, one
+layout writes a checkpoint every 5 steps (stopping after ``--stop-after`` steps), or
+``--resume`` continues from the latest.
 """
 
 import argparse
@@ -22,13 +23,13 @@ import toolkit
 from toolkit.datasets import load_digits
 
 
-def torch_build(steps: int):
+def torch_build(steps: int, optimizer: str):
     import torch
 
     torch.manual_seed(0)
     net = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.Tanh(), torch.nn.Linear(32, 32),
                               torch.nn.Tanh(), torch.nn.Linear(32, 10))
-    opt = torch.optim.AdamW(net.parameters(), lr=1e-3, weight_decay=0.01)
+    opt = getattr(torch.optim, optimizer)(net.parameters(), lr=1e-3, weight_decay=0.01)
     return net, (opt, torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.02, total_steps=steps))
 
 
@@ -43,10 +44,11 @@ def main() -> None:
     parser.add_argument("--checkpoint-dir")
     parser.add_argument("--stop-after", type=int)
     parser.add_argument("--resume", action="store_true")
+    parser.add_argument("--optimizer", default="AdamW", help="the framework's optimizer class")
     args = parser.parse_args()
     (x, y), _ = load_digits()
     for layout in args.layouts:
-        model, optimizer = BUILDERS[args.backend](args.steps)
+        model, optimizer = BUILDERS[args.backend](args.steps, args.optimizer)
         saving = {}
         if args.checkpoint_dir:
             saving = {"checkpoint_dir": args.checkpoint_dir, "checkpoint_every": 5,
