@@ -79,3 +79,21 @@ def test_example_learns_and_resumes_bit_for_bit(script, launch, tmp_path):
     assert any(k.startswith("opt/") for k in got), got.keys()
     for name in want:
         np.testing.assert_array_equal(got[name], want[name], err_msg=name)
+
+
+# script -> the layouts beyond data parallelism it runs with the framework's own optimizer
+LAYOUTS = {"torch_cnn.py": ("sharded:3", "pipeline:2:2")}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("script", "layout"),
+                         [(s, layout) for s, layouts in LAYOUTS.items() for layout in layouts])
+def test_example_learns_under_other_layouts(script, layout, launch, tmp_path):
+    """The example's own optimizer (its class and settings as the user wrote them) under a
+    sharded or pipeline layout on 2 ranks: it learns, and its checkpoint holds the optimizer
+    state under the neutral names."""
+    out = run(launch, "mpirun", script, tmp_path, 1, ["--layout", layout])
+    done = re.search(r"val_accuracy (\S+)", out)
+    assert done and float(done.group(1)) > 0.9, out
+    state = CheckpointStore(tmp_path).load("latest").tensors
+    assert any(k.startswith("opt/mu/") for k in state) and "opt/count" in state, state.keys()
