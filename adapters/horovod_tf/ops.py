@@ -132,15 +132,17 @@ class TFState:
     def names(self) -> list[str]:
         return list(self.vars)
 
-    def build_optimizer(self, model: Any, optimizer: Any, keras_model: Any = None) -> None:
-        """Zero slots of a spec optimizer over ``vars``, or a Keras optimizer's own."""
+    def build_optimizer(self, model: Any, optimizer: Any, keras_model: Any = None,
+                        variables: list | None = None) -> None:
+        """Zero slots of a spec optimizer over ``vars``, or a Keras optimizer's own (over
+        ``variables``, a pipeline stage's; None: the whole model's)."""
         tf = self.tf
         if isinstance(optimizer, SGD | Adam):
             self.slots = {f"opt/{slot}/{n}": tf.Variable(tf.zeros_like(v))
                           for slot in optimizer_slots(optimizer) for n, v in self.vars.items()}
         elif keras_model is not None and is_keras_optimizer(optimizer):
             self.keras_opt = optimizer
-            self.slots = keras_model.build_optimizer(optimizer, "horovod-tf")
+            self.slots = keras_model.build_optimizer(optimizer, "horovod-tf", variables)
         elif is_keras_optimizer(optimizer):
             raise ToolkitError("a Keras optimizer needs a Keras model; this model is a "
                                f"{type(model).__name__} spec",

@@ -22,7 +22,8 @@ its core busy (``Spinner``).
   returns it;
 - the update is ``toolkit.SGD``/``Adam``'s arithmetic on the stage's own variables, the same
   function the data-parallel step applies (``update.apply_update``), with the same host-side
-  step count and Adam scalars (``ops.TFState``); Keras optimizers are refused under a pipeline.
+  step count and Adam scalars (``ops.TFState``); or the user's own elementwise Keras optimizer
+  over the stage's variables (``keras_optim.py``).
 
 Every schedule of ``toolkit.pipeline_schedule`` runs (gpipe, 1f1b, interleaved-1f1b): the
 lockstep rounds carry the chunks. A Keras model's Dropout is re-seeded per step from (seed,
@@ -41,7 +42,8 @@ from adapters._common import check_build, check_spec_optimizer
 from adapters._horovod.pipeline import HvdPipeline
 from adapters._horovod.rounds import ALIGNMENT, aligned_empty
 from adapters._update import UpdateRule
-from adapters.horovod_tf.models.keras_native import assign
+from adapters.horovod_tf.keras_optim import check_elementwise, for_stage
+from adapters.horovod_tf.models.keras_native import assign, is_keras_optimizer
 from adapters.horovod_tf.ops import TFOps, TFState
 from adapters.horovod_tf.stages import cut_model
 from adapters.horovod_tf.update import apply_update
@@ -131,7 +133,13 @@ class TFPipeline(HvdPipeline):
               metrics: Any = None, clip_grad_norm: float | None = None,
               skip_nonfinite: bool = False) -> None:
         check_build(accumulation_steps, sync_batchnorm)
-        check_spec_optimizer("horovod-tf", "pipeline", optimizer)
+        if is_keras_optimizer(optimizer):
+            import keras
+
+            check_elementwise(keras, optimizer, "pipeline")
+            optimizer = for_stage(optimizer)
+        else:
+            check_spec_optimizer("horovod-tf", "pipeline", optimizer)
         self.ops = TFOps(self.runtime, model, loss, metrics)
         self.metric_names, self.seed = tuple(self.ops.metrics), seed
         self.cut = cut_model(self.tf, model, self.layout, self.stage, self.runtime, seed)
@@ -139,8 +147,9 @@ class TFPipeline(HvdPipeline):
         self.rule = UpdateRule(optimizer, clip_grad_norm, skip_nonfinite)
         state = self.state = TFState(self.tf, self.native, self.rule)
         state.vars, state.buffers = self.cut.variables, dict(self.cut.buffers)
-        state.build_optimizer(model, optimizer)  # zero slots over this stage's variables
-        self.slots = optimizer_slots(optimizer)
+        # zero slots over this stage's variables (a spec's), or the Keras optimizer's
+        state.build_optimizer(model, optimizer, self.keras_model, list(state.vars.values()))
+        self.slots, self.replicated = _slots(optimizer, state)
         # Each parameter's gradient is summed over a step's micro-batches by numpy, into a
         # buffer of its own (the first micro-batch's gradient is kept as it is): 7 ms per
         # 4096 x 4096 float32 matrix, against 14 ms for TensorFlow's add (one core), which
@@ -168,9 +177,15 @@ class TFPipeline(HvdPipeline):
         self.forwards = [compiled(p.forward) for p in self.cut.pieces]
         self.loss_of = {c: compiled(with_loss(p.forward))
                         for c, p in enumerate(self.cut.pieces) if self._is_last(c)}
-        self.update = tf.function(
-            lambda grads, s: apply_update(tf, state.rule.spec, state.vars, state.slots, grads,
-                                          s[0], s[1], s[2]), reduce_retracing=True)
+        if state.keras_opt is not None:
+            variables = [state.vars[n] for n in state.names]
+            self.update = tf.function(lambda grads, s: state.keras_opt.apply_gradients(
+                zip([grads[n] for n in state.names], variables, strict=True)),
+                reduce_retracing=True)
+        else:
+            self.update = tf.function(
+                lambda grads, s: apply_update(tf, state.rule.spec, state.vars, state.slots,
+                                              grads, s[0], s[1], s[2]), reduce_retracing=True)
         self._start(state.names)
 
     @property
@@ -353,10 +368,10 @@ class TFPipeline(HvdPipeline):
     # ------------------------------------------------------------------------------ state
     def _local(self) -> dict[str, np.ndarray]:
         """This rank's tensors under their neutral keys (each stage's, on every replica)."""
-        return {k: v for k, v in self.state.state().items() if k not in _REPLICATED}
+        return {k: v for k, v in self.state.state().items() if k not in self.replicated}
 
     def _replicated(self) -> dict[str, np.ndarray]:
-        return {k: v for k, v in self.state.state().items() if k in _REPLICATED}
+        return {k: v for k, v in self.state.state().items() if k in self.replicated}
 
     def load_state_dict(self, state: dict[str, np.ndarray]) -> None:
         """Keeps this stage's part of the full ``state``."""
@@ -368,4 +383,18 @@ class TFPipeline(HvdPipeline):
         return self.state.memory_bytes()
 
 
-_REPLICATED = ("opt/count", "rng/step")  # the same on every rank: not gathered
+def _slots(optimizer: Any, state: TFState) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """``(slots, replicated)``: the per-parameter slot names (``opt/<slot>/<param>``), and the
+    keys that are the same on every rank (not gathered): the counters, and a Keras optimizer's
+    own scalars (``opt/iteration``, ...)."""
+    replicated = ("opt/count", "rng/step")
+    if state.keras_opt is None:
+        return optimizer_slots(optimizer), replicated
+    slots: dict[str, None] = {}
+    for key in state.slots:
+        slot, _, param = key[len("opt/"):].partition("/")
+        if param in state.vars:
+            slots[slot] = None
+        else:
+            replicated += (key,)
+    return tuple(slots), replicated

@@ -2,12 +2,12 @@
 
 The model's parameters live in one flat, padded buffer per unit
 (``toolkit.parallel.shards.FlatLayout`` over the neutral names and shapes, so every backend
-cuts the same pieces): the whole buffer on every rank for stages 1 and 2, only this rank's shard
-for stage 3. The torch module never owns
-them: each parameter attribute of each submodule becomes a property (on a per-module subclass,
-the way ``torch.nn.utils.parametrize`` does it) that returns a view of its unit's current
-tensors, permuted into torch's layout where that differs (``Linear.weight`` is the neutral
-kernel transposed, ``Conv2d.weight`` the HWIO kernel as OIHW).
+cuts the same pieces): the whole buffer on every rank for stages 1 and 2, only this rank's
+shard for stage 3. The torch module never owns them: each parameter attribute of each
+submodule becomes a property (on a per-module subclass, the way
+``torch.nn.utils.parametrize`` does it) that returns a view of its unit's current tensors,
+permuted into torch's layout where that differs (``Linear.weight`` is the neutral kernel
+transposed, ``Conv2d.weight`` the HWIO kernel as OIHW).
 
 A unit's tensors are made, once per forward pass, by ``UnitParams``, a
 ``torch.autograd.Function``:
@@ -42,46 +42,31 @@ user's own elementwise ``torch.optim`` optimizer (``torch_optim.py``): its group
 place of each parameter, a view of this rank's piece of it in the flat shard (the gradient
 shard's view as its ``.grad``), and its state tensors are views of the same flat slot buffers
 the spec's slots are, so both save and load alike. Padding elements get zero gradients and
-stay zero. A step is :meth:`ShardedParameters.reduce`, the
-family's update path (``update.py``) with :meth:`ShardedParameters.norm`, then
-:meth:`ShardedParameters.step`; stages 1 and 2 then re-assemble the parameters with one
-grouped ``allgather`` of the updated shards.
+stay zero. A step is :meth:`ShardedParameters.reduce`, the family's update path
+(``update.py``) with :meth:`ShardedParameters.norm`, then :meth:`ShardedParameters.step`;
+stages 1 and 2 then re-assemble the parameters with one grouped ``allgather``.
 """
 
 from __future__ import annotations
 
 import contextlib
-import itertools
 
 import numpy as np
 
-from adapters.horovod_torch.models.units import SHARDABLE, native_units, spec_units, update_shard
-from adapters.horovod_torch.ops import NEUTRAL_SLOTS
-from adapters.horovod_torch.torch_optim import (
-    fill_state,
-    rebind,
-    set_step_count,
-    state_templates,
-    step_count,
+from adapters.horovod_torch import torch_optim
+from adapters.horovod_torch.models.units import (
+    SHARDABLE,
+    native_units,
+    permutation,
+    spec_units,
+    update_shard,
 )
-from toolkit import SGD, Adam, ToolkitError
+from adapters.horovod_torch.ops import NEUTRAL_SLOTS
+from toolkit import SGD, Adam
 from toolkit.models.reference import optimizer_slots
 from toolkit.parallel.shards import FlatLayout
 
 __all__ = ["SHARDABLE", "ShardedParameters", "native_units", "spec_units"]
-
-
-def _permutation(to_torch, shape: tuple[int, ...]) -> tuple[int, ...] | None:
-    """The axis permutation that ``to_torch`` applies to a neutral array of ``shape`` (None for
-    the identity), found by applying it to an array of element indices."""
-    index = np.arange(int(np.prod(shape))).reshape(shape)
-    moved = np.asarray(to_torch(index))
-    for perm in itertools.permutations(range(len(shape))):
-        if moved.shape == index.transpose(perm).shape and np.array_equal(
-                moved, index.transpose(perm)):
-            return None if perm == tuple(range(len(shape))) else perm
-    raise ToolkitError(f"a parameter of shape {shape} is not an axis permutation of its "
-                       "neutral layout", SHARDABLE)
 
 
 def _unit_function(torch):
@@ -151,7 +136,7 @@ class ShardedParameters:
         if self.native is None:
             self.slot_names = optimizer_slots(optimizer)
         else:
-            templates = state_templates(torch, optimizer)
+            templates = torch_optim.state_templates(torch, optimizer)
             self.slot_names = tuple(dict.fromkeys(
                 NEUTRAL_SLOTS.get(k, k) for t in templates for k in t if k != "step"))
         self.sources, self.grads, self.slots = [], [], []
@@ -177,8 +162,7 @@ class ShardedParameters:
         return slice(self.rank * n, (self.rank + 1) * n)
 
     def _bind(self, layout, templates) -> None:
-        """The native optimizer's groups rebound to views of this rank's pieces, its state to
-        views of the flat slot buffers (see the module docstring)."""
+        """The native optimizer rebound to views of this rank's pieces (module docstring)."""
         torch = self.torch
         unit_of = {n: u for u, fl in enumerate(self.layouts) for n in fl.names}
         by_id = {id(param): name for name, param, _, _ in layout}
@@ -199,14 +183,14 @@ class ShardedParameters:
             placed[id(view)] = (unit, at, b - a)
             return view, lambda v: v.detach().reshape(-1)[a:b]
 
-        rebind(self.native, new)
+        torch_optim.rebind(self.native, new)
 
         def slot(view, key):
             unit, at, n = placed[id(view)]
             return self.slots[unit][NEUTRAL_SLOTS.get(key, key)][at:at + n]
 
         with torch.no_grad():
-            fill_state(torch, self.native, templates, slot)
+            torch_optim.fill_state(torch, self.native, templates, slot)
 
     def _route(self, net, layout) -> None:
         """Every parameter attribute of ``net``'s modules becomes a property returning its view."""
@@ -214,7 +198,7 @@ class ShardedParameters:
         for name, param, to_torch, _ in layout:
             unit = next(u for u, fl in enumerate(self.layouts) if name in fl.names)
             index = self.layouts[unit].names.index(name)
-            where[id(param)] = (unit, index, _permutation(to_torch,
+            where[id(param)] = (unit, index, permutation(to_torch,
                                                           self.layouts[unit].shapes[index]))
         for module in net.modules():
             routed = {attr: where[id(p)] for attr, p in module._parameters.items()
@@ -364,7 +348,7 @@ class ShardedParameters:
 
     def _count(self) -> dict[str, np.ndarray]:
         """A native optimizer's step count (a spec's is the strategy's UpdateRule's)."""
-        count = None if self.native is None else step_count(self.torch, self.native)
+        count = None if self.native is None else torch_optim.step_count(self.torch, self.native)
         return {} if count is None else {"opt/count": np.asarray(count, np.int64)}
 
     def load_state_dict(self, state: dict[str, np.ndarray]) -> None:
@@ -379,7 +363,7 @@ class ShardedParameters:
                     values = {n: state[f"opt/{slot}/{n}"] for n in fl.names}
                     shard.copy_(torch.as_tensor(fl.shard(values, self.rank)))
             if self._count() and "opt/count" in state:
-                set_step_count(torch, self.native, int(state["opt/count"]))
+                torch_optim.set_step_count(torch, self.native, int(state["opt/count"]))
 
     def sharded_state(self) -> tuple[dict[str, np.ndarray], dict[str, tuple]]:
         """``(replicated, pieces)`` as ``toolkit.ShardedAdapter`` says (no buffers or step

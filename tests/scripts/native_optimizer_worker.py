@@ -6,11 +6,12 @@ reports the losses (_emit).
         --checkpoint-dir DIR [--stop-after N] [--resume]
 
 horovod-torch: a torch ``nn.Sequential`` MLP on the digits with ``torch.optim.AdamW`` (or
-``--optimizer NAME``, another torch.optim class) and a ``OneCycleLR`` over ``STEPS`` steps,
-clipped at 1.0, in float64; each LAYOUT (``data``, ``sharded:1``, ``pipeline:2:2``, ...)
-trains a fresh copy from the same seed for ``STEPS`` steps. With ``--checkpoint-dir``, one
-layout writes a checkpoint every 5 steps (stopping after ``--stop-after`` steps), or
-``--resume`` continues from the latest.
+``--optimizer NAME``, another torch.optim class) and a ``OneCycleLR`` over ``STEPS`` steps;
+horovod-tf: a Keras ``Sequential`` MLP with ``keras.optimizers.AdamW`` (or ``--optimizer``)
+and a warmup-cosine ``CosineDecay``; both clipped at 1.0, in float64. Each LAYOUT (``data``,
+``sharded:1``, ``pipeline:2:2``, ...) trains a fresh copy from the same seed for ``STEPS``
+steps. With ``--checkpoint-dir``, one layout writes a checkpoint every 5 steps (stopping after
+``--stop-after`` steps), or ``--resume`` continues from the latest.
 """
 
 import argparse
@@ -33,7 +34,19 @@ def torch_build(steps: int, optimizer: str):
     return net, (opt, torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.02, total_steps=steps))
 
 
-BUILDERS = {"horovod-torch": torch_build}
+def keras_build(steps: int, optimizer: str):
+    import keras
+
+    keras.config.set_floatx("float64")
+    keras.utils.set_random_seed(0)
+    net = keras.Sequential([keras.Input((64,)), keras.layers.Dense(32, activation="tanh"),
+                            keras.layers.Dense(32, activation="tanh"), keras.layers.Dense(10)])
+    schedule = keras.optimizers.schedules.CosineDecay(1e-3, decay_steps=steps,
+                                                      warmup_target=0.02, warmup_steps=5)
+    return net, getattr(keras.optimizers, optimizer)(learning_rate=schedule, weight_decay=0.01)
+
+
+BUILDERS = {"horovod-torch": torch_build, "horovod-tf": keras_build}
 
 
 def main() -> None:
@@ -46,15 +59,16 @@ def main() -> None:
     parser.add_argument("--resume", action="store_true")
     parser.add_argument("--optimizer", default="AdamW", help="the framework's optimizer class")
     args = parser.parse_args()
-    (x, y), _ = load_digits()
+    (x, y), _ = load_digits(dtype="float64")
     for layout in args.layouts:
+        adapter = adapters.get(args.backend, precision="64")
         model, optimizer = BUILDERS[args.backend](args.steps, args.optimizer)
         saving = {}
         if args.checkpoint_dir:
             saving = {"checkpoint_dir": args.checkpoint_dir, "checkpoint_every": 5,
                       "resume": "latest" if args.resume else None}
         trainer = toolkit.Trainer(
-            adapters.get(args.backend, precision="64"), model, optimizer,
+            adapter, model, optimizer,
             layout=None if layout == "data" else layout, global_batch_size=32,
             max_steps=args.stop_after or args.steps, clip_grad_norm=1.0, progress=False,
             **saving)

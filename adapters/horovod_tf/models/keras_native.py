@@ -149,10 +149,12 @@ class KerasNative:
             gen.state.assign(seeds[i])
 
     # ---------------------------------------------------------------------- optimizer
-    def build_optimizer(self, optimizer: Any, backend: str) -> dict[str, Any]:
-        """Builds a Keras optimizer over the model's trainable variables (or checks that it
-        was built over them) and returns its variables by stable name."""
-        trainable = list(self.model.trainable_variables)
+    def build_optimizer(self, optimizer: Any, backend: str,
+                        variables: list | None = None) -> dict[str, Any]:
+        """Builds a Keras optimizer over the model's trainable variables (``variables``: a
+        pipeline stage's) or checks that it was built over them; returns its variables by
+        stable name."""
+        trainable = list(self.model.trainable_variables if variables is None else variables)
         if optimizer.built:
             mine = {id(v) for v in trainable}
             theirs = list(getattr(optimizer, "_trainable_variables", []))

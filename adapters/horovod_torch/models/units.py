@@ -1,7 +1,10 @@
 """horovod-torch's sharded layout, framework-light parts: the sharding units of a native
-module or a spec model, and ``toolkit.models.reference.apply_update`` in place on one flat shard."""
+module or a spec model, ``toolkit.models.reference.apply_update`` in place on one flat shard,
+and the axis permutation between a parameter's neutral and torch layouts."""
 
 from __future__ import annotations
+
+import itertools
 
 import numpy as np
 
@@ -59,3 +62,16 @@ def update_shard(spec, p, g, slots, lr: float, step_size: float, c2_sqrt: float)
     m.mul_(spec.b1).add_(g, alpha=1 - spec.b1)
     v.mul_(spec.b2).addcmul_(g, g, value=1 - spec.b2)
     p.addcdiv_(m, v.sqrt().div_(c2_sqrt).add_(spec.eps), value=-step_size)
+
+
+def permutation(to_torch, shape: tuple[int, ...]) -> tuple[int, ...] | None:
+    """The axis permutation that ``to_torch`` applies to a neutral array of ``shape`` (None for
+    the identity), found by applying it to an array of element indices."""
+    index = np.arange(int(np.prod(shape))).reshape(shape)
+    moved = np.asarray(to_torch(index))
+    for perm in itertools.permutations(range(len(shape))):
+        if moved.shape == index.transpose(perm).shape and np.array_equal(
+                moved, index.transpose(perm)):
+            return None if perm == tuple(range(len(shape))) else perm
+    raise ToolkitError(f"a parameter of shape {shape} is not an axis permutation of its "
+                       "neutral layout", SHARDABLE)

@@ -1,0 +1,181 @@
+"""The framework's own optimizer and LR schedule under sharded and pipeline layouts: torch.optim
+optimizers with a torch LR scheduler in horovod-torch (adapters/horovod_torch/torch_optim.py),
+Keras optimizers with a LearningRateSchedule in horovod-tf's pipeline
+(adapters/horovod_tf/keras_optim.py): equal to data parallelism, resumed across layouts, and
+the optimizers that are not elementwise refused by name."""
+
+import numpy as np
+import pytest
+
+import adapters
+import toolkit
+from toolkit import MLP, LaunchEnv, ToolkitError
+from toolkit.datasets import load_digits
+
+WORKER = "tests/scripts/native_optimizer_worker.py"
+# The layouts each backend runs a native optimizer under (the pipelines first: their Horovod
+# process sets are made when Horovod starts; horovod-tf shards spec models only, which take
+# toolkit.SGD/Adam), and two layouts a run is moved through before data parallelism.
+LAYOUTS = {"horovod-torch": ["pipeline:2:2", "pipeline:2:4:1f1b", "sharded:1", "sharded:2",
+                             "sharded:3"],
+           "horovod-tf": ["pipeline:2:2", "pipeline:2:4:1f1b"]}
+RESUME = {"horovod-torch": ("sharded:3", "pipeline:2:1"),
+          "horovod-tf": ("pipeline:2:1", "pipeline:2:2")}
+REFERENCES: dict[str, np.ndarray] = {}
+
+
+def losses_of(job) -> dict[str, tuple[int, np.ndarray]]:
+    assert job.returncode == 0, job
+    return {r["layout"]: (r["start"], np.asarray(r["losses"])) for r in job.results}
+
+
+@pytest.fixture
+def reference(launch, backend) -> np.ndarray:
+    """AdamW and its schedule (torch: OneCycleLR; Keras: warmup-cosine), data parallel on one
+    process: 20 steps (once per backend)."""
+    if backend not in REFERENCES:
+        REFERENCES[backend] = losses_of(launch("python", 1, [WORKER, backend, "20",
+                                                             "data"]))["data"][1]
+    return REFERENCES[backend]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", sorted(LAYOUTS))
+def test_adamw_with_a_schedule_under_every_layout_equals_data_parallel(launch, backend,
+                                                                      reference):
+    """On 4 ranks (the pipelines with 2 replicas), float64, clipped: within 1e-12 of one
+    process's data parallel for 20 steps."""
+    layouts = LAYOUTS[backend]
+    got = losses_of(launch("any", 4, [WORKER, backend, "20", *layouts, "data"]))
+    assert sorted(got) == sorted(["data", *layouts])
+    assert abs(reference[-1] - reference[0]) > 0.5  # it trains: the schedule matters
+    for layout, (start, losses) in got.items():
+        assert start == 0 and len(losses) == 20, layout
+        np.testing.assert_allclose(losses, reference, rtol=0, atol=1e-12, err_msg=layout)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", sorted(RESUME))
+def test_a_run_resumes_across_layouts_with_its_optimizer_and_schedule(launch, tmp_path,
+                                                                     backend, reference):
+    """Two layouts on 2 ranks (torch: sharded:3 for 10 steps, then a pipeline to step 15;
+    Keras: two pipelines) -> data parallel on one process to step 20: the optimizer's moments,
+    its step count and the schedule's position travel in the neutral checkpoint, so the
+    losses are those of the uninterrupted run."""
+    ckpt = ["--checkpoint-dir", str(tmp_path)]
+    one, two = RESUME[backend]
+    first = losses_of(launch("any", 2, [WORKER, backend, "20", one, *ckpt,
+                                        "--stop-after", "10"]))[one]
+    second = losses_of(launch("any", 2, [WORKER, backend, "20", two, *ckpt,
+                                         "--stop-after", "15", "--resume"]))[two]
+    third = losses_of(launch("python", 1, [WORKER, backend, "20", "data", *ckpt,
+                                           "--resume"]))["data"]
+    assert (first[0], second[0], third[0]) == (0, 10, 15)
+    resumed = np.concatenate([first[1], second[1], third[1]])
+    np.testing.assert_allclose(resumed, reference, rtol=0, atol=1e-12)
+
+
+def train(net, optimizer, layout, steps=3):
+    (x, y), _ = load_digits()
+    trainer = toolkit.Trainer(adapters.get("horovod-torch"), net, optimizer, layout=layout,
+                              global_batch_size=32, max_steps=steps, progress=False,
+                              env=LaunchEnv())
+    return np.asarray(trainer.fit(x, y).losses), trainer
+
+
+def mlp():
+    import torch
+
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(64, 16), torch.nn.Tanh(), torch.nn.Linear(16, 10))
+
+
+@pytest.mark.parametrize("layout", ["sharded:1", "sharded:3", "pipeline:1:2"])
+@pytest.mark.parametrize("name", ["LBFGS", "Adafactor", "NAdam", "Rprop"])
+def test_an_optimizer_that_is_not_elementwise_is_refused_by_name(name, layout):
+    import torch
+
+    net = mlp()
+    with pytest.raises(ToolkitError, match=rf"cannot use the optimizer {name}\(.*\): its? ") as err:
+        train(net, getattr(torch.optim, name)(net.parameters()), layout)
+    assert "torch.optim.AdamW" in err.value.hint and "data-parallel" in err.value.hint
+
+
+def test_a_subclass_is_refused_and_a_spec_model_needs_its_own_parameters():
+    import torch
+
+    class MyAdamW(torch.optim.AdamW):
+        pass
+
+    net = mlp()
+    with pytest.raises(ToolkitError, match=r"optimizer MyAdamW\(lr=0.001, .*\): it is not one of"):
+        train(net, MyAdamW(net.parameters()), "sharded:2")
+    with pytest.raises(ToolkitError, match="not the model's parameters"):
+        train(MLP((64, 10)), torch.optim.AdamW(net.parameters()), "sharded:2")
+
+
+@pytest.mark.parametrize("layout", [None, "sharded:2", "pipeline:1:2"])
+def test_the_state_an_optimizer_makes_when_built_is_kept(layout):
+    """Adagrad fills its sums with initial_accumulator_value when built; every layout starts
+    from them (Horovod's DistributedOptimizer rebuilds the optimizer from its defaults: the
+    data-parallel layout puts them back)."""
+    import torch
+
+    def run(value):
+        net = mlp()
+        return train(net, torch.optim.Adagrad(net.parameters(), lr=0.1,
+                                              initial_accumulator_value=value), layout)
+
+    with_sums, trainer = run(1.0)
+    without, _ = run(0.0)
+    assert np.abs(with_sums[1:] - without[1:]).max() > 1e-3
+    state = trainer.adapter.state_dict()
+    assert np.all(state["opt/sum/2.bias"] >= 1.0) and int(state["opt/count"]) == 3
+
+
+def keras_train(optimizer_of, layout, steps=3, built=False):
+    """A Keras Sequential with ``optimizer_of(keras)`` (``built``: over the model's variables
+    first) for a few steps on one process."""
+    import keras
+
+    adapter = adapters.get("horovod-tf")
+    adapter.setup(LaunchEnv())
+    keras.utils.set_random_seed(0)
+    net = keras.Sequential([keras.Input((64,)), keras.layers.Dense(16, activation="tanh"),
+                            keras.layers.Dense(10)])
+    (x, y), _ = load_digits()
+    optimizer = optimizer_of(keras)
+    if built:
+        optimizer.build(net.trainable_variables)
+    trainer = toolkit.Trainer(adapter, net, optimizer, layout=layout,
+                              global_batch_size=32, max_steps=steps, progress=False,
+                              env=LaunchEnv())
+    return np.asarray(trainer.fit(x, y).losses), trainer
+
+
+@pytest.mark.parametrize(("make", "said"), [
+    (lambda k: k.optimizers.Lamb(), r"optimizer Lamb\(.*\): its trust ratio"),
+    (lambda k: k.optimizers.Adafactor(), r"optimizer Adafactor\(.*\): it factors"),
+    (lambda k: type("MyAdam", (k.optimizers.Adam,), {})(), r"optimizer MyAdam\(.*\): it is"),
+    (lambda k: k.optimizers.AdamW(global_clipnorm=1.0), r"with global_clipnorm=1.0: it reads"),
+])
+def test_a_keras_optimizer_that_is_not_elementwise_is_refused_in_a_pipeline(make, said):
+    with pytest.raises(ToolkitError, match=said) as err:
+        keras_train(make, "pipeline:1:2")
+    assert "keras.optimizers.AdamW" in err.value.hint or "clip_grad_norm" in err.value.hint
+
+
+def test_a_keras_optimizer_built_before_is_rebuilt_for_the_stage():
+    """The user's optimizer built over the whole model (as data parallelism takes it): a
+    stage builds a fresh one of its class and settings, schedule included, over its own
+    variables; one process's pipeline equals data parallel."""
+    def adamw(keras):
+        schedule = keras.optimizers.schedules.ExponentialDecay(0.01, 2, 0.5)
+        return keras.optimizers.AdamW(learning_rate=schedule, weight_decay=0.01)
+
+    data, _ = keras_train(adamw, None, built=True)
+    piped, trainer = keras_train(adamw, "pipeline:1:2", built=True)
+    np.testing.assert_allclose(piped, data, rtol=1e-6)
+    state = trainer.adapter.state_dict()
+    assert int(state["opt/iteration"]) == 3
+    assert any(k.startswith("opt/momentum/") for k in state), sorted(state)
