@@ -3,9 +3,9 @@
 A model's parameters are grouped into units (``toolkit.parallel.shards.units_of`` for the spec
 models: ``layers.i``, ``convs.i``, ``blocks.i``; a native Flax module's top-level submodules),
 and each unit is one flat buffer padded to a multiple of the shard count
-(``toolkit.parallel.shards.FlatLayout``). The optimizer
-(``adapters._jax.update.make_optimizer``) is elementwise, so it runs on flat shards unchanged,
-and padding stays zero: its gradient is zero, and so is every update of it.
+(``toolkit.parallel.shards.FlatLayout``). The optimizer (``adapters._jax.update.make_optimizer``,
+or a native optax transformation that ``adapters._jax.native_optax`` found elementwise) runs on
+flat shards unchanged; padding has a zero gradient, and no parameter reads it.
 
 Both backends keep their state as ``{unit: flat array}`` dicts: jax-pjit as global arrays
 sharded over the mesh's ``data`` axis, jax-pmap as per-device shards stacked on a leading axis.
@@ -13,6 +13,7 @@ sharded over the mesh's ``data`` axis, jax-pmap as per-device shards stacked on 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -58,16 +59,17 @@ class FlatUnits:
         return out
 
     def pieces(self, unit: str, lo: int, data: np.ndarray,
-               prefix: str) -> dict[str, tuple[np.ndarray, int, tuple[int, ...]]]:
+               key: Callable[[str], str]) -> dict[str, tuple[np.ndarray, int, tuple[int, ...]]]:
         """This process's checkpoint pieces of one unit, from the elements ``[lo, lo +
-        len(data))`` of its flat buffer that it holds (its devices' consecutive shards)."""
+        len(data))`` of its flat buffer that it holds (its devices' consecutive shards), each
+        under ``key(neutral name)``."""
         layout = self.layouts[unit]
         out = {}
         for name, shape, start, size in zip(layout.names, layout.shapes, layout.offsets,
                                             layout.sizes, strict=True):
             a, b = max(lo, start), min(lo + len(data), start + size)
             piece = data[a - lo:b - lo] if a < b else data[:0]
-            out[f"{prefix}/{name}"] = (np.ascontiguousarray(piece), 0, shape)
+            out[key(name)] = (np.ascontiguousarray(piece), 0, shape)
         return out
 
 
@@ -79,16 +81,16 @@ def unit_named(layout: FlatLayout, flat: Any) -> dict[str, Any]:
 
 
 def check_sharded_optimizer(backend: str, optimizer: Any) -> None:
-    """Sharded layouts run the toolkit's elementwise optimizers on flat shards; a native optax
-    transformation may not be elementwise (e.g. clipping by the global norm), so it is refused."""
+    """Sharded layouts update flat shards with the toolkit's optimizers or an optax
+    transformation (which must be elementwise: ``adapters._jax.native_optax``, at build)."""
+    from adapters._jax.native_optax import is_native
     from toolkit import SGD
 
-    if not isinstance(optimizer, SGD | Adam):
+    if not isinstance(optimizer, SGD | Adam) and not is_native(optimizer):
         raise ToolkitError(
             f"{backend} cannot shard the optimizer {type(optimizer).__name__}: a sharded "
-            "layout updates flat shards with the toolkit's elementwise arithmetic",
-            "pass toolkit.SGD(...) or toolkit.Adam(...), or use the data-parallel layout with "
-            "a native optax transformation")
+            "layout updates flat shards with an elementwise optimizer",
+            "pass toolkit.SGD(...), toolkit.Adam(...) or an elementwise optax transformation")
 
 
 def check_layout(backend: str, layout: Any, tensor_parallel_ok: bool = False) -> Sharded:
@@ -106,13 +108,20 @@ def check_layout(backend: str, layout: Any, tensor_parallel_ok: bool = False) ->
 
 def state_head(adapter: Any, model_state: dict, named_params: Any):
     """The part of ``sharded_state`` both JAX sharded strategies share: ``(replicated,
-    stores)``, where ``replicated`` holds the model state (host arrays), Adam's step count
-    and, below stage 3, the parameters (``named_params()``: name -> host array), and
-    ``stores`` lists the ``(prefix, sharded store)`` pairs each process cuts into pieces."""
+    stores)``, where ``replicated`` holds the model state (host arrays), Adam's step count (a
+    native optax state's leaves other than per-parameter ones) and, below stage 3, the
+    parameters (``named_params()``: name -> host array), and ``stores`` lists the ``(key,
+    sharded store)`` pairs each process cuts into pieces (``key(neutral name)``: a piece's
+    name)."""
     replicated = {**adapter.model.flat_state(model_state), **adapter.rule.counters()}
-    stores = [(f"opt/{slot}", s) for slot, s in adapter.opt_state.items()]
+    if adapter.optax is not None:  # (adapters._jax.native_optax.ShardedOptax)
+        scalars, stores = adapter.optax.stores(adapter.opt_state)
+        replicated.update(scalars)
+    else:
+        stores = [(lambda n, s=slot: f"opt/{s}/{n}", store)
+                  for slot, store in adapter.opt_state.items()]
     if adapter.layout.stage == 3:
-        stores.append(("params", adapter.params))
+        stores.append((lambda n: f"params/{n}", adapter.params))
     else:
         replicated.update({f"params/{n}": v for n, v in named_params().items()})
     return replicated, stores

@@ -38,6 +38,7 @@ from adapters._jax.flat_units import (
     nbytes,
     state_head,
 )
+from adapters._jax.native_optax import ShardedOptax, check_sharded
 from adapters._jax.update import apply_optimizer, squares, update
 from adapters.jax_pjit.data_parallel import PjitDataParallel
 from toolkit.models.reference import optimizer_slots
@@ -74,12 +75,19 @@ class PjitSharded(PjitDataParallel):
         sharded, full = self._store_shardings(True), self._store_shardings(False)
         self.param_sharding = sharded if stage == 3 else full
         self.grad_sharding = full if stage == 1 else sharded
-        slots = optimizer_slots(optimizer)
-        opt_sharding = {slot: sharded for slot in slots}
         host = self._to_store(named)
         zeros = jax.tree_util.tree_map(np.zeros_like, host)
         self.params = self._place(host, self.param_sharding)
-        self.opt_state = {slot: self._place(zeros, sharded) for slot in slots}
+        self.optax = None  # a native optax state's conversions (ShardedOptax)
+        if self.opt_spec is None:
+            check_sharded(self.name, self.layout, self.tx, self.model)
+            self.optax = ShardedOptax(self.model, host, self._host, self._replicate)
+            opt_sharding = self.optax.shardings(jax.eval_shape(self.tx.init, host), sharded,
+                                                self.replicated)
+            self.opt_state = jax.jit(self.tx.init, out_shardings=opt_sharding)(self.params)
+        else:
+            opt_sharding = {slot: sharded for slot in optimizer_slots(optimizer)}
+            self.opt_state = {slot: self._place(zeros, sharded) for slot in opt_sharding}
         self.grads = self._place(zeros, self.grad_sharding)  # replaced by each step's
         self.model_state = self._replicate(model_state)
         repl, batch = self.replicated, self.batch
@@ -191,18 +199,26 @@ class PjitSharded(PjitDataParallel):
 
     def state_dict(self) -> dict[str, np.ndarray]:
         unflat, like = self.model.unflat, self.model.params
-        opt = {slot: unflat(self._host_named(s), like) for slot, s in self.opt_state.items()}
+        if self.optax is not None:
+            opt = self.optax.to_tree(self.opt_state, self._host_named)
+        else:
+            opt = {slot: unflat(self._host_named(s), like) for slot, s in self.opt_state.items()}
         return self._export(self._full_params(), opt, self._host(self.model_state))
 
     def load_state_dict(self, state: dict[str, np.ndarray]) -> None:
         like = self.model.params
         params, opt_state, model_state = self._import(
-            state, like, {slot: like for slot in self.opt_state}, self._host(self.model_state))
+            state, like, self.optax.like(self.opt_state) if self.optax is not None else
+            {slot: like for slot in self.opt_state}, self._host(self.model_state))
         sharded = self._store_shardings(True)
         self.params = self._place(self._to_store(self.model.flat(params)),
                                   self.param_sharding)
-        self.opt_state = {slot: self._place(self._to_store(self.model.flat(tree)), sharded)
-                          for slot, tree in opt_state.items()}
+        if self.optax is not None:
+            self.opt_state = self.optax.from_tree(
+                opt_state, lambda named: self._place(self._to_store(named), sharded))
+        else:
+            self.opt_state = {slot: self._place(self._to_store(self.model.flat(tree)), sharded)
+                              for slot, tree in opt_state.items()}
         self.model_state = self._replicate(model_state)
 
     def sharded_state(self):
@@ -212,16 +228,16 @@ class PjitSharded(PjitDataParallel):
         replicated, stores = state_head(self, self._host(self.model_state),
                                         lambda: self._host_named(self.params))
         pieces = {}
-        for prefix, store in stores:
+        for key, store in stores:
             if not self.split:
                 for unit, array in store["units"].items():
-                    pieces.update(self.units.pieces(unit, *local_range(array), prefix))
+                    pieces.update(self.units.pieces(unit, *local_range(array), key))
                 continue
             shapes = {n: np.shape(v) for n, v in self.model.flat(self.model.params).items()}
             for n, array in self._jflat(store).items():
                 lo, data = local_range(array)  # padding lies at the end: cut it off
                 piece = data[:max(0, math.prod(shapes[n]) - lo)]
-                pieces[f"{prefix}/{n}"] = (np.ascontiguousarray(piece), 0, shapes[n])
+                pieces[key(n)] = (np.ascontiguousarray(piece), 0, shapes[n])
         return replicated, pieces
 
     def memory_bytes(self) -> dict[str, int]:

@@ -34,6 +34,7 @@ from adapters._jax.flat_units import (
     unit_forward,
     unit_named,
 )
+from adapters._jax.native_optax import ShardedOptax, check_sharded
 from adapters._jax.update import apply_optimizer, squares, update
 from adapters.jax_pmap.data_parallel import PmapDataParallel
 from toolkit import ToolkitError
@@ -75,8 +76,14 @@ class PmapSharded(PmapDataParallel):
         host = self.units.flatten(self.model.flat(params))
         self.params = self._place_flat(host, whole=stage < 3)
         zeros = {u: np.zeros_like(a) for u, a in host.items()}
-        self.opt_state = {slot: self._place_flat(zeros, whole=False)
-                          for slot in optimizer_slots(optimizer)}
+        self.optax = None  # a native optax state's conversions (ShardedOptax)
+        if self.opt_spec is None:
+            check_sharded(self.name, self.layout, self.tx, self.model)
+            self.optax = ShardedOptax(self.model, host, self._local, self._replicate)
+            self.opt_state = jax.pmap(self.tx.init)(self._place_flat(host, whole=False))
+        else:
+            self.opt_state = {slot: self._place_flat(zeros, whole=False)
+                              for slot in optimizer_slots(optimizer)}
         self.grads = self._place_flat(zeros, whole=stage == 1)  # replaced by each step's
         self.model_state = self._replicate(model_state)
         self._pstep = jax.pmap(self._sharded_device_step, axis_name=AXIS,
@@ -186,18 +193,27 @@ class PmapSharded(PmapDataParallel):
         self.grads = out[4]  # the gradient this layout keeps (memory_bytes counts it)
 
     def state_dict(self) -> dict[str, np.ndarray]:
-        opt = {slot: self._tree(s, False) for slot, s in self.opt_state.items()}
+        if self.optax is not None:
+            opt = self.optax.to_tree(self.opt_state,
+                                     lambda s: self.units.named(self._gathered(s, False)))
+        else:
+            opt = {slot: self._tree(s, False) for slot, s in self.opt_state.items()}
         return self._export(self._full_params(), opt, self._local(self.model_state))
 
     def load_state_dict(self, state: dict[str, np.ndarray]) -> None:
         like = self.model.params
         params, opt_state, model_state = self._import(
-            state, like, {slot: like for slot in self.opt_state}, self._local(self.model_state))
+            state, like, self.optax.like(self.opt_state) if self.optax is not None else
+            {slot: like for slot in self.opt_state}, self._local(self.model_state))
         flatten = self.units.flatten
         self.params = self._place_flat(flatten(self.model.flat(params)),
                                        whole=self.layout.stage < 3)
-        self.opt_state = {slot: self._place_flat(flatten(self.model.flat(t)), whole=False)
-                          for slot, t in opt_state.items()}
+        if self.optax is not None:
+            self.opt_state = self.optax.from_tree(
+                opt_state, lambda named: self._place_flat(flatten(named), whole=False))
+        else:
+            self.opt_state = {slot: self._place_flat(flatten(self.model.flat(t)), whole=False)
+                              for slot, t in opt_state.items()}
         self.model_state = self._replicate(model_state)
 
     def sharded_state(self):
@@ -207,11 +223,11 @@ class PmapSharded(PmapDataParallel):
             self, self._local(self.model_state),
             lambda: self.units.named(self._gathered(self.params, True)))
         pieces = {}
-        for prefix, store in stores:
+        for key, store in stores:
             for unit, stacked in store.items():
                 lo = self.first * self.units.layouts[unit].shard_size
                 pieces.update(self.units.pieces(unit, lo, np.asarray(stacked).reshape(-1),
-                                                prefix))
+                                                key))
         return replicated, pieces
 
     def memory_bytes(self) -> dict[str, int]:
