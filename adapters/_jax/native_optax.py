@@ -291,3 +291,87 @@ def check_sharded(backend: str, layout: Any, tx: Any, model: Any) -> None:
 
     check_elementwise(backend, layout.name, tx, model.flat(model.params), model_paths(model),
                       cut, join)
+
+
+# ------------------------------------------------------------------ pipeline stages
+class StageOptimizer:
+    """The optimizer state of a pipeline's stages and its checkpoint names: a spec's slots
+    ``{slot: (S, L)}`` (each stage's flat vector of each slot), or a native optax state run on
+    each stage's flat vector (per-parameter leaves ``(S, L)``, every other leaf one per stage);
+    held stacked over the stages on the host, over the devices once placed.
+
+    Args:
+        backend: its name. layout: the ``toolkit.Pipeline``. optimizer: the build's.
+        tx: its optax transformation (``make_optimizer``). staged: the ``StagedModel``.
+        model: the model the build got (its parameters' paths in the data-parallel tree).
+    """
+
+    def __init__(self, backend: str, layout: Any, optimizer: Any, tx: Any, staged: Any,
+                 model: Any):
+        from toolkit.models.reference import optimizer_slots
+
+        self.tx, self.staged, self.native = tx, staged, is_native(optimizer)
+        self.paths = {n: tree_path(model, n) for n in staged.names()}
+        length = (staged.length,)
+        self.is_param = lambda x: tuple(getattr(x, "shape", ())[1:]) == length
+        self.slots = () if self.native else optimizer_slots(optimizer)
+        if not self.native:
+            return
+
+        def cut(named):  # each stage its flat vector
+            return list(staged.flatten(named, np.asarray(next(iter(named.values()))).dtype))
+
+        check_elementwise(backend, layout.name, tx, staged.init, self.paths, cut,
+                          lambda parts: staged.unflatten(np.stack(parts)))
+
+    def init(self, params: np.ndarray) -> Any:
+        """The initial state (host) for the ``(S, L)`` parameters ``params``."""
+        import jax
+
+        if not self.native:
+            return {s: np.zeros_like(params) for s in self.slots}
+        states = [self.tx.init(row) for row in params]
+        return jax.tree_util.tree_map(lambda *rows: np.stack([np.asarray(r) for r in rows]),
+                                      *states)
+
+    def stores(self, state: Any) -> tuple[dict[str, np.ndarray], list[tuple[Callable, Any]]]:
+        """``(replicated, [(key, stacked)])``: the leaves one per stage (a native state's
+        counts: the same on every stage) by name, and each per-parameter ``(S, L)`` array with
+        ``key(neutral name)``, its parameters' names."""
+        if not self.native:
+            return {}, [(lambda n, s=slot: f"opt/{s}/{n}", state[slot]) for slot in self.slots]
+        replicated, stacked = {}, []
+        for name, node, per in entries(state, self.is_param):
+            if per:
+                stacked.append((lambda n, prefix=name: param_key(prefix, self.paths[n]), node))
+            else:  # this process's first device's stage: its value
+                replicated[name] = np.asarray(node.addressable_data(0)).reshape(node.shape[1:])
+        return replicated, stacked
+
+    def named(self, state: Any, full: Callable[[Any], np.ndarray]) -> dict[str, np.ndarray]:
+        """The state under the checkpoint's names, whole (``full(stacked)``: the ``(S, L)``
+        array on the host)."""
+        replicated, stacked = self.stores(state)
+        for key, array in stacked:
+            replicated.update({key(n): v for n, v in self.staged.unflatten(full(array)).items()})
+        return replicated
+
+    def load(self, state: dict[str, np.ndarray], dtype: str, like: Any) -> Any:
+        """The host state (as :meth:`init` makes it) from the checkpoint's ``state``, shaped
+        like the placed state ``like``."""
+        import jax
+
+        names, S = self.staged.names(), self.staged.stages
+        if not self.native:
+            return {s: self.staged.flatten({n: state[f"opt/{s}/{n}"] for n in names}, dtype)
+                    for s in self.slots}
+        leaves = []
+        for name, node, per in entries(like, self.is_param):
+            if per:
+                leaves.append(self.staged.flatten(
+                    {n: state[param_key(name, self.paths[n])] for n in names}, node.dtype))
+            else:
+                value = np.asarray(state[name], node.dtype).reshape(node.shape[1:])
+                leaves.append(np.stack([value] * S))
+        return jax.tree_util.tree_unflatten(
+            jax.tree_util.tree_structure(like, is_leaf=self.is_param), leaves)

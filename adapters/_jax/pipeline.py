@@ -17,6 +17,7 @@ import numpy as np
 
 from adapters._backend import StrategyBase
 from adapters._common import check_build, check_spec_optimizer, loss_name
+from adapters._jax.native_optax import StageOptimizer, is_native
 from adapters._jax.programs import LocalComputes, StagePrograms
 from adapters._jax.rounds import RoundPlan
 from adapters._jax.stages import eval_sums, stage_model
@@ -25,7 +26,6 @@ from adapters._jax.update import make_optimizer
 from toolkit import Pipeline, ToolkitError
 from toolkit.contract import StepResult
 from toolkit.errors import describe
-from toolkit.models.reference import optimizer_slots
 from toolkit.parallel.pipeline.partition import micro_batch_size
 from toolkit.parallel.pipeline.schedules import pipeline_schedule
 from toolkit.parallel.pipeline.timeline import TIMELINE_ENV, StageRecorder, append_timeline
@@ -117,7 +117,8 @@ class PipelineExecutor(StrategyBase):
         a, jax = self.host, self.host.jax
         name, S = a.name, self.layout.stages
         check_build(accumulation_steps, sync_batchnorm)
-        check_spec_optimizer(name, "pipeline", optimizer)
+        if not is_native(optimizer):  # (an optax transformation: StageOptimizer checks it)
+            check_spec_optimizer(name, "pipeline", optimizer)
         a.precision = self.precision  # (the Backend gave it to this executor)
         devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
         if len(devices) % S:
@@ -146,8 +147,9 @@ class PipelineExecutor(StrategyBase):
             from jax.experimental import multihost_utils
 
             host = np.asarray(multihost_utils.broadcast_one_to_all(host))
-        self.slots = optimizer_slots(optimizer)
-        self._set_state(host, {s: np.zeros_like(host) for s in self.slots})
+        # a spec's slots, or the user's elementwise optax transformation on each stage's vector
+        self.opt = StageOptimizer(name, self.layout, optimizer, self.tx, self.staged, model)
+        self._set_state(host, self.opt.init(host))
         self.grads = self._zeros((self.staged.length,))
         self.ctrl = [[self._per_stage(w.ctrl) for w in r.waves] for r in self.plan.rounds]
         local = [(i // self.D, i % self.D) for i in self.where]
@@ -157,9 +159,9 @@ class PipelineExecutor(StrategyBase):
                           for s in self.local_stages}
         self._compiled_for = None
 
-    def _set_state(self, params: np.ndarray, opt: dict[str, np.ndarray]) -> None:
+    def _set_state(self, params: np.ndarray, opt: Any) -> None:
         self.params = self._per_stage(params)
-        self.opt_state = {s: self._per_stage(v) for s, v in opt.items()}
+        self.opt_state = self.host.jax.tree_util.tree_map(self._per_stage, opt)
 
     def _programs(self, n: int, x_shape, x_dtype) -> StagePrograms:
         """The bodies for a global batch of ``n`` rows (each process's ``n / P`` rows)."""
@@ -339,8 +341,7 @@ class PipelineExecutor(StrategyBase):
     def state_dict(self) -> dict[str, np.ndarray]:
         """Full tensors under the neutral names, on every process."""
         out = {f"params/{n}": v for n, v in self._named(self.params).items()}
-        for slot, flat in self.opt_state.items():
-            out.update({f"opt/{slot}/{n}": v for n, v in self._named(flat).items()})
+        out.update(self.opt.named(self.opt_state, self._full))
         return {**out, **self.host.rule.counters()}
 
     def load_state_dict(self, state: dict[str, np.ndarray]) -> None:
@@ -350,9 +351,7 @@ class PipelineExecutor(StrategyBase):
             raise ToolkitError(f"the state lacks {missing[:3]} (of {len(missing)})",
                                "load a checkpoint of the same model")
         params = self.staged.flatten({n: state[f"params/{n}"] for n in names}, dtype)
-        opt = {s: self.staged.flatten({n: state[f"opt/{s}/{n}"] for n in names}, dtype)
-               for s in self.slots}
-        self._set_state(params, opt)
+        self._set_state(params, self.opt.load(state, dtype, self.opt_state))
         self.host.rule.load(state)
 
     def _replica0_rows(self, arr) -> dict[int, np.ndarray]:
@@ -368,17 +367,17 @@ class PipelineExecutor(StrategyBase):
         """``(replicated, pieces)`` for a checkpoint: replica 0 of each stage gives each of its
         parameters (and optimizer slots) whole as one flat piece, a shared one only from its
         first holder; every other process gives an empty piece of every name."""
-        replicated = self.host.rule.counters()
-        trees = {"params": self.params, **{f"opt/{s}": v for s, v in self.opt_state.items()}}
+        replicated, stacked = self.opt.stores(self.opt_state)
+        replicated.update(self.host.rule.counters())
         pieces = {}
-        for prefix, arr in trees.items():
+        for key, arr in [(lambda n: f"params/{n}", self.params), *stacked]:
             mine = self._replica0_rows(arr)
             for name in self.staged.names():
                 s = self.staged.owner_stage(name)
                 off, shape = self.staged.offsets[s][name]
                 piece = (mine[s][off:off + int(np.prod(shape))].copy() if s in mine
                          else np.zeros(0, self.host.dtype_name))
-                pieces[f"{prefix}/{name}"] = (piece, 0, shape)
+                pieces[key(name)] = (piece, 0, shape)
         return replicated, pieces
 
     def memory_bytes(self) -> dict[str, int]:
@@ -391,7 +390,7 @@ class PipelineExecutor(StrategyBase):
         copies = sum(a.nbytes for named in sliced[1].values() for a in named.values()) if (
             sliced is not None and sliced[0] is self.params) else 0
         out = {"params": held(self.params) + copies, "grads": held(self.grads),
-               "optimizer": held(*self.opt_state.values())}
+               "optimizer": held(*self.host.jax.tree_util.tree_leaves(self.opt_state))}
         if hasattr(self, "box"):
             out["activations"] = held(self.box)
         return out

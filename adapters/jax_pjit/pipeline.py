@@ -115,12 +115,14 @@ class PjitPipeline(PipelineExecutor):
             return jax.jit(smap(lambda bx, c: run(bx[0, 0], c[0])[None, None],
                                 in_specs=(sd, st), out_specs=sd), donate_argnums=(0,))
 
-        def update(p, opt, g, ls, scalars):
-            p, opt, g, loss, norm = progs.update(p[0], {s: v[0] for s, v in opt.items()},
-                                                 g[0, 0], ls[0, 0], scalars)
-            return p[None], {s: v[None] for s, v in opt.items()}, g[None, None], loss, norm
+        tmap = jax.tree_util.tree_map
 
-        opt_specs = {s: st for s in self.slots}
+        def update(p, opt, g, ls, scalars):  # (opt: a spec's slots, or an optax state)
+            p, opt, g, loss, norm = progs.update(p[0], tmap(lambda v: v[0], opt), g[0, 0],
+                                                 ls[0, 0], scalars)
+            return p[None], tmap(lambda v: v[None], opt), g[None, None], loss, norm
+
+        opt_specs = tmap(lambda _: st, self.opt_state)
         prep = jax.jit(smap(prepare, in_specs=spec(("stage", "data")), out_specs=sd))
         upd = jax.jit(smap(update, in_specs=(st, opt_specs, sd, sd, spec()),
                            out_specs=(st, opt_specs, sd, spec(), spec())),
