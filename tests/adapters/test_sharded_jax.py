@@ -239,11 +239,12 @@ def test_tensor_parallel_in_jax_pmap_is_refused():
 
 
 @pytest.mark.parametrize("backend", JAX)
-def test_a_native_optax_optimizer_under_a_sharded_layout_is_refused(backend):
-    import optax
+def test_an_optax_transformation_that_is_not_elementwise_is_refused(backend):
+    import optax  # (tests/adapters/test_native_optimizers_jax.py: what works, what does not)
 
     refused(backend, toolkit.MLP((5, 6, 3)), toolkit.Sharded(1),
-            r"cannot shard the optimizer GradientTransformation", optimizer=optax.sgd(0.1))
+            r"cannot run the optax transformation chain\(clip_by_global_norm, trace, scale\)",
+            optimizer=optax.chain(optax.clip_by_global_norm(1.0), optax.sgd(0.1, momentum=0.9)))
 
 
 def test_stage_3_of_a_native_module_in_jax_pmap_is_refused():
