@@ -4,7 +4,8 @@
 ``prepare`` (the local inputs cut into micro-batches), ``branches`` (the forward or backward
 of one piece), ``exchange`` (one wave of activations forward and gradients backward between
 neighbouring stages) and ``update`` (the gradient summed over the stage's replicas, the tied
-embedding's over its holder stages, the elementwise optimizer). The collectives come from a
+embedding's over its holder stages, the elementwise optimizer: a spec's, or the user's optax
+transformation on the stage's flat vector). The collectives come from a
 *mechanism* object, so the same bodies run under ``shard_map`` over a ``(stage, data)`` mesh
 (``adapters/jax_pjit/pipeline.py``) and under ``pmap`` over one device axis
 (``adapters/jax_pmap/pipeline.py``). The branches take no collective: ``LocalComputes`` runs

@@ -4,8 +4,9 @@ A model is cut into ``K = S x v`` *pieces* (``toolkit.partition_model`` for spec
 of ``(flax module, variables)`` pairs cut by index for native ones); piece ``k`` runs on stage
 ``k % S`` as its local chunk ``k // S``. Each stage holds its parameters as **one flat vector**
 (every stage's padded to the longest, so the stages stack into an ``(S, L)`` array sharded over
-the ``stage`` axis); the optimizer is the toolkit's elementwise arithmetic, so it runs on the flat
-vectors directly (padding stays zero: zero gradient, zero update). A parameter held by two stages
+the ``stage`` axis); the optimizer is elementwise (the toolkit's arithmetic, or an optax
+transformation ``adapters._jax.native_optax`` checked), so it runs on the flat vectors directly
+(padding has a zero gradient, and no parameter reads it). A parameter held by two stages
 (the tied GPT ``tok_emb``: embedding on the first stage, head on the last) comes first in both
 holders' vectors, so one masked ``psum`` over the stage axis sums its gradients.
 

@@ -4,7 +4,8 @@ checkpoint that moves between the layouts (and backends), a skipped step that ke
 schedule's count, and the transformations that read more than one element refused by name.
 
 In this process, on the 2 CPU devices tests/conftest.py gives it: the sharded layouts over both
-devices, the pipelines as two stages (one per device), data parallelism over both.
+devices, the pipelines as two stages (one per device), data parallelism over both. Under mpirun
+(slow): a checkpoint between two processes' layouts and this process's data parallelism.
 """
 
 from __future__ import annotations
@@ -20,25 +21,13 @@ import adapters
 import toolkit
 
 ROOT = Path(__file__).resolve().parents[2]
+WORKER = str(ROOT / "tests" / "adapters" / "native_optax_worker.py")
 sys.path.insert(0, str(ROOT / "tests" / "scripts"))
+from native_optax_worker import BATCH, MODEL, STEPS, adamw, data  # noqa: E402
 from pipeline_jax_worker import attach  # noqa: E402
 
 JAX = ("jax-pjit", "jax-pmap")
-STEPS, BATCH = 20, 16
-MODEL = toolkit.MLP((5, 6, 6, 3))  # three layers: two pipeline stages
 TOLERANCE = {"float32": 1e-6, "float64": 1e-12}
-
-
-def data(n=48, seed=0):
-    rng = np.random.default_rng(seed)
-    return rng.standard_normal((n, 5)), rng.integers(0, 3, n)
-
-
-def adamw():
-    import optax
-
-    schedule = optax.warmup_cosine_decay_schedule(0.0, 1e-2, warmup_steps=5, decay_steps=STEPS)
-    return optax.adamw(schedule, weight_decay=1e-2)
 
 
 def trainer(backend, layout, optimizer, dtype="float32", steps=STEPS, model=MODEL, **kw):
@@ -108,6 +97,32 @@ def test_a_checkpoint_resumes_on_another_layout(tmp_path, first, saved, second, 
     np.testing.assert_allclose(history.losses, want, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("processes_save", [True, False])
+def test_a_checkpoint_resumes_across_processes(launch, tmp_path, processes_save):
+    """Two processes (one device each) save (jax-pmap, ZeRO-3: each its shards of adamw's
+    moments) or resume (jax-pjit, two pipeline stages: each its stage's) what this process
+    resumes or saved under data parallelism."""
+    x, y = data()
+    want = data_parallel("jax-pjit", "float32", None)[0][8:16]
+    ckpt = str(tmp_path)
+    if processes_save:
+        job = launch("any", 2, [WORKER, "jax-pmap", "sharded:3", "8", ckpt])
+        assert job.returncode == 0, job
+        history = trainer("jax-pjit", "data", adamw(), steps=16, checkpoint_dir=ckpt,
+                          resume="latest")[1].fit(x, y)
+        losses, first_step = history.losses, history.first_step
+    else:
+        trainer("jax-pmap", "data", adamw(), steps=8, checkpoint_dir=ckpt,
+                checkpoint_every=8)[1].fit(x, y)
+        job = launch("any", 2, [WORKER, "jax-pjit", "pipeline:2:2:1f1b", "16", ckpt, "latest"])
+        assert job.returncode == 0, job
+        (result,) = job.results_by_rank[0]
+        losses, first_step = result["losses"], result["first_step"]
+    assert first_step == 8
+    np.testing.assert_allclose(losses, want, rtol=1e-6, atol=1e-6)
+
+
 @pytest.mark.parametrize(("backend", "layout"), [("jax-pjit", "sharded:2"),
                                                  ("jax-pmap", "pipeline:2:2:gpipe")])
 def test_a_skipped_step_keeps_the_schedules_count(backend, layout):
@@ -172,5 +187,32 @@ def test_sgd_with_momentum_and_a_tied_gpt_pipeline(backend):
     (want_losses, want), (losses, got) = runs
     np.testing.assert_allclose(losses, want_losses, rtol=1e-6)
     assert got.keys() == want.keys() and "opt/0.trace.tok_emb" in got
+    for name in want:
+        np.testing.assert_allclose(got[name], want[name], rtol=1e-5, atol=1e-6, err_msg=name)
+
+
+@pytest.mark.parametrize(("backend", "layout"), [("jax-pjit", "sharded:3"),
+                                                 ("jax-pmap", "sharded:2")])
+def test_a_native_flax_module_with_adamw(backend, layout):
+    """A Flax module's own parameter tree: the moments under its paths, as data parallel."""
+    import flax.linen as nn
+    import jax
+
+    class Net(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return nn.Dense(3, name="out")(nn.relu(nn.Dense(7, name="hidden")(x)))
+
+    x, y = data()
+    x = x.astype(np.float32)
+    module = Net()
+    model = (module, module.init(jax.random.key(0), x[:1]))
+    runs = []
+    for each in ("data", layout):
+        adapter, t = trainer(backend, each, adamw(), steps=6, model=model)
+        runs.append((np.asarray(t.fit(x, y).losses), adapter.state_dict()))
+    (want_losses, want), (losses, got) = runs
+    np.testing.assert_allclose(losses, want_losses, rtol=1e-6)
+    assert got.keys() == want.keys() and "opt/0.mu.hidden.kernel" in got
     for name in want:
         np.testing.assert_allclose(got[name], want[name], rtol=1e-5, atol=1e-6, err_msg=name)
