@@ -169,6 +169,21 @@ def test_a_transformation_that_reads_whole_tensors_is_refused(backend, layout, c
     assert "Trainer(clip_grad_norm=...) instead of clip_by_global_norm" in message
 
 
+def same_as_data_parallel(backend, layout, optimizer, model, x, y, steps):
+    """Trains ``model`` with ``optimizer()`` under data parallelism and ``layout``; asserts the
+    same losses and state under the same names, and returns the state."""
+    runs = []
+    for each in ("data", layout):
+        adapter, t = trainer(backend, each, optimizer(), steps=steps, model=model)
+        runs.append((np.asarray(t.fit(x, y).losses), adapter.state_dict()))
+    (want_losses, want), (losses, got) = runs
+    np.testing.assert_allclose(losses, want_losses, rtol=1e-6)
+    assert got.keys() == want.keys()
+    for name in want:
+        np.testing.assert_allclose(got[name], want[name], rtol=1e-5, atol=1e-6, err_msg=name)
+    return got
+
+
 @pytest.mark.parametrize("backend", JAX)
 def test_sgd_with_momentum_and_a_tied_gpt_pipeline(backend):
     """optax.sgd(momentum) passes the probe; the tied embedding of a GPT cut into two stages
@@ -180,15 +195,9 @@ def test_sgd_with_momentum_and_a_tied_gpt_pipeline(backend):
     gpt = GPT(vocab=32, context=8, width=16, layers=2, heads=2, tied=True)
     tokens = np.random.default_rng(1).integers(0, 32, 16 * 8 + 1)
     x, y = tokens[:-1].reshape(16, 8), tokens[1:].reshape(16, 8)
-    runs = []
-    for layout in ("data", "pipeline:2:2:1f1b"):
-        adapter, t = trainer(backend, layout, optax.sgd(0.05, momentum=0.9), steps=4, model=gpt)
-        runs.append((np.asarray(t.fit(x, y).losses), adapter.state_dict()))
-    (want_losses, want), (losses, got) = runs
-    np.testing.assert_allclose(losses, want_losses, rtol=1e-6)
-    assert got.keys() == want.keys() and "opt/0.trace.tok_emb" in got
-    for name in want:
-        np.testing.assert_allclose(got[name], want[name], rtol=1e-5, atol=1e-6, err_msg=name)
+    got = same_as_data_parallel(backend, "pipeline:2:2:1f1b", lambda: optax.sgd(0.05, 0.9),
+                                gpt, x, y, steps=4)
+    assert "opt/0.trace.tok_emb" in got
 
 
 @pytest.mark.parametrize(("backend", "layout"), [("jax-pjit", "sharded:3"),
@@ -207,12 +216,5 @@ def test_a_native_flax_module_with_adamw(backend, layout):
     x = x.astype(np.float32)
     module = Net()
     model = (module, module.init(jax.random.key(0), x[:1]))
-    runs = []
-    for each in ("data", layout):
-        adapter, t = trainer(backend, each, adamw(), steps=6, model=model)
-        runs.append((np.asarray(t.fit(x, y).losses), adapter.state_dict()))
-    (want_losses, want), (losses, got) = runs
-    np.testing.assert_allclose(losses, want_losses, rtol=1e-6)
-    assert got.keys() == want.keys() and "opt/0.mu.hidden.kernel" in got
-    for name in want:
-        np.testing.assert_allclose(got[name], want[name], rtol=1e-5, atol=1e-6, err_msg=name)
+    got = same_as_data_parallel(backend, layout, adamw, model, x, y, steps=6)
+    assert "opt/0.mu.hidden.kernel" in got
