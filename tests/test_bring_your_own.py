@@ -81,13 +81,16 @@ def test_example_learns_and_resumes_bit_for_bit(script, launch, tmp_path):
         np.testing.assert_array_equal(got[name], want[name], err_msg=name)
 
 
-# script -> the layouts beyond data parallelism it runs with the framework's own optimizer
-LAYOUTS = {"torch_cnn.py": ("sharded:3", "pipeline:2:2")}
+# script -> the layouts beyond data parallelism it runs with the framework's own optimizer, and
+# two names of that optimizer's state in the checkpoint (a moment's prefix, the step count)
+LAYOUTS = {"torch_cnn.py": (("sharded:3", "pipeline:2:2"), ("opt/mu/", "opt/count")),
+           "keras_cnn.py": (("pipeline:2:2",), ("opt/momentum/", "opt/iteration")),
+           "flax_cnn.py": (("sharded:3",), ("opt/0.mu.", "opt/0.count"))}
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize(("script", "layout"),
-                         [(s, layout) for s, layouts in LAYOUTS.items() for layout in layouts])
+                         [(s, layout) for s, (layouts, _) in LAYOUTS.items() for layout in layouts])
 def test_example_learns_under_other_layouts(script, layout, launch, tmp_path):
     """The example's own optimizer (its class and settings as the user wrote them) under a
     sharded or pipeline layout on 2 ranks: it learns, and its checkpoint holds the optimizer
@@ -96,4 +99,5 @@ def test_example_learns_under_other_layouts(script, layout, launch, tmp_path):
     done = re.search(r"val_accuracy (\S+)", out)
     assert done and float(done.group(1)) > 0.9, out
     state = CheckpointStore(tmp_path).load("latest").tensors
-    assert any(k.startswith("opt/mu/") for k in state) and "opt/count" in state, state.keys()
+    moment, count = LAYOUTS[script][1]
+    assert any(k.startswith(moment) for k in state) and count in state, sorted(state)

@@ -21,7 +21,7 @@ import adapters
 import toolkit
 
 ROOT = Path(__file__).resolve().parents[2]
-WORKER = str(ROOT / "tests" / "adapters" / "native_optax_worker.py")
+WORKER = str(ROOT / "tests" / "scripts" / "native_optax_worker.py")
 sys.path.insert(0, str(ROOT / "tests" / "scripts"))
 from native_optax_worker import BATCH, MODEL, STEPS, adamw, data  # noqa: E402
 from pipeline_jax_worker import attach  # noqa: E402

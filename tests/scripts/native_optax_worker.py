@@ -1,7 +1,7 @@
 """One run of tests/adapters/test_native_optimizers_jax.py's setup (an MLP, optax.adamw with a
 warmup-cosine schedule), as a test imports it or as each rank of a multi-process launch runs it:
 
-    mpirun -np 2 python tests/adapters/native_optax_worker.py BACKEND LAYOUT STEPS CKPT [latest]
+    mpirun -np 2 python tests/scripts/native_optax_worker.py BACKEND LAYOUT STEPS CKPT [latest]
 
 trains to STEPS with a checkpoint in CKPT at the end (resuming the latest one with ``latest``)
 and emits rank 0's ``{"losses", "first_step"}`` (tests/scripts/_emit.py).
