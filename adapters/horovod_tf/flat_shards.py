@@ -34,11 +34,13 @@ stage 3 every micro-batch's backward reduce-scatters its gradient (FSDP's defaul
 gradients locally would need the full-size gradient buffers stage 3 exists to avoid); the
 result is the same sum of averages.
 
-Only the spec models (``toolkit.MLP``/``CNN``/``GPT``) and spec optimizers
-(``toolkit.SGD``/``Adam``) can be sharded here: the unit functions below are their forward
-passes (the same TF ops as ``models/spec.py``'s ``spec_forward``, so every stage
-computes what data parallel computes), and the optimizer's arithmetic is elementwise on flat
-shards. A Keras model or optimizer under a sharded layout is refused with a ToolkitError.
+Only the spec models (``toolkit.MLP``/``CNN``/``GPT``) can be sharded here: the unit functions
+below are their forward passes (the same TF ops as ``models/spec.py``'s ``spec_forward``, so
+every stage computes what data parallel computes). The optimizer is ``toolkit.SGD``/``Adam``'s
+arithmetic on the flat shards, or the user's own elementwise Keras optimizer
+(``keras_optim.py``) built over one shard variable per unit (stages 1 and 2 keep one beside
+the full parameters, which take its update through the all-gather); its slots are then the
+shards' slots, saved as the spec's are, and its own scalars (``opt/iteration``) once.
 """
 
 from __future__ import annotations
@@ -50,6 +52,8 @@ from typing import Any
 import numpy as np
 
 from adapters._update import UpdateRule
+from adapters.horovod_tf.keras_optim import named_slots
+from adapters.horovod_tf.models.keras_native import _np_dtype, assign, to_host
 from adapters.horovod_tf.models.units import unit_functions
 from adapters.horovod_tf.update import spec_update, sum_squares, update
 from toolkit import GPT, Sharded
@@ -77,7 +81,7 @@ class ShardedTF:
     """
 
     def __init__(self, runtime: Any, layout: Sharded, spec: Any, rule: UpdateRule,
-                 init: dict[str, np.ndarray], local_grads: Callable):
+                 init: dict[str, np.ndarray], local_grads: Callable, keras_opt: Any = None):
         tf, hvd = runtime.tf, runtime.hvd
         self.rule, optimizer = rule, rule.spec
         self.tf, self.hvd, self.local_grads = tf, hvd, local_grads
@@ -91,23 +95,41 @@ class ShardedTF:
         for u, lay in self.layouts.items():
             flat = tf.constant(lay.flatten(init).astype(self.np_dtype))
             flats[u] = hvd.broadcast(flat, root_rank=0, name=f"init_{u}").numpy()
-        if self.stage == 3:
-            self.vars: dict[str, Any] = {}
+        self.vars: dict[str, Any] = {} if self.stage == 3 else {
+            n: tf.Variable(a, name=n.replace(".", "_")) for u, lay in self.layouts.items()
+            for n, a in lay.unflatten(flats[u]).items()}
+        self.keras_opt = keras_opt
+        if self.stage == 3 or keras_opt is not None:  # (the Keras optimizer's variables)
             self.params = {u: tf.Variable(self._mine(u, flats[u]), name=f"shard_{u}")
                            for u in self.units}
-        else:
-            self.vars = {n: tf.Variable(a, name=n.replace(".", "_"))
-                            for u, lay in self.layouts.items()
-                            for n, a in lay.unflatten(flats[u]).items()}
         self.names = list(init)
-        self.slots = {(slot, u): tf.Variable(tf.zeros([lay.shard_size], dtype), trainable=False)
-                      for slot in optimizer_slots(optimizer)
-                      for u, lay in self.layouts.items()}
+        if keras_opt is None:
+            self.slots = {(slot, u): tf.Variable(tf.zeros([lay.shard_size], dtype),
+                                                 trainable=False)
+                          for slot in optimizer_slots(optimizer)
+                          for u, lay in self.layouts.items()}
+            self.extras: dict[str, Any] = {}
+        else:
+            self.slots, self.extras = self._keras_slots()
         self.grads = {u: tf.Variable(tf.zeros([lay.padded if self.stage == 1 else
                                                lay.shard_size], dtype), trainable=False)
                       for u, lay in self.layouts.items()}
         if self.stage == 3:
             self.unit_fns = unit_functions(tf, spec, len(self.units))
+
+    def _keras_slots(self) -> tuple[dict[tuple[str, str], Any], dict[str, Any]]:
+        """The Keras optimizer built over the shard variables: its per-shard slots by
+        ``(slot, unit)``, and its own variables by checkpoint name (``opt/iteration``)."""
+        self.keras_opt.build([self.params[u] for u in self.units])
+        named = named_slots(self.keras_opt, self.params)
+        slots, extras = {}, {}
+        for key, var in named.items():
+            slot, _, unit = key[len("opt/"):].partition("/")
+            if unit in self.params:
+                slots[(slot, unit)] = var
+            else:
+                extras[key] = var
+        return slots, extras
 
     # ----------------------------------------------------------------------- flat buffers
     def _mine(self, unit: str, flat: np.ndarray) -> np.ndarray:
@@ -218,6 +240,9 @@ class ShardedTF:
             return sq
 
         def apply(grads: list) -> None:
+            if self.keras_opt is not None:
+                self._keras_apply(grads)
+                return
             for u, g in zip(self.units, grads, strict=True):
                 if self.stage == 3:
                     self.params[u].assign(self._update(u, tf.convert_to_tensor(self.params[u]),
@@ -234,6 +259,21 @@ class ShardedTF:
         for u, g in zip(self.units, grads, strict=True):  # a skipped step's too
             self.grads[u].assign(g)
         return total, norm
+
+    def _keras_apply(self, grads: list) -> None:
+        """The Keras optimizer's step on this rank's shards (stage 1: its part of the whole
+        gradient), then stages 1/2 re-assemble the full parameters."""
+        hvd = self.hvd
+        if self.stage == 1:
+            grads = [g[self.rank * self.layouts[u].shard_size:][:self.layouts[u].shard_size]
+                     for u, g in zip(self.units, grads, strict=True)]
+        shards = [self.params[u] for u in self.units]
+        self.keras_opt.apply_gradients(zip(grads, shards, strict=True))
+        if self.stage < 3:
+            for u, shard in zip(self.units, shards, strict=True):
+                for n, t in self._unflatten(u, hvd.allgather(self.tf.convert_to_tensor(
+                        shard))).items():
+                    self.vars[n].assign(t)
 
     def _update(self, unit: str, p, g, lr, step_size, c2_sqrt):
         """The unit's new flat shard ``p`` (``update.spec_update``, its slots assigned)."""
@@ -257,22 +297,24 @@ class ShardedTF:
         for (slot, u), var in self.slots.items():
             out.update({f"opt/{slot}/{n}": a for n, a
                         in self.layouts[u].unflatten(self._gather_host(var)).items()})
-        return out
+        return {**out, **{k: to_host(v) for k, v in self.extras.items()}}
 
     def load_state_dict(self, state: dict[str, np.ndarray]) -> None:
         """Takes this rank's shards of full tensors (as ``state_dict`` returns them)."""
         np_dtype = self.np_dtype
         for u, lay in self.layouts.items():
             params = {n: state[f"params/{n}"] for n in lay.names}
-            if self.stage == 3:
+            if self.stage == 3 or self.keras_opt is not None:
                 self.params[u].assign(lay.shard(params, self.rank).astype(np_dtype))
-            else:
+            if self.stage < 3:
                 for n, a in params.items():
                     self.vars[n].assign(np.asarray(a, np_dtype))
         for (slot, u), var in self.slots.items():
             lay = self.layouts[u]
             slots = {n: state[f"opt/{slot}/{n}"] for n in lay.names}
             var.assign(lay.shard(slots, self.rank).astype(np_dtype))
+        for key, var in self.extras.items():
+            assign(var, state[key])
 
     def sharded_state(self) -> tuple[dict[str, np.ndarray],
                                      dict[str, tuple[np.ndarray, int, tuple[int, ...]]]]:
@@ -287,17 +329,19 @@ class ShardedTF:
                                    for n in lay.names})
         for (slot, u), var in self.slots.items():
             pieces.update(_pieces(self.layouts[u], self.rank, var.numpy(), f"opt/{slot}/"))
+        replicated.update({k: to_host(v) for k, v in self.extras.items()})
         return replicated, pieces
 
     def memory_bytes(self) -> dict[str, int]:
-        """Bytes of the variables this rank holds for parameters, gradients and slots."""
-        params = self.params.values() if self.stage == 3 else self.vars.values()
+        """Bytes of the variables this rank holds for parameters (stages 1/2 with a Keras
+        optimizer: the full ones and its shard copies), gradients and slots."""
+        params = [*self.vars.values(), *getattr(self, "params", {}).values()]
         return {"params": _nbytes(params), "grads": _nbytes(self.grads.values()),
                 "optimizer": _nbytes(self.slots.values())}
 
 
 def _nbytes(variables) -> int:
-    return sum(math.prod(v.shape) * v.dtype.size for v in variables)
+    return sum(math.prod(v.shape) * np.dtype(_np_dtype(v)).itemsize for v in variables)
 
 
 def _pieces(lay: FlatLayout, rank: int, shard: np.ndarray, prefix: str) -> dict:

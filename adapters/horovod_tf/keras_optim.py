@@ -1,8 +1,9 @@
-"""The user's own Keras optimizer under a pipeline layout (``horovod-tf``).
+"""The user's own Keras optimizer in ``horovod-tf``'s layouts, and its checkpoint names.
 
-Each stage updates only its own variables, so each builds the user's optimizer over them: the
-optimizer object itself when it is not built yet, else a fresh one of its class and settings
-(``from_config(get_config())``, a ``LearningRateSchedule`` included). That is exact for an
+A pipeline stage updates only its own variables, a sharded layout only this rank's flat shard
+of each unit, so each builds the user's optimizer over those: the optimizer object itself when
+it is not built yet, else a fresh one of its class and settings (``from_config(get_config())``,
+a ``LearningRateSchedule`` included). That is exact for an
 *elementwise* optimizer, whose update of an element reads only that element's variable,
 gradient and slots (and optimizer-wide scalars such as the iteration count, the same on every
 stage): :data:`ELEMENTWISE` lists the ``keras.optimizers`` classes this holds for; any other
@@ -47,6 +48,32 @@ def check_elementwise(keras, optimizer: Any, layout: str) -> None:
                 "the norm of whole tensors, which a stage does not hold",
                 "clip with Trainer(clip_grad_norm=...) (the norm over every stage), and "
                 f"build the optimizer without {option}")
+
+
+def named_slots(optimizer: Any, named: dict[str, Any]) -> dict[str, Any]:
+    """A built Keras optimizer's variables by checkpoint name: ``opt/<slot>/<name>`` for the
+    slot ``<slot>`` of the variable ``named[<name>]`` (Keras names it after the variable's
+    ``path``, or a ``tf.Variable``'s ``name``), ``opt/<its name>`` for the others (``iteration``,
+    ``learning_rate``)."""
+    def prefix(var) -> str:
+        if hasattr(var, "path"):
+            return var.path.replace("/", "_") + "_"
+        return str(var.name).replace("/", "_").replace(":", "_") + "_"
+
+    prefixes = sorted(((prefix(v), n) for n, v in named.items()), key=lambda p: -len(p[0]))
+    names = []
+    for var in optimizer.variables:
+        name = var.name
+        for start, param in prefixes:
+            if name.startswith(start) and len(name) > len(start):
+                name = f"{name[len(start):]}/{param}"
+                break
+        names.append(f"opt/{name}")
+    if len(set(names)) != len(names):
+        raise ToolkitError(f"the Keras optimizer {optimizer.name!r} names two of its variables "
+                           f"alike ({sorted(names)[:4]})", "give the model's variables "
+                           "distinct names")
+    return dict(zip(names, optimizer.variables, strict=True))
 
 
 def for_stage(optimizer: Any) -> Any:

@@ -143,10 +143,12 @@ class TFState:
         elif keras_model is not None and is_keras_optimizer(optimizer):
             self.keras_opt = optimizer
             self.slots = keras_model.build_optimizer(optimizer, "horovod-tf", variables)
-        elif is_keras_optimizer(optimizer):
-            raise ToolkitError("a Keras optimizer needs a Keras model; this model is a "
-                               f"{type(model).__name__} spec",
-                               "pass toolkit.SGD(...)/toolkit.Adam(...) with a spec")
+        elif is_keras_optimizer(optimizer):  # over a spec model's variables (neutral names)
+            from adapters.horovod_tf.keras_optim import for_stage, named_slots
+
+            self.keras_opt = for_stage(optimizer)  # (one built before: a fresh one)
+            self.keras_opt.build(list(self.vars.values()))
+            self.slots = named_slots(self.keras_opt, self.vars)
         else:
             raise ToolkitError(f"horovod-tf cannot build an optimizer from {describe(optimizer)}",
                                "pass toolkit.SGD(...)/toolkit.Adam(...) or a Keras 3 optimizer "

@@ -1,6 +1,7 @@
 """ZeRO stages 1-3 / FSDP for ``horovod-tf``: the data-parallel strategy with the spec model's
 parameters, gradients and optimizer state in flat per-unit shards (``flat_shards.py``:
-``ShardedTF``, its compiled step and state). Only spec models and spec optimizers shard."""
+``ShardedTF``, its compiled step and state). Spec models shard, with ``toolkit.SGD``/``Adam``
+or an elementwise Keras optimizer."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ import numpy as np
 from adapters._backend import PLAIN
 from adapters.horovod_tf.data_parallel import TFDataParallel
 from adapters.horovod_tf.flat_shards import ShardedTF
+from adapters.horovod_tf.keras_optim import check_elementwise, for_stage
+from adapters.horovod_tf.models.keras_native import is_keras_optimizer
 from toolkit import CNN, GPT, MLP, SGD, Adam, Sharded, ToolkitError
 
 
@@ -22,11 +25,15 @@ def check_shardable(backend: str, layout: Sharded, model: Any, optimizer: Any) -
             "sharded layouts in horovod-tf take the spec models toolkit.MLP, toolkit.CNN and "
             "toolkit.GPT (split into flat per-unit shards); train a Keras model with the "
             "data-parallel layout")
-    if not isinstance(optimizer, SGD | Adam):
+    if is_keras_optimizer(optimizer):
+        import keras
+
+        check_elementwise(keras, optimizer, layout.name)
+    elif not isinstance(optimizer, SGD | Adam):
         raise ToolkitError(
             f"{backend} cannot shard the optimizer {type(optimizer).__name__} under layout "
             f"{layout.name!r}", "pass toolkit.SGD(...) or toolkit.Adam(...) (their arithmetic "
-            "runs on flat shards)")
+            "runs on flat shards), or an elementwise Keras optimizer")
 
 
 class TFSharded(TFDataParallel):
@@ -57,9 +64,12 @@ class TFSharded(TFDataParallel):
 
     def _make_variables(self, model: Any, optimizer: Any, seed: int) -> None:
         """Rank 0's initial parameters, cut into this rank's shards (``ShardedTF``)."""
+        keras_opt = for_stage(optimizer) if is_keras_optimizer(optimizer) else None
         self.shards = ShardedTF(self.runtime, self.layout, model, self.rule,
-                                model.init(seed, self.runtime.dtype_name), self.local_grads)
+                                model.init(seed, self.runtime.dtype_name), self.local_grads,
+                                keras_opt)
         self.state.vars = self.shards.vars  # stages 1/2: the full parameters; 3: none
+        self.state.keras_opt = keras_opt
 
     def _forward(self, x, training: bool):
         if self.shards.stage == 3:  # parameters gathered unit by unit

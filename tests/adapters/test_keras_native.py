@@ -180,11 +180,22 @@ def test_a_keras_optimizer_built_over_other_variables_is_refused():
     assert "fresh optimizer" in str(e.value)
 
 
-def test_a_keras_optimizer_with_a_spec_model_is_refused():
+@pytest.mark.parametrize("layout", [None, "sharded:1", "sharded:3", "pipeline:1:2"])
+def test_a_keras_optimizer_trains_a_spec_model_as_the_spec_optimizer_does(layout):
+    """Keras SGD with momentum over the toolkit's MLP (its variables, or this rank's flat
+    shards) is the spec's SGD; its slots are saved under the neutral names."""
     import keras
 
-    with pytest.raises(ToolkitError, match="a Keras optimizer needs a Keras model"):
-        make().build(toolkit.MLP((64, 10)), keras.optimizers.SGD(0.1), "cross_entropy")
+    (x, y), _ = load_digits()
+    spec = toolkit.MLP((64, 16, 10))
+    adapter = adapters.get("horovod-tf", dtype="float64")
+    native = trainer(adapter, spec, keras.optimizers.SGD(0.1, momentum=0.9), 5, layout=layout)
+    losses = native.fit(x, y).losses
+    want = trainer(adapters.get("horovod-tf", dtype="float64"), spec,
+                   SGD(lr=0.1, momentum=0.9), 5, layout=layout).fit(x, y).losses
+    np.testing.assert_allclose(losses, want, rtol=1e-9)  # (Keras: v = m v - lr g; w += v)
+    state = adapter.state_dict()
+    assert {"opt/momentum/layers.0.kernel", "opt/iteration"} <= set(state), sorted(state)
 
 
 def test_sync_batchnorm_on_one_rank_is_keras_batchnorm():

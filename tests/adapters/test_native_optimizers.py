@@ -1,7 +1,7 @@
 """The framework's own optimizer and LR schedule under sharded and pipeline layouts: torch.optim
 optimizers with a torch LR scheduler in horovod-torch (adapters/horovod_torch/torch_optim.py),
-Keras optimizers with a LearningRateSchedule in horovod-tf's pipeline
-(adapters/horovod_tf/keras_optim.py): equal to data parallelism, resumed across layouts, and
+Keras optimizers with a LearningRateSchedule in horovod-tf (adapters/horovod_tf/keras_optim.py;
+a Keras model pipelined, the spec MLP sharded and pipelined): equal to data parallelism, resumed across layouts, and
 the optimizers that are not elementwise refused by name."""
 
 import numpy as np
@@ -13,15 +13,24 @@ from toolkit import MLP, LaunchEnv, ToolkitError
 from toolkit.datasets import load_digits
 
 WORKER = "tests/scripts/native_optimizer_worker.py"
-# The layouts each backend runs a native optimizer under (the pipelines first: their Horovod
-# process sets are made when Horovod starts; horovod-tf shards spec models only, which take
-# toolkit.SGD/Adam), and two layouts a run is moved through before data parallelism.
-LAYOUTS = {"horovod-torch": ["pipeline:2:2", "pipeline:2:4:1f1b", "sharded:1", "sharded:2",
-                             "sharded:3"],
-           "horovod-tf": ["pipeline:2:2", "pipeline:2:4:1f1b"]}
-RESUME = {"horovod-torch": ("sharded:3", "pipeline:2:1"),
-          "horovod-tf": ("pipeline:2:1", "pipeline:2:2")}
+# case -> (the worker's backend and flags, the layouts it runs a native optimizer under, two
+# layouts a run is moved through before data parallelism). The pipelines come first: their
+# Horovod process sets are made when Horovod starts. horovod-tf shards the spec models only:
+# its sharded layouts run a Keras optimizer on the toolkit's MLP ("horovod-tf-spec").
+CASES = {
+    "horovod-torch": (["horovod-torch"], ["pipeline:2:2", "pipeline:2:4:1f1b", "sharded:1",
+                                          "sharded:2", "sharded:3"], ("sharded:3", "pipeline:2:1")),
+    "horovod-tf": (["horovod-tf"], ["pipeline:2:2", "pipeline:2:4:1f1b"],
+                   ("pipeline:2:1", "pipeline:2:2")),
+    "horovod-tf-spec": (["horovod-tf", "--spec"], ["pipeline:2:2", "sharded:1", "sharded:2",
+                                                   "sharded:3"], ("sharded:3", "pipeline:2:1")),
+}
 REFERENCES: dict[str, np.ndarray] = {}
+
+
+def worker(case: str, layouts: list[str], *extra: str) -> list[str]:
+    backend, *flags = CASES[case][0]
+    return [WORKER, backend, "20", *layouts, *flags, *extra]
 
 
 def losses_of(job) -> dict[str, tuple[int, np.ndarray]]:
@@ -30,23 +39,22 @@ def losses_of(job) -> dict[str, tuple[int, np.ndarray]]:
 
 
 @pytest.fixture
-def reference(launch, backend) -> np.ndarray:
+def reference(launch, case) -> np.ndarray:
     """AdamW and its schedule (torch: OneCycleLR; Keras: warmup-cosine), data parallel on one
-    process: 20 steps (once per backend)."""
-    if backend not in REFERENCES:
-        REFERENCES[backend] = losses_of(launch("python", 1, [WORKER, backend, "20",
-                                                             "data"]))["data"][1]
-    return REFERENCES[backend]
+    process: 20 steps (once per case)."""
+    if case not in REFERENCES:
+        REFERENCES[case] = losses_of(launch("python", 1, worker(case, ["data"])))["data"][1]
+    return REFERENCES[case]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("backend", sorted(LAYOUTS))
-def test_adamw_with_a_schedule_under_every_layout_equals_data_parallel(launch, backend,
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_adamw_with_a_schedule_under_every_layout_equals_data_parallel(launch, case,
                                                                       reference):
     """On 4 ranks (the pipelines with 2 replicas), float64, clipped: within 1e-12 of one
     process's data parallel for 20 steps."""
-    layouts = LAYOUTS[backend]
-    got = losses_of(launch("any", 4, [WORKER, backend, "20", *layouts, "data"]))
+    layouts = CASES[case][1]
+    got = losses_of(launch("any", 4, worker(case, [*layouts, "data"])))
     assert sorted(got) == sorted(["data", *layouts])
     assert abs(reference[-1] - reference[0]) > 0.5  # it trains: the schedule matters
     for layout, (start, losses) in got.items():
@@ -55,21 +63,19 @@ def test_adamw_with_a_schedule_under_every_layout_equals_data_parallel(launch, b
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("backend", sorted(RESUME))
+@pytest.mark.parametrize("case", sorted(CASES))
 def test_a_run_resumes_across_layouts_with_its_optimizer_and_schedule(launch, tmp_path,
-                                                                     backend, reference):
-    """Two layouts on 2 ranks (torch: sharded:3 for 10 steps, then a pipeline to step 15;
-    Keras: two pipelines) -> data parallel on one process to step 20: the optimizer's moments,
+                                                                     case, reference):
+    """Two layouts on 2 ranks (sharded:3 for 10 steps, then a pipeline to step 15; a Keras
+    model: two pipelines) -> data parallel on one process to step 20: the optimizer's moments,
     its step count and the schedule's position travel in the neutral checkpoint, so the
     losses are those of the uninterrupted run."""
     ckpt = ["--checkpoint-dir", str(tmp_path)]
-    one, two = RESUME[backend]
-    first = losses_of(launch("any", 2, [WORKER, backend, "20", one, *ckpt,
-                                        "--stop-after", "10"]))[one]
-    second = losses_of(launch("any", 2, [WORKER, backend, "20", two, *ckpt,
-                                         "--stop-after", "15", "--resume"]))[two]
-    third = losses_of(launch("python", 1, [WORKER, backend, "20", "data", *ckpt,
-                                           "--resume"]))["data"]
+    one, two = CASES[case][2]
+    first = losses_of(launch("any", 2, worker(case, [one], *ckpt, "--stop-after", "10")))[one]
+    second = losses_of(launch("any", 2, worker(case, [two], *ckpt, "--stop-after", "15",
+                                               "--resume")))[two]
+    third = losses_of(launch("python", 1, worker(case, ["data"], *ckpt, "--resume")))["data"]
     assert (first[0], second[0], third[0]) == (0, 10, 15)
     resumed = np.concatenate([first[1], second[1], third[1]])
     np.testing.assert_allclose(resumed, reference, rtol=0, atol=1e-12)

@@ -8,7 +8,8 @@ reports the losses (_emit).
 horovod-torch: a torch ``nn.Sequential`` MLP on the digits with ``torch.optim.AdamW`` (or
 ``--optimizer NAME``, another torch.optim class) and a ``OneCycleLR`` over ``STEPS`` steps;
 horovod-tf: a Keras ``Sequential`` MLP with ``keras.optimizers.AdamW`` (or ``--optimizer``)
-and a warmup-cosine ``CosineDecay``; both clipped at 1.0, in float64. Each LAYOUT (``data``,
+and a warmup-cosine ``CosineDecay`` (``--spec``: the toolkit's MLP spec of the same shape with
+that optimizer, for the sharded layouts); both clipped at 1.0, in float64. Each LAYOUT (``data``,
 ``sharded:1``, ``pipeline:2:2``, ...) trains a fresh copy from the same seed for ``STEPS``
 steps. With ``--checkpoint-dir``, one layout writes a checkpoint every 5 steps (stopping after
 ``--stop-after`` steps), or ``--resume`` continues from the latest.
@@ -24,7 +25,7 @@ import toolkit
 from toolkit.datasets import load_digits
 
 
-def torch_build(steps: int, optimizer: str):
+def torch_build(steps: int, optimizer: str, spec: bool):
     import torch
 
     torch.manual_seed(0)
@@ -34,13 +35,14 @@ def torch_build(steps: int, optimizer: str):
     return net, (opt, torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.02, total_steps=steps))
 
 
-def keras_build(steps: int, optimizer: str):
+def keras_build(steps: int, optimizer: str, spec: bool):
     import keras
 
     keras.config.set_floatx("float64")
     keras.utils.set_random_seed(0)
-    net = keras.Sequential([keras.Input((64,)), keras.layers.Dense(32, activation="tanh"),
-                            keras.layers.Dense(32, activation="tanh"), keras.layers.Dense(10)])
+    net = toolkit.MLP((64, 32, 32, 10), activation="tanh") if spec else keras.Sequential([
+        keras.Input((64,)), keras.layers.Dense(32, activation="tanh"),
+        keras.layers.Dense(32, activation="tanh"), keras.layers.Dense(10)])
     schedule = keras.optimizers.schedules.CosineDecay(1e-3, decay_steps=steps,
                                                       warmup_target=0.02, warmup_steps=5)
     return net, getattr(keras.optimizers, optimizer)(learning_rate=schedule, weight_decay=0.01)
@@ -58,11 +60,13 @@ def main() -> None:
     parser.add_argument("--stop-after", type=int)
     parser.add_argument("--resume", action="store_true")
     parser.add_argument("--optimizer", default="AdamW", help="the framework's optimizer class")
+    parser.add_argument("--spec", action="store_true",
+                        help="horovod-tf: the toolkit's MLP spec in place of the Keras model")
     args = parser.parse_args()
     (x, y), _ = load_digits(dtype="float64")
     for layout in args.layouts:
         adapter = adapters.get(args.backend, precision="64")
-        model, optimizer = BUILDERS[args.backend](args.steps, args.optimizer)
+        model, optimizer = BUILDERS[args.backend](args.steps, args.optimizer, args.spec)
         saving = {}
         if args.checkpoint_dir:
             saving = {"checkpoint_dir": args.checkpoint_dir, "checkpoint_every": 5,

@@ -169,18 +169,9 @@ class KerasNative:
                     "model.trainable_variables), or build it over exactly those")
         else:
             optimizer.build(trainable)
-        # Per-variable slots are named "<reference path with '/' as '_'>_<slot>" by Keras.
-        prefixes = sorted(((v.path.replace("/", "_") + "_", self.name_of(v)) for v in trainable),
-                          key=lambda p: -len(p[0]))
-        names = []
-        for var in optimizer.variables:
-            name = var.name
-            for prefix, param in prefixes:
-                if name.startswith(prefix) and len(name) > len(prefix):
-                    name = f"{name[len(prefix):]}/{param}"
-                    break
-            names.append(f"opt/{name}")
-        return dict(zip(_unique(names), optimizer.variables, strict=True))
+        from adapters.horovod_tf.keras_optim import named_slots
+
+        return named_slots(optimizer, self._named(trainable))
 
 
 def is_keras_optimizer(optimizer: Any) -> bool:
