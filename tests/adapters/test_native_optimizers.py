@@ -1,8 +1,8 @@
 """The framework's own optimizer and LR schedule under sharded and pipeline layouts: torch.optim
 optimizers with a torch LR scheduler in horovod-torch (adapters/horovod_torch/torch_optim.py),
-Keras optimizers with a LearningRateSchedule in horovod-tf (adapters/horovod_tf/keras_optim.py;
-a Keras model pipelined, the spec MLP sharded and pipelined): equal to data parallelism, resumed across layouts, and
-the optimizers that are not elementwise refused by name."""
+Keras optimizers with a LearningRateSchedule in horovod-tf (adapters/horovod_tf/keras_optim.py:
+a Keras model pipelined, the spec MLP sharded and pipelined): equal to data parallelism,
+resumed across layouts, and the optimizers that are not elementwise refused by name."""
 
 import numpy as np
 import pytest
