@@ -158,14 +158,12 @@ class TFPipeline(HvdPipeline):
         self.acc = {n: aligned_empty(v.shape.num_elements(), self.np_dtype).reshape(
             tuple(v.shape)) for n, v in state.vars.items()}
         tf, ops = self.tf, self.ops
-        # Each piece's forward and the update compiled (a tape records a tf.function call as
-        # one op and differentiates it with the function's compiled gradient). A spec model's
-        # pieces go through XLA, forward and gradient: TF's own kernels took 91 ms for the
-        # backward of a 2048 x 2048 layer and a 2048 x 10 one on 64 samples, XLA 39 ms (one
-        # core; the weight gradient's matmul alone 38 against 27 ms). A Keras model's pieces
-        # keep TF's kernels (their layers may hold ops XLA does not compile).
-        # The last piece's function ends with the loss (eager, its ops and their gradients
-        # made the last stage's backward 8 ms slower than the first's).
+        # Each piece's forward and the update compiled (a tape differentiates a tf.function
+        # call with its compiled gradient). A spec model's pieces go through XLA: TF's own
+        # kernels took 91 ms for the backward of a 2048 x 2048 and a 2048 x 10 layer on 64
+        # samples, XLA 39 ms (one core); a Keras model's keep TF's kernels (their layers may
+        # hold ops XLA does not compile). The last piece's function ends with the loss (eager,
+        # its ops made the last stage's backward 8 ms slower than the first's).
         M = self.layout.micro_batches
 
         def with_loss(forward):
@@ -342,11 +340,15 @@ class TFPipeline(HvdPipeline):
         self.xs, self.ys = tf.split(xt, M), tf.split(yt, M)
         self.sums: dict[str, np.ndarray] = {}  # each gradient summed over the micro-batches
         self.reduced: dict[str, Any] | None = None  # the gradients averaged across replicas
+        # (a skipped step keeps the BatchNorm statistics its forward passes moved)
+        kept = {n: tf.identity(b) for n, b in state.buffers.items()} if self.rule.skip else {}
         result = self.rule.result(*self._run_rounds())  # (a skip takes the count back)
         grads = self.reduced or {n: self._tensor(self.sums[n]) if n in self.sums else
                                  tf.zeros_like(state.vars[n]) for n in state.names}
         if not result.skipped:
             self.update(grads, scalars)
+        for n, old in kept.items() if result.skipped else ():
+            state.buffers[n].assign(old)
         self.steps += 1
         self.xs = self.ys = self.reduced = self.sums = grads = None
         return result

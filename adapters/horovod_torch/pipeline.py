@@ -240,11 +240,17 @@ class TorchPipeline(HvdPipeline):
         xt, yt = self.ops.tensors(x, y)
         self.xs, self.ys = xt.chunk(M), yt.chunk(M)
         self.opt.zero_grad(set_to_none=False)
+        # (a skipped step keeps the BatchNorm statistics its forward passes moved)
+        kept = [b.clone() for _, b in self.cut.buffers] if self.rule.skip else []
         result = self.rule.result(*self._run_rounds())
         if not result.skipped:
             self.opt.step()
             if self.scheduler is not None:
                 self.scheduler.step()
+        elif kept:
+            with self.torch.no_grad():
+                for (_, b), old in zip(self.cut.buffers, kept, strict=True):
+                    b.copy_(old)
         self.steps += 1
         self.xs = self.ys = None
         return result
