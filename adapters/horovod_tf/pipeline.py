@@ -218,9 +218,7 @@ class TFPipeline(HvdPipeline):
 
     def _splits(self, splits: list[int]):
         """A step's round's alltoall ``splits`` as an int32 tensor, made once per distinct value
-        (the rounds repeat theirs every step; evaluation's go through ``tf.constant``):
-        ``tf.constant`` of the short list took 0.23-0.26 ms per message in the pipeline (median
-        per stage, pinned, S = 2, M = 8)."""
+        (``tf.constant`` of the short list took 0.23-0.26 ms per message, S = 2, M = 8)."""
         key = tuple(splits)
         if key not in self._split_tensors:
             self._split_tensors[key] = self.tf.constant(splits, self.tf.int32)
@@ -228,8 +226,7 @@ class TFPipeline(HvdPipeline):
 
     def _tensor(self, buf: np.ndarray):
         """``buf`` as a tensor: without a copy (DLPack) when it is aligned, as ``pack``'s
-        buffers are. ``tf.constant`` took 0.5-0.7 ms per 1 MB message in the pipeline (median
-        per stage, pinned, S = 2, M = 8)."""
+        buffers are (``tf.constant`` took 0.5-0.7 ms per 1 MB message, S = 2, M = 8)."""
         if (buf.size and buf.flags.c_contiguous and buf.flags.writeable
                 and buf.ctypes.data % ALIGNMENT == 0):
             return self.tf.experimental.dlpack.from_dlpack(buf.__dlpack__())
