@@ -38,6 +38,7 @@ from adapters.horovod_torch.ops import (
     zero_slots,
 )
 from adapters.horovod_torch.scheduler import load_scheduler_state, scheduler_state, split_scheduler
+from adapters.horovod_torch.torch_optim import built_over
 from adapters.horovod_torch.update import norm_of_norms, update
 from toolkit import ToolkitError
 from toolkit.contract import StepResult
@@ -86,6 +87,8 @@ class TorchDataParallel(StrategyBase):
         self.sync_batchnorm = sync_batchnorm
         self.buffers = [(n, b) for n, b in self.net.named_buffers() if b is not None]
         self.steps = 0  # optimizer steps taken: the randomness of the next one derives from it
+        # (a function of the parameters builds the optimizer over the model's)
+        optimizer = built_over(torch, optimizer, [p for _, p, _, _ in self.params])
         optimizer, self.scheduler = split_scheduler(torch, optimizer)
         self.rule = UpdateRule(optimizer if self.counts else None, clip_grad_norm, skip_nonfinite,
                                self.precision)

@@ -40,6 +40,7 @@ from adapters.horovod_torch.ops import (
 from adapters.horovod_torch.scheduler import load_scheduler_state, scheduler_state, split_scheduler
 from adapters.horovod_torch.stages import cut_model
 from adapters.horovod_torch.torch_optim import (
+    built_over,
     check_elementwise,
     fill_state,
     rebind,
@@ -104,11 +105,6 @@ class TorchPipeline(HvdPipeline):
         self.rule = UpdateRule(None, clip_grad_norm, skip_nonfinite, self.precision)
         torch, hvd = self.torch, self.hvd
         check_build(accumulation_steps, sync_batchnorm)
-        optimizer, self.scheduler = split_scheduler(torch, optimizer)
-        native_optimizer = not isinstance(optimizer, SGD | Adam)
-        if native_optimizer:  # the user's, over the whole model's parameters
-            check_elementwise(torch, optimizer, "horovod-torch", "pipeline")
-            make_optimizer(torch, optimizer, list(getattr(model, "parameters", list)()))
         self.ops = TorchOps(self.runtime, loss, metrics, self.precision)
         self.metric_names = tuple(self.ops.metrics)
         self.seed = seed
@@ -124,7 +120,11 @@ class TorchPipeline(HvdPipeline):
                 for name, p, to_torch, _ in self.params:
                     p.copy_(from_host(torch, arrays[name], to_torch, self.dtype, p.device))
         params = [p for _, p, _, _ in self.params]
-        if native_optimizer:  # its groups keep this stage's parameters (torch_optim.py)
+        # the user's optimizer (a function of the parameters: over this stage's)
+        optimizer, self.scheduler = split_scheduler(torch, built_over(torch, optimizer, params))
+        if not isinstance(optimizer, SGD | Adam):  # its groups keep this stage's parameters
+            check_elementwise(torch, optimizer, "horovod-torch", "pipeline")
+            make_optimizer(torch, optimizer, [*params, *getattr(model, "parameters", list)()])
             templates = state_templates(torch, optimizer)
             mine = {id(p) for p in params}
             rebind(optimizer, lambda p: (p, lambda v: v) if id(p) in mine else None)

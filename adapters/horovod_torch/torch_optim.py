@@ -1,11 +1,16 @@
 """The user's own ``torch.optim`` optimizer under the sharded and pipeline layouts.
 
-The optimizer object the user built (over ``model.parameters()``) stays the one that steps, so
-an LR scheduler built over it stays bound: :func:`rebind` replaces, in place, each parameter in
-its ``param_groups`` by the tensor this rank updates (a pipeline stage: its own parameters,
-the others dropped; a sharded layout: a view of this rank's piece of the parameter in its
-unit's flat shard, with a view of the gradient shard as its ``.grad``), as FSDP2 turns the
-parameters into local shards before the optimizer is built. Each group keeps its settings.
+The user passes the optimizer built over ``model.parameters()`` of a native module, or a
+function of the parameters (:func:`built_over`: ``lambda params: torch.optim.AdamW(params,
+lr=3e-4)`` returning the optimizer or ``(optimizer, scheduler)``, or the optimizer's class),
+which fits a spec model too, whose parameters the backend makes: the backend calls it over the
+model's parameters (a pipeline stage: over its own). The optimizer object then stays the one
+that steps, so an LR scheduler built over it stays bound: :func:`rebind` replaces, in place,
+each parameter in its ``param_groups`` by the tensor this rank updates (a pipeline stage: its
+own parameters, the others dropped; a sharded layout: a view of this rank's piece of the
+parameter in its unit's flat shard, with a view of the gradient shard as its ``.grad``), as
+FSDP2 turns the parameters into local shards before the optimizer is built. Each group keeps
+its settings.
 
 That is exact for an *elementwise* optimizer, whose update of an element reads only that
 element's parameter, gradient and state: :data:`ELEMENTWISE` lists the ``torch.optim`` classes
@@ -57,6 +62,16 @@ def check_elementwise(torch, optimizer: Any, backend: str, layout: str) -> None:
     raise ToolkitError(f"under a {layout} layout {backend} cannot use the optimizer "
                        f"{describe(optimizer)}: {why}", f"use one of {WORKS}; or the "
                        "data-parallel layout, where every rank holds whole tensors")
+
+
+def built_over(torch, optimizer: Any, params: list) -> Any:
+    """``optimizer(params)`` when the user passed a function of the parameters (a factory, a
+    ``functools.partial`` or an optimizer class); else ``optimizer`` as it is."""
+    from toolkit import SGD, Adam
+
+    if callable(optimizer) and not isinstance(optimizer, SGD | Adam | torch.optim.Optimizer):
+        return optimizer(params)
+    return optimizer
 
 
 def state_templates(torch, optimizer: Any) -> list[dict[str, Any]]:

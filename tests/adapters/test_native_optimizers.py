@@ -15,8 +15,9 @@ from toolkit.datasets import load_digits
 WORKER = "tests/scripts/native_optimizer_worker.py"
 # case -> (the worker's backend and flags, the layouts it runs a native optimizer under, two
 # layouts a run is moved through before data parallelism). The pipelines come first: their
-# Horovod process sets are made when Horovod starts. horovod-tf shards the spec models only:
-# its sharded layouts run a Keras optimizer on the toolkit's MLP ("horovod-tf-spec").
+# Horovod process sets are made when Horovod starts. "-spec": the toolkit's small GPT, whose
+# tied embedding sits on the first and last stage (torch: the optimizer as a function of the
+# parameters; horovod-tf shards the spec models only).
 CASES = {
     "horovod-torch": (["horovod-torch"], ["pipeline:2:2", "pipeline:2:4:1f1b", "sharded:1",
                                           "sharded:2", "sharded:3"], ("sharded:3", "pipeline:2:1")),
@@ -24,7 +25,16 @@ CASES = {
                    ("pipeline:2:1", "pipeline:2:2")),
     "horovod-tf-spec": (["horovod-tf", "--spec"], ["pipeline:2:2", "sharded:1", "sharded:2",
                                                    "sharded:3"], ("sharded:3", "pipeline:2:1")),
+    "horovod-torch-spec": (["horovod-torch", "--spec"], ["pipeline:2:2", "sharded:1",
+                                                         "sharded:3"],
+                           ("sharded:2", "pipeline:2:1")),
 }
+# Relative bounds over 20 steps in float64. The MLPs: 1e-12. The GPT: the pipeline adds up its
+# micro-batches (and compiles its pieces) in another order, and AdamW divides each element's
+# moment by the root of its own second moment, so the rounding of the tiny gradients of bytes
+# the batches barely hold grows step by step (measured: torch 2.3e-12, Keras 2.0e-9).
+TOLERANCE = {"horovod-torch": 1e-12, "horovod-tf": 1e-12, "horovod-torch-spec": 1e-10,
+             "horovod-tf-spec": 1e-8}
 REFERENCES: dict[str, np.ndarray] = {}
 
 
@@ -51,7 +61,7 @@ def reference(launch, case) -> np.ndarray:
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_adamw_with_a_schedule_under_every_layout_equals_data_parallel(launch, case,
                                                                       reference):
-    """On 4 ranks (the pipelines with 2 replicas), float64, clipped: within 1e-12 of one
+    """On 4 ranks (the pipelines with 2 replicas), float64, clipped: within TOLERANCE of one
     process's data parallel for 20 steps."""
     layouts = CASES[case][1]
     got = losses_of(launch("any", 4, worker(case, [*layouts, "data"])))
@@ -59,7 +69,7 @@ def test_adamw_with_a_schedule_under_every_layout_equals_data_parallel(launch, c
     assert abs(reference[-1] - reference[0]) > 0.5  # it trains: the schedule matters
     for layout, (start, losses) in got.items():
         assert start == 0 and len(losses) == 20, layout
-        np.testing.assert_allclose(losses, reference, rtol=0, atol=1e-12, err_msg=layout)
+        np.testing.assert_allclose(losses, reference, rtol=TOLERANCE[case], err_msg=layout)
 
 
 @pytest.mark.slow
@@ -78,7 +88,7 @@ def test_a_run_resumes_across_layouts_with_its_optimizer_and_schedule(launch, tm
     third = losses_of(launch("python", 1, worker(case, ["data"], *ckpt, "--resume")))["data"]
     assert (first[0], second[0], third[0]) == (0, 10, 15)
     resumed = np.concatenate([first[1], second[1], third[1]])
-    np.testing.assert_allclose(resumed, reference, rtol=0, atol=1e-12)
+    np.testing.assert_allclose(resumed, reference, rtol=TOLERANCE[case])
 
 
 def train(net, optimizer, layout, steps=3):

@@ -8,11 +8,12 @@ reports the losses (_emit).
 horovod-torch: a torch ``nn.Sequential`` MLP on the digits with ``torch.optim.AdamW`` (or
 ``--optimizer NAME``, another torch.optim class) and a ``OneCycleLR`` over ``STEPS`` steps;
 horovod-tf: a Keras ``Sequential`` MLP with ``keras.optimizers.AdamW`` (or ``--optimizer``)
-and a warmup-cosine ``CosineDecay`` (``--spec``: the toolkit's MLP spec of the same shape with
-that optimizer, for the sharded layouts); both clipped at 1.0, in float64. Each LAYOUT (``data``,
-``sharded:1``, ``pipeline:2:2``, ...) trains a fresh copy from the same seed for ``STEPS``
-steps. With ``--checkpoint-dir``, one layout writes a checkpoint every 5 steps (stopping after
-``--stop-after`` steps), or ``--resume`` continues from the latest.
+and a warmup-cosine ``CosineDecay``. ``--spec``: the toolkit's small tied GPT on bytes in their
+place, with the same optimizer (torch: passed as a function of the parameters). Clipped at
+1.0, in float64. Each LAYOUT (``data``, ``sharded:1``, ``pipeline:2:2``, ...) trains a fresh
+copy from the same seed for ``STEPS`` steps. With ``--checkpoint-dir``, one layout writes a
+checkpoint every 5 steps (stopping after ``--stop-after`` steps), or ``--resume`` continues
+from the latest.
 """
 
 import argparse
@@ -23,11 +24,18 @@ from _emit import emit
 import adapters
 import toolkit
 from toolkit.datasets import load_digits
+from toolkit.equivalence import load_data, make_model
 
 
 def torch_build(steps: int, optimizer: str, spec: bool):
     import torch
 
+    if spec:  # the optimizer as a function of the parameters the backend makes
+        def build(params):
+            opt = getattr(torch.optim, optimizer)(params, lr=1e-3, weight_decay=0.01)
+            return opt, torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.02, total_steps=steps)
+
+        return make_model("gpt"), build
     torch.manual_seed(0)
     net = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.Tanh(), torch.nn.Linear(32, 32),
                               torch.nn.Tanh(), torch.nn.Linear(32, 10))
@@ -40,7 +48,7 @@ def keras_build(steps: int, optimizer: str, spec: bool):
 
     keras.config.set_floatx("float64")
     keras.utils.set_random_seed(0)
-    net = toolkit.MLP((64, 32, 32, 10), activation="tanh") if spec else keras.Sequential([
+    net = make_model("gpt") if spec else keras.Sequential([
         keras.Input((64,)), keras.layers.Dense(32, activation="tanh"),
         keras.layers.Dense(32, activation="tanh"), keras.layers.Dense(10)])
     schedule = keras.optimizers.schedules.CosineDecay(1e-3, decay_steps=steps,
@@ -61,9 +69,9 @@ def main() -> None:
     parser.add_argument("--resume", action="store_true")
     parser.add_argument("--optimizer", default="AdamW", help="the framework's optimizer class")
     parser.add_argument("--spec", action="store_true",
-                        help="horovod-tf: the toolkit's MLP spec in place of the Keras model")
+                        help="the toolkit's small tied GPT in place of the native model")
     args = parser.parse_args()
-    (x, y), _ = load_digits(dtype="float64")
+    x, y = load_data("gpt", "float64") if args.spec else load_digits(dtype="float64")[0]
     for layout in args.layouts:
         adapter = adapters.get(args.backend, precision="64")
         model, optimizer = BUILDERS[args.backend](args.steps, args.optimizer, args.spec)
