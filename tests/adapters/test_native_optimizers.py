@@ -28,13 +28,16 @@ CASES = {
     "horovod-torch-spec": (["horovod-torch", "--spec"], ["pipeline:2:2", "sharded:1",
                                                          "sharded:3"],
                            ("sharded:2", "pipeline:2:1")),
+    "horovod-torch-32": (["horovod-torch", "--precision", "32"],
+                         ["pipeline:2:4:1f1b", "sharded:2", "sharded:3"], None),
+    "horovod-tf-32": (["horovod-tf", "--precision", "32"], ["pipeline:2:2"], None),
 }
-# Relative bounds over 20 steps in float64. The MLPs: 1e-12. The GPT: the pipeline adds up its
-# micro-batches (and compiles its pieces) in another order, and AdamW divides each element's
-# moment by the root of its own second moment, so the rounding of the tiny gradients of bytes
-# the batches barely hold grows step by step (measured: torch 2.3e-12, Keras 2.0e-9).
+# Relative bounds over 20 steps in float64 (float32: 1e-6). The MLPs: 1e-12. The GPT: the pipeline
+# adds up its micro-batches (and compiles its pieces) in another order, and AdamW divides each
+# element's moment by the root of its own second moment, so the rounding of the tiny gradients of
+# bytes the batches barely hold grows step by step (measured: torch 2.3e-12, Keras 2.0e-9).
 TOLERANCE = {"horovod-torch": 1e-12, "horovod-tf": 1e-12, "horovod-torch-spec": 1e-10,
-             "horovod-tf-spec": 1e-8}
+             "horovod-tf-spec": 1e-8, "horovod-torch-32": 1e-6, "horovod-tf-32": 1e-6}
 REFERENCES: dict[str, np.ndarray] = {}
 
 
@@ -61,8 +64,8 @@ def reference(launch, case) -> np.ndarray:
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_adamw_with_a_schedule_under_every_layout_equals_data_parallel(launch, case,
                                                                       reference):
-    """On 4 ranks (the pipelines with 2 replicas), float64, clipped: within TOLERANCE of one
-    process's data parallel for 20 steps."""
+    """On 4 ranks (the pipelines with 2 replicas), clipped: within TOLERANCE of one process's
+    data parallel for 20 steps."""
     layouts = CASES[case][1]
     got = losses_of(launch("any", 4, worker(case, [*layouts, "data"])))
     assert sorted(got) == sorted(["data", *layouts])
@@ -73,7 +76,7 @@ def test_adamw_with_a_schedule_under_every_layout_equals_data_parallel(launch, c
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("case", sorted(c for c in CASES if CASES[c][2]))
 def test_a_run_resumes_across_layouts_with_its_optimizer_and_schedule(launch, tmp_path,
                                                                      case, reference):
     """Two layouts on 2 ranks (sharded:3 for 10 steps, then a pipeline to step 15; a Keras

@@ -7,13 +7,13 @@ reports the losses (_emit).
 
 horovod-torch: a torch ``nn.Sequential`` MLP on the digits with ``torch.optim.AdamW`` (or
 ``--optimizer NAME``, another torch.optim class) and a ``OneCycleLR`` over ``STEPS`` steps;
-horovod-tf: a Keras ``Sequential`` MLP with ``keras.optimizers.AdamW`` (or ``--optimizer``)
-and a warmup-cosine ``CosineDecay``. ``--spec``: the toolkit's small tied GPT on bytes in their
-place, with the same optimizer (torch: passed as a function of the parameters). Clipped at
-1.0, in float64. Each LAYOUT (``data``, ``sharded:1``, ``pipeline:2:2``, ...) trains a fresh
-copy from the same seed for ``STEPS`` steps. With ``--checkpoint-dir``, one layout writes a
-checkpoint every 5 steps (stopping after ``--stop-after`` steps), or ``--resume`` continues
-from the latest.
+horovod-tf: a Keras ``Sequential`` MLP with ``keras.optimizers.AdamW`` (or ``--optimizer``) and
+a warmup-cosine ``CosineDecay``. ``--spec``: the toolkit's small tied GPT on bytes in their
+place, with the same optimizer (torch: passed as a function of the parameters). Clipped at 1.0,
+in float64 (``--precision 32``: float32). Each LAYOUT (``data``, ``sharded:1``,
+``pipeline:2:2``, ...) trains a fresh copy from the same seed for ``STEPS`` steps. With
+``--checkpoint-dir``, one layout writes a checkpoint every 5 steps (stopping after ``--stop-
+after`` steps), or ``--resume`` continues from the latest.
 """
 
 import argparse
@@ -46,7 +46,7 @@ def torch_build(steps: int, optimizer: str, spec: bool):
 def keras_build(steps: int, optimizer: str, spec: bool):
     import keras
 
-    keras.config.set_floatx("float64")
+    keras.config.set_floatx(DTYPE[0])
     keras.utils.set_random_seed(0)
     net = make_model("gpt") if spec else keras.Sequential([
         keras.Input((64,)), keras.layers.Dense(32, activation="tanh"),
@@ -56,6 +56,7 @@ def keras_build(steps: int, optimizer: str, spec: bool):
     return net, getattr(keras.optimizers, optimizer)(learning_rate=schedule, weight_decay=0.01)
 
 
+DTYPE = ["float64"]  # (--precision 32: float32)
 BUILDERS = {"horovod-torch": torch_build, "horovod-tf": keras_build}
 
 
@@ -68,12 +69,14 @@ def main() -> None:
     parser.add_argument("--stop-after", type=int)
     parser.add_argument("--resume", action="store_true")
     parser.add_argument("--optimizer", default="AdamW", help="the framework's optimizer class")
+    parser.add_argument("--precision", choices=("32", "64"), default="64")
     parser.add_argument("--spec", action="store_true",
                         help="the toolkit's small tied GPT in place of the native model")
     args = parser.parse_args()
-    x, y = load_data("gpt", "float64") if args.spec else load_digits(dtype="float64")[0]
+    DTYPE[0] = {"32": "float32", "64": "float64"}[args.precision]
+    x, y = load_data("gpt", DTYPE[0]) if args.spec else load_digits(dtype=DTYPE[0])[0]
     for layout in args.layouts:
-        adapter = adapters.get(args.backend, precision="64")
+        adapter = adapters.get(args.backend, precision=args.precision)
         model, optimizer = BUILDERS[args.backend](args.steps, args.optimizer, args.spec)
         saving = {}
         if args.checkpoint_dir:
