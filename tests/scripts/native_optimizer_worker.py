@@ -12,8 +12,8 @@ a warmup-cosine ``CosineDecay``. ``--spec``: the toolkit's small tied GPT on byt
 place, with the same optimizer (torch: passed as a function of the parameters). Clipped at 1.0,
 in float64 (``--precision 32``: float32). Each LAYOUT (``data``, ``sharded:1``,
 ``pipeline:2:2``, ...) trains a fresh copy from the same seed for ``STEPS`` steps. With
-``--checkpoint-dir``, one layout writes a checkpoint every 5 steps (stopping after ``--stop-
-after`` steps), or ``--resume`` continues from the latest.
+``--checkpoint-dir``, one layout writes a checkpoint every 5 steps (stopping after
+``--stop-after`` steps), or ``--resume`` continues from the latest.
 """
 
 import argparse
