@@ -34,9 +34,11 @@ def main() -> None:
     args = p.parse_args()
     env = toolkit.current_env()
     # Several layouts (comma-separated) run one after the other in the same processes, each
-    # with a fresh adapter: one launch instead of one per layout. Results go to OUT/<i>/.
-    for i, name in enumerate(args.layout.split(",")):
-        run_layout(args, toolkit.parse_layout(name), Path(args.out) / str(i), env)
+    # with a fresh adapter: one launch instead of one per layout. Results go to OUT/<i>/. The
+    # pipelines run first: Horovod makes their process sets when it starts.
+    layouts = [toolkit.parse_layout(name) for name in args.layout.split(",")]
+    for i, layout in sorted(enumerate(layouts), key=lambda item: item[1].kind != "pipeline"):
+        run_layout(args, layout, Path(args.out) / str(i), env)
 
 
 def run_layout(args, layout, out: Path, env) -> None:

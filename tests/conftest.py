@@ -56,6 +56,9 @@ def launch_command(launcher: str, nproc: int, argv: list[str]) -> list[str]:
         return ["mpirun", "--allow-run-as-root", "--oversubscribe", "-np", str(nproc), *py]
     if launcher == "srun":
         return ["srun", "-n", str(nproc), "--mpi=pmix", "--kill-on-bad-exit=1", *py]
+    if launcher == "srun-2nodes":  # half the ranks on each node of the two-node cluster
+        return ["srun", "-N", "2", f"--ntasks-per-node={nproc // 2}", "--mpi=pmix",
+                "--kill-on-bad-exit=1", *py]
     if launcher == "torchrun":
         return [str(BIN / "torchrun"), "--nproc-per-node", str(nproc), *argv]
     raise ValueError(launcher)
@@ -117,6 +120,20 @@ def slurm_cluster():
 
 
 @pytest.fixture(scope="session")
+def two_node_cluster():
+    """Starts the two-node cluster (``slurm/local_cluster.sh start --nodes 2``: network
+    namespaces node1 and node2) and removes it, namespaces included, after the session."""
+    if os.geteuid() != 0:
+        pytest.skip("the two-node cluster makes network namespaces, which needs root")
+    script = [str(ROOT / "slurm" / "local_cluster.sh")]
+    proc = subprocess.run([*script, "start", "--nodes", "2"], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    yield {"SLURM_CONF": proc.stdout.strip().rpartition("=")[2]}
+    subprocess.run([*script, "stop", "--nodes", "2"], capture_output=True, timeout=60)
+
+
+@pytest.fixture(scope="session")
 def launch(request):
     """``launch(launcher, nproc, argv, timeout=..., env=...) -> Job``, with real launchers."""
 
@@ -125,6 +142,8 @@ def launch(request):
         extra = dict(env or {})
         if launcher == "srun":
             extra.update(request.getfixturevalue("slurm_cluster"))
+        if launcher == "srun-2nodes":
+            extra.update(request.getfixturevalue("two_node_cluster"))
         with tempfile.TemporaryDirectory(prefix="results-") as results:
             extra.setdefault("TOOLKIT_TEST_RESULTS", results)
             start = time.monotonic()
@@ -178,9 +197,10 @@ class SlurmJobs:
         return subprocess.run(cmd, cwd=ROOT, env={**self.env, **kw.pop("env", {})},
                               capture_output=True, text=True, timeout=60, **kw)
 
-    def submit(self, script: str, args: list[str], ntasks: int = 2, env: dict | None = None):
-        proc = self._run("sbatch", "--parsable", f"--ntasks={ntasks}", f"--output={self.output}",
-                         script, *args, env=env or {})
+    def submit(self, script: str, args: list[str], ntasks: int = 2, env: dict | None = None,
+               nodes: int = 1):
+        proc = self._run("sbatch", "--parsable", f"--ntasks={ntasks}", f"--nodes={nodes}",
+                         f"--output={self.output}", script, *args, env=env or {})
         assert proc.returncode == 0, proc.stderr
         return proc.stdout.strip().split(";")[0]
 
@@ -224,6 +244,11 @@ class SlurmJobs:
 @pytest.fixture
 def slurm_jobs(slurm_cluster, tmp_path):
     return SlurmJobs(slurm_cluster, tmp_path)
+
+
+@pytest.fixture
+def two_node_jobs(two_node_cluster, tmp_path):
+    return SlurmJobs(two_node_cluster, tmp_path)
 
 
 @pytest.fixture

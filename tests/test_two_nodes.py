@@ -1,0 +1,78 @@
+"""Two nodes on this machine (``slurm/local_cluster.sh start --nodes 2``): node1 and node2 are
+network namespaces with their own hostnames, addresses, /etc/hosts and node-local directories,
+a slurmd each, and a link between them shaped to a fraction of what loopback moves. What runs
+across that boundary: Slurm's placement, the launch environment every rank reads, and every
+backend's layouts against the float64 reference, from a batch job of two nodes."""
+
+import json
+import subprocess
+import time
+
+import pytest
+
+WORKER = "tests/scripts/launch_env_worker.py"
+
+
+def test_each_rank_knows_its_node_and_local_rank(launch, two_node_cluster):
+    """srun -N 2 --ntasks-per-node 2: ranks 0-1 on node1 and 2-3 on node2, each with its local
+    rank and node rank, and one coordinator (node1's address) for every rank."""
+    job = launch("srun-2nodes", 4, [WORKER])
+    assert job.returncode == 0, job
+    rows = sorted(job.results, key=lambda r: r["rank"])
+    assert [(r["hostname"], r["rank"], r["local_rank"], r["node_rank"]) for r in rows] == [
+        ("node1", 0, 0, 0), ("node1", 1, 1, 0), ("node2", 2, 0, 1), ("node2", 3, 1, 1)], rows
+    assert {(r["world_size"], r["local_size"], r["launcher"]) for r in rows} == {(4, 2, "srun")}
+    assert {(r["coordinator_address"], r["coordinator_ip"]) for r in rows} == {
+        ("node1", "10.77.0.11")}, rows
+    assert len({r["coordinator_port"] for r in rows}) == 1, rows
+
+
+def test_the_link_between_nodes_is_slower_than_within_one(two_node_cluster):
+    """The shaped link (tc tbf at 1 Gbit/s) against loopback inside a node, each measured by
+    sending 64 MiB through a TCP socket."""
+    def rate(server: str, client: str, address: str) -> float:
+        cmd = ["nsenter", f"--net=/run/netns/toolkit-{server}", "python3", "-c", _RECEIVE,
+               address]
+        receiver = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+        time.sleep(0.5)
+        sent = subprocess.run(["nsenter", f"--net=/run/netns/toolkit-{client}", "python3",
+                               "-c", _SEND, address], capture_output=True, text=True,
+                              timeout=60)
+        receiver.wait(timeout=60)
+        assert sent.returncode == 0, sent.stderr
+        return float(sent.stdout)
+
+    across = rate("node2", "node1", "10.77.0.12")
+    within = rate("node1", "node1", "127.0.0.1")
+    assert across < 0.2e9 < within / 2, (across, within)
+
+
+_RECEIVE = """
+import socket, sys
+s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+s.bind((sys.argv[1], 15801)); s.listen(1); c, _ = s.accept()
+while c.recv(1 << 20): pass
+"""
+_SEND = """
+import socket, sys, time
+c = socket.create_connection((sys.argv[1], 15801)); buf = b"x" * (1 << 20)
+t0 = time.perf_counter()
+for _ in range(64): c.sendall(buf)
+c.shutdown(socket.SHUT_WR); c.recv(1); print((64 << 20) / (time.perf_counter() - t0))
+"""
+
+
+@pytest.mark.slow
+def test_every_backend_equals_the_reference_across_two_nodes(two_node_jobs, tmp_path):
+    """``sbatch --nodes=2 --ntasks=4`` of the equivalence command: inside the allocation its
+    runs go through srun, two ranks per node, and data parallel, ZeRO-3 and a pipeline of two
+    stages and two replicas equal the float64 reference in every backend."""
+    jobs, out = two_node_jobs, tmp_path / "eq.json"
+    job = jobs.submit("tests/scripts/equivalence.sbatch", [
+        "--world-sizes", "4", "--layout", "data,sharded:3,pipeline:2:4", "--dtype", "float64",
+        "--steps", "3", "--json", str(out)], ntasks=4, nodes=2)
+    assert jobs.wait(job, timeout=600) == "COMPLETED", jobs.log()
+    rows = json.loads(out.read_text())["results"]
+    assert len(rows) == 12, rows
+    for r in rows:
+        assert (r["launcher"], r["status"]) == ("srun", "pass"), r
