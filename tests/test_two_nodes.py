@@ -21,10 +21,23 @@ def test_each_rank_knows_its_node_and_local_rank(launch, two_node_cluster):
     rows = sorted(job.results, key=lambda r: r["rank"])
     assert [(r["hostname"], r["rank"], r["local_rank"], r["node_rank"]) for r in rows] == [
         ("node1", 0, 0, 0), ("node1", 1, 1, 0), ("node2", 2, 0, 1), ("node2", 3, 1, 1)], rows
-    assert {(r["world_size"], r["local_size"], r["launcher"]) for r in rows} == {(4, 2, "srun")}
+    assert {(r["world_size"], r["local_size"], r["num_nodes"], r["launcher"]) for r in rows} == {
+        (4, 2, 2, "srun")}
     assert {(r["coordinator_address"], r["coordinator_ip"]) for r in rows} == {
         ("node1", "10.77.0.11")}, rows
     assert len({r["coordinator_port"] for r in rows}) == 1, rows
+
+
+def test_rank_0_says_where_the_ranks_are(launch, two_node_cluster):
+    """The start-up block's world line, from Slurm's placement: two per node, or three ranks
+    placed 2 + 1 (rank 0's node has two)."""
+    train = ["examples/train_digits.py", "--steps", "1"]
+    job = launch("srun-2nodes", 4, train)
+    assert job.returncode == 0, job
+    assert "world       4 rank(s) on 2 node(s), 2 per node; devices per rank: cpu" in job.stdout
+    uneven = launch("srun-2nodes", 4, [*train, "--batch-size", "60"], env={"SLURM_NTASKS": "3"})
+    assert uneven.returncode == 0, uneven
+    assert "3 rank(s) on 2 node(s), 2 on rank 0's node" in uneven.stdout, uneven
 
 
 def test_the_link_between_nodes_is_slower_than_within_one(two_node_cluster):

@@ -35,6 +35,7 @@ SRUN_2_NODES = {
     "SLURM_STEP_NUM_TASKS": "4", "SLURM_PROCID": "3", "SLURM_LOCALID": "1",
     "SLURM_NODEID": "1", "SLURM_STEP_NODELIST": "node[07-08]",
     "SLURM_JOB_NODELIST": "node[07-08]", "SLURM_STEP_TASKS_PER_NODE": "2(x2)",
+    "SLURM_STEP_NUM_NODES": "2",
 }
 
 # The coordinator port derived from a job id: any free port will do, so the table leaves its
@@ -49,37 +50,38 @@ CASES = {
          "HOROVOD_LOCAL_SIZE": "2", "HOROVOD_CROSS_RANK": "0",
          "HOROVOD_GLOO_RENDEZVOUS_ADDR": "10.1.2.3", "HOROVOD_GLOO_RENDEZVOUS_PORT": "40000"},
         LaunchEnv(2, 1, 1, 2, 0, "10.1.2.3", 40001, "horovodrun")),
-    "srun two nodes": (SRUN_2_NODES, LaunchEnv(4, 3, 1, 2, 1, "node07", DERIVED, "srun")),
+    "srun two nodes": (SRUN_2_NODES, LaunchEnv(4, 3, 1, 2, 1, "node07", DERIVED, "srun", 2)),
     "srun uneven tasks per node": (
         {**SRUN_2_NODES, "SLURM_STEP_NUM_TASKS": "3", "SLURM_NTASKS": "3", "SLURM_PROCID": "2",
          "SLURM_LOCALID": "0", "SLURM_STEP_TASKS_PER_NODE": "2,1"},
-        LaunchEnv(3, 2, 0, 1, 1, "node07", DERIVED, "srun")),
+        LaunchEnv(3, 2, 0, 1, 1, "node07", DERIVED, "srun", 2)),
     "mpirun": (
         {"OMPI_COMM_WORLD_SIZE": "4", "OMPI_COMM_WORLD_RANK": "2",
          "OMPI_COMM_WORLD_LOCAL_RANK": "0", "OMPI_COMM_WORLD_LOCAL_SIZE": "2",
          "OMPI_COMM_WORLD_NODE_RANK": "1",
          "OMPI_MCA_orte_hnp_uri": "1234567.0;tcp://10.0.0.5,172.17.0.2:45123"},
-        LaunchEnv(4, 2, 0, 2, 1, "10.0.0.5", DERIVED, "mpirun")),
+        LaunchEnv(4, 2, 0, 2, 1, "10.0.0.5", DERIVED, "mpirun", 0)),
     "mpirun inside a Slurm allocation": (
         {**SRUN_2_NODES, "SLURM_PROCID": "0", "OMPI_COMM_WORLD_SIZE": "4",
          "OMPI_COMM_WORLD_RANK": "3", "OMPI_COMM_WORLD_LOCAL_RANK": "1",
          "OMPI_COMM_WORLD_LOCAL_SIZE": "2", "OMPI_COMM_WORLD_NODE_RANK": "1",
          "OMPI_MCA_orte_hnp_uri": "99.0;tcp://node07:1"},
-        LaunchEnv(4, 3, 1, 2, 1, "node07", DERIVED, "mpirun")),
+        LaunchEnv(4, 3, 1, 2, 1, "node07", DERIVED, "mpirun", 0)),
     "torchrun": (
         {"RANK": "5", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "4",
-         "GROUP_RANK": "1", "MASTER_ADDR": "host-a", "MASTER_PORT": "29500"},
-        LaunchEnv(8, 5, 1, 4, 1, "host-a", 29501, "torchrun")),
+         "GROUP_RANK": "1", "GROUP_WORLD_SIZE": "2", "MASTER_ADDR": "host-a",
+         "MASTER_PORT": "29500"},
+        LaunchEnv(8, 5, 1, 4, 1, "host-a", 29501, "torchrun", 2)),
     "sbatch with one task runs python directly": (
         {"SLURM_JOB_ID": "7", "SLURM_NTASKS": "1", "SLURM_PROCID": "0"}, LaunchEnv()),
     "horovodrun, second node": (
         {"HOROVOD_RANK": "3", "HOROVOD_SIZE": "4", "HOROVOD_LOCAL_RANK": "1",
-         "HOROVOD_LOCAL_SIZE": "2", "HOROVOD_CROSS_RANK": "1",
+         "HOROVOD_LOCAL_SIZE": "2", "HOROVOD_CROSS_RANK": "1", "HOROVOD_CROSS_SIZE": "2",
          "HOROVOD_GLOO_RENDEZVOUS_ADDR": "10.1.2.3", "HOROVOD_GLOO_RENDEZVOUS_PORT": "40000"},
-        LaunchEnv(4, 3, 1, 2, 1, "10.1.2.3", 40001, "horovodrun")),
+        LaunchEnv(4, 3, 1, 2, 1, "10.1.2.3", 40001, "horovodrun", 2)),
     "srun step on part of the allocation": (
         {**SRUN_2_NODES, "SLURM_NTASKS": "16", "SLURM_JOB_NODELIST": "node[01-08]"},
-        LaunchEnv(4, 3, 1, 2, 1, "node07", DERIVED, "srun")),
+        LaunchEnv(4, 3, 1, 2, 1, "node07", DERIVED, "srun", 2)),
     "srun of an older Slurm (SLURM_STEPID, no step variables)": (
         {"SLURM_JOB_ID": "7", "SLURM_STEPID": "0", "SLURM_PROCID": "1", "SLURM_NTASKS": "4",
          "SLURM_LOCALID": "1", "SLURM_NODEID": "0", "SLURM_TASKS_PER_NODE": "2(x2)",
@@ -92,7 +94,7 @@ CASES = {
     "srun uneven tasks per node, first node": (
         {**SRUN_2_NODES, "SLURM_STEP_NUM_TASKS": "3", "SLURM_NTASKS": "3", "SLURM_PROCID": "1",
          "SLURM_NODEID": "0", "SLURM_STEP_TASKS_PER_NODE": "2,1"},
-        LaunchEnv(3, 1, 1, 2, 0, "node07", DERIVED, "srun")),
+        LaunchEnv(3, 1, 1, 2, 0, "node07", DERIVED, "srun", 2)),
     "srun tasks per node without SLURM_NODEID: the first node's": (
         {"SLURM_JOB_ID": "7", "SLURM_STEP_ID": "0", "SLURM_PROCID": "1", "SLURM_NTASKS": "3",
          "SLURM_LOCALID": "1", "SLURM_STEP_TASKS_PER_NODE": "2,1"},
@@ -110,7 +112,7 @@ CASES = {
         LaunchEnv(1, 0, 0, 1, 0, "127.0.0.1", DERIVED, "srun")),
     "mpirun, required variables only": (
         {"OMPI_COMM_WORLD_SIZE": "2", "OMPI_COMM_WORLD_RANK": "1"},
-        LaunchEnv(2, 1, 0, 1, 0, "127.0.0.1", DERIVED, "mpirun")),
+        LaunchEnv(2, 1, 0, 1, 0, "127.0.0.1", DERIVED, "mpirun", 0)),
     "torchrun, required variables only": (
         {"RANK": "1", "WORLD_SIZE": "2"},
         LaunchEnv(2, 1, 0, 1, 0, "127.0.0.1", DERIVED, "torchrun")),

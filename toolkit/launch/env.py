@@ -36,6 +36,7 @@ class LaunchEnv:
         coordinator_port: a port on that host that is free to use for this job.
         launcher: which launcher started the job: ``horovodrun``, ``srun``, ``mpirun``,
             ``torchrun`` or ``python``.
+        num_nodes: the job's nodes (0 where the launcher does not say: Open MPI's mpirun).
     """
 
     world_size: int = 1
@@ -46,6 +47,7 @@ class LaunchEnv:
     coordinator_address: str = "127.0.0.1"
     coordinator_port: int = _PORT_BASE
     launcher: str = "python"
+    num_nodes: int = 1
 
     def __post_init__(self) -> None:
         if self.world_size < 1 or not 0 <= self.rank < self.world_size:
@@ -162,6 +164,7 @@ def _from_horovodrun(env: Mapping[str, str]) -> LaunchEnv:
         # horovodrun picks a free rendezvous port; the next one up is ours for JAX.
         coordinator_port=rdv_port + 1 if rdv_port else _port_for(str(os.getppid())),
         launcher="horovodrun",
+        num_nodes=_int(env, "HOROVOD_CROSS_SIZE", 1),
     )
 
 
@@ -177,6 +180,7 @@ def _from_slurm(env: Mapping[str, str]) -> LaunchEnv:
         coordinator_port=_reserved_port(env) or _port_for(
             env.get("SLURM_JOB_ID", "0"), env.get("SLURM_STEP_ID", env.get("SLURM_STEPID", "0"))),
         launcher="srun",
+        num_nodes=_int(env, "SLURM_STEP_NUM_NODES", _int(env, "SLURM_NNODES", 1)),
     )
 
 
@@ -219,6 +223,7 @@ def _from_openmpi(env: Mapping[str, str]) -> LaunchEnv:
         coordinator_address=match.group(1) if match else "127.0.0.1",
         coordinator_port=_port_for(job),
         launcher="mpirun",
+        num_nodes=0,
     )
 
 
@@ -232,6 +237,7 @@ def _from_torchrun(env: Mapping[str, str]) -> LaunchEnv:
         coordinator_address=env.get("MASTER_ADDR", "127.0.0.1"),
         coordinator_port=_int(env, "MASTER_PORT", _PORT_BASE) + 1,
         launcher="torchrun",
+        num_nodes=_int(env, "GROUP_WORLD_SIZE", 1),
     )
 
 

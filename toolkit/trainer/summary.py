@@ -26,7 +26,8 @@ def run_facts(trainer: Any, samples: int) -> dict[str, Any]:
     drives = isinstance(t.adapter, DrivesDevices)
     return start_facts(
         backend=t.adapter.name, layout=t.layout, world_size=env.world_size,
-        local_size=env.local_size, dtype=t.adapter.dtype_name if drives else None,
+        local_size=env.local_size, num_nodes=env.num_nodes,
+        dtype=t.adapter.dtype_name if drives else None,
         precision=t.precision.name, devices=t.adapter.device_names() if drives else ["1 device"],
         global_batch=t.global_batch_size, local_batch=t.sampler.local_batch_size,
         accumulation_steps=t.accumulation_steps, model=t.model, samples=samples,
@@ -34,7 +35,7 @@ def run_facts(trainer: Any, samples: int) -> dict[str, Any]:
         resumed_from=t.checkpoints.resumed_from, resumed_step=t.global_step)
 
 
-def start_facts(*, backend: str, layout: Any, world_size: int, local_size: int,
+def start_facts(*, backend: str, layout: Any, world_size: int, local_size: int, num_nodes: int,
                 devices: list[str], dtype: str | None, global_batch: int, local_batch: int,
                 accumulation_steps: int, model: Any, samples: int, steps_per_epoch: int,
                 checkpoint_dir: Any, resumed_from: Any, resumed_step: int,
@@ -44,7 +45,8 @@ def start_facts(*, backend: str, layout: Any, world_size: int, local_size: int,
     return {
         "backend": backend, "dtype": dtype, "precision": precision,
         "layout": layout.name, "layout_words": layout.describe(world_size, len(devices)),
-        "world_size": world_size, "nodes": max(1, world_size // max(1, local_size)),
+        "world_size": world_size,
+        "nodes": num_nodes or max(1, -(-world_size // max(1, local_size))),
         "ranks_per_node": local_size, "devices_per_rank": devices,
         "global_batch": global_batch, "local_batch": local_batch, "micro_batch": micro,
         "model": type(model).__name__, "parameters": parameter_count(model),
@@ -69,11 +71,14 @@ def format_facts(f: dict[str, Any]) -> str:
     else:
         ckpt = (f"{f['checkpoint_dir']}: RESUMED at step {f['start_step']} from "
                 f"{f['resumed_from']}")
+    per_node = (f"{f['ranks_per_node']} per node"
+                if f["nodes"] * f["ranks_per_node"] == f["world_size"] else
+                f"{f['ranks_per_node']} on rank 0's node")  # (Slurm's block placement: 3 + 1)
     rows = [
         ("backend", f"{f['backend']}{dtype}"),
         ("layout", f["layout_words"]),
-        ("world", f"{f['world_size']} rank(s) on {f['nodes']} node(s), {f['ranks_per_node']} "
-                  f"per node; devices per rank: {', '.join(f['devices_per_rank'])}"),
+        ("world", f"{f['world_size']} rank(s) on {f['nodes']} node(s), {per_node}; devices "
+                  f"per rank: {', '.join(f['devices_per_rank'])}"),
         ("batch", f"global {f['global_batch']}, local {f['local_batch']} per data share, "
                   f"micro {f['micro_batch']}"),
         ("model", f"{f['model']}, {params}"),
