@@ -38,7 +38,15 @@ CASES = {
 # bytes the batches barely hold grows step by step (measured: torch 2.3e-12, Keras 2.0e-9).
 TOLERANCE = {"horovod-torch": 1e-12, "horovod-tf": 1e-12, "horovod-torch-spec": 1e-10,
              "horovod-tf-spec": 1e-8, "horovod-torch-32": 1e-6, "horovod-tf-32": 1e-6}
+# The slowest cases run with `make test-long` (the suite keeps within its time): the GPT and
+# float32 cases of horovod-tf.
+LONG = {"horovod-tf-spec", "horovod-tf-32"}
 REFERENCES: dict[str, np.ndarray] = {}
+
+
+def cases(with_resume: bool = False) -> list:
+    return [pytest.param(c, marks=[pytest.mark.long] if c in LONG else [])
+            for c in sorted(CASES) if CASES[c][2] or not with_resume]
 
 
 def worker(case: str, layouts: list[str], *extra: str) -> list[str]:
@@ -61,7 +69,7 @@ def reference(launch, case) -> np.ndarray:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("case", cases())
 def test_adamw_with_a_schedule_under_every_layout_equals_data_parallel(launch, case,
                                                                       reference):
     """On 4 ranks (the pipelines with 2 replicas), clipped: within TOLERANCE of one process's
@@ -76,7 +84,7 @@ def test_adamw_with_a_schedule_under_every_layout_equals_data_parallel(launch, c
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case", sorted(c for c in CASES if CASES[c][2]))
+@pytest.mark.parametrize("case", cases(with_resume=True))
 def test_a_run_resumes_across_layouts_with_its_optimizer_and_schedule(launch, tmp_path,
                                                                      case, reference):
     """Two layouts on 2 ranks (sharded:3 for 10 steps, then a pipeline to step 15; a Keras
