@@ -68,7 +68,7 @@ write_conf() {
     tmpfs="TmpFS=$DIR/nodetmp"
   fi
   cat > "$CONF" <<CONF
-ClusterName=toolkit$NODES
+ClusterName=toolkit$([ "$NODES" = 1 ] || echo "-${NODES}nodes")
 SlurmctldHost=$ctld
 SlurmctldPort=$CTLD_PORT
 SlurmdPort=$SLURMD_PORT
