@@ -63,8 +63,8 @@ def _no_rank_left(tmp: Path) -> bool:
 
 @pytest.mark.slow
 @pytest.mark.parametrize(("signals", "status", "said"), [
-    ([signal.SIGINT, signal.SIGINT], 130, "SIGINT"),
-    ([signal.SIGINT, signal.SIGTERM], 130, "SIGINT"),
+    ([signal.SIGINT, signal.SIGINT], 130, "SIGINT"),  # (a second Ctrl-C; the mix: make test-long)
+    pytest.param([signal.SIGINT, signal.SIGTERM], 130, "SIGINT", marks=pytest.mark.long),
 ], ids=["INT+INT", "INT+TERM"])
 def test_a_second_signal_while_the_first_is_handled_never_hangs(start, tmp_path, signals,
                                                                  status, said):
