@@ -1,8 +1,9 @@
 """Two nodes on this machine (``slurm/local_cluster.sh start --nodes 2``): node1 and node2 are
 network namespaces with their own hostnames, addresses, /etc/hosts and node-local directories,
 a slurmd each, and a link between them shaped to a fraction of what loopback moves. What runs
-across that boundary: Slurm's placement, the launch environment every rank reads, and every
-backend's layouts against the float64 reference, from a batch job of two nodes."""
+across that boundary: Slurm's placement, the launch environment every rank reads, every
+backend's layouts against the float64 reference from a batch job of two nodes, and a
+checkpoint written from both nodes resumed on one."""
 
 import json
 import subprocess
@@ -89,3 +90,22 @@ def test_every_backend_equals_the_reference_across_two_nodes(two_node_jobs, tmp_
     assert len(rows) == 12, rows
     for r in rows:
         assert (r["launcher"], r["status"]) == ("srun", "pass"), r
+
+
+def test_a_checkpoint_written_from_two_nodes_resumes_on_one(launch, two_node_cluster, tmp_path):
+    """ZeRO-3 on 2 x 2 ranks writes its checkpoint into a directory both nodes see, each rank
+    its pieces; one process on this machine resumes it under data parallelism and ends where
+    one uninterrupted process does (torch AdamW + OneCycleLR, float64)."""
+    worker = ["tests/scripts/native_optimizer_worker.py", "horovod-torch", "20"]
+    ckpt = ["--checkpoint-dir", str(tmp_path)]
+
+    def losses(job):
+        assert job.returncode == 0, job
+        (row,) = job.results
+        return row["start"], row["losses"]
+
+    first = losses(launch("srun-2nodes", 4, [*worker, "sharded:3", *ckpt, "--stop-after", "10"]))
+    second = losses(launch("python", 1, [*worker, "data", *ckpt, "--resume"]))
+    whole = losses(launch("python", 1, [*worker, "data"]))
+    assert (first[0], second[0]) == (0, 10)
+    assert max(abs(a - b) for a, b in zip(first[1] + second[1], whole[1], strict=True)) < 1e-12
