@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from adapters.horovod_tf.models.keras_native import _unique
 from toolkit import ToolkitError
 from toolkit.errors import describe
 
@@ -69,11 +70,7 @@ def named_slots(optimizer: Any, named: dict[str, Any]) -> dict[str, Any]:
                 name = f"{name[len(start):]}/{param}"
                 break
         names.append(f"opt/{name}")
-    if len(set(names)) != len(names):
-        raise ToolkitError(f"the Keras optimizer {optimizer.name!r} names two of its variables "
-                           f"alike ({sorted(names)[:4]})", "give the model's variables "
-                           "distinct names")
-    return dict(zip(names, optimizer.variables, strict=True))
+    return dict(zip(_unique(names), optimizer.variables, strict=True))
 
 
 def for_stage(optimizer: Any) -> Any:

@@ -33,7 +33,9 @@ from adapters.horovod_torch.ops import (
     NEUTRAL_SLOTS,
     TorchOps,
     count_like,
+    kept_buffers,
     make_optimizer,
+    restore_buffers,
     set_lr,
     zero_slots,
 )
@@ -155,8 +157,7 @@ class TorchDataParallel(StrategyBase):
         self.net.train()
         xt, yt = self.ops.tensors(x, y)
         k = self.accumulation_steps
-        # (a skipped step keeps the BatchNorm statistics its forward passes moved)
-        kept = [b.clone() for _, b in self.buffers] if self.rule.skip else []
+        kept = kept_buffers(self.buffers, self.rule.skip)
         self._zero_grad()
         losses = []
         for xc, yc in zip(xt.chunk(k), yt.chunk(k), strict=True):
@@ -172,9 +173,7 @@ class TorchDataParallel(StrategyBase):
         # hand-written loop's loss.item()), the others are ready; float64 sum, in order
         total = sum(loss.item() for loss in losses)
         if skipped:
-            with self.torch.no_grad():
-                for (_, b), old in zip(self.buffers, kept, strict=True):
-                    b.copy_(old)
+            restore_buffers(self.torch, self.buffers, kept)
         if self.scheduler is not None and not skipped:  # (as Keras' and optax's own
             self.scheduler.step()  # schedules, which count updates)
         self.steps += 1

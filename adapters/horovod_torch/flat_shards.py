@@ -137,8 +137,7 @@ class ShardedParameters:
             self.slot_names = optimizer_slots(optimizer)
         else:
             templates = torch_optim.state_templates(torch, optimizer)
-            self.slot_names = tuple(dict.fromkeys(
-                NEUTRAL_SLOTS.get(k, k) for t in templates for k in t if k != "step"))
+            self.slot_names = torch_optim.slot_names(templates)
         self.sources, self.grads, self.slots = [], [], []
         for unit, flat_layout in enumerate(self.layouts):
             flat = flat_layout.flatten({n: arrays[n] for n in flat_layout.names})
@@ -362,7 +361,7 @@ class ShardedParameters:
                 for slot, shard in self.slots[unit].items():
                     values = {n: state[f"opt/{slot}/{n}"] for n in fl.names}
                     shard.copy_(torch.as_tensor(fl.shard(values, self.rank)))
-            if self._count() and "opt/count" in state:
+            if self.native is not None and "opt/count" in state:
                 torch_optim.set_step_count(torch, self.native, int(state["opt/count"]))
 
     def sharded_state(self) -> tuple[dict[str, np.ndarray], dict[str, tuple]]:

@@ -154,6 +154,19 @@ def count_like(torch, old, value) -> Any:
     return type(old)(value)
 
 
+def kept_buffers(buffers: list, skip: bool) -> list:
+    """Copies of ``buffers`` (``(name, tensor)``: BatchNorm statistics) that
+    :func:`restore_buffers` puts back after a skipped step (none when steps are not skipped)."""
+    return [b.clone() for _, b in buffers] if skip else []
+
+
+def restore_buffers(torch, buffers: list, kept: list) -> None:
+    """A skipped step keeps the statistics its forward passes moved: ``kept`` put back."""
+    with torch.no_grad():
+        for (_, b), old in zip(buffers, kept, strict=True):
+            b.copy_(old)
+
+
 def set_lr(opt, lr: float | None) -> None:
     """This step's learning rate on every param group (None: the optimizer's own)."""
     if lr is not None:

@@ -33,7 +33,9 @@ from adapters.horovod_torch.ops import (
     TORCH_SLOTS,
     TorchOps,
     count_like,
+    kept_buffers,
     make_optimizer,
+    restore_buffers,
     set_lr,
     zero_slots,
 )
@@ -44,6 +46,7 @@ from adapters.horovod_torch.torch_optim import (
     check_elementwise,
     fill_state,
     rebind,
+    slot_names,
     state_templates,
     step_count,
 )
@@ -130,8 +133,7 @@ class TorchPipeline(HvdPipeline):
             rebind(optimizer, lambda p: (p, lambda v: v) if id(p) in mine else None)
             fill_state(torch, optimizer, templates)  # as data parallel: state from step 0
             self.opt = optimizer
-            self.slots = tuple(dict.fromkeys(NEUTRAL_SLOTS.get(k, k) for t in templates
-                                             for k in t if k != "step"))
+            self.slots = slot_names(templates)
         else:
             self.opt = make_optimizer(torch, optimizer, params)
             zero_slots(torch, self.opt, params, optimizer)
@@ -240,17 +242,14 @@ class TorchPipeline(HvdPipeline):
         xt, yt = self.ops.tensors(x, y)
         self.xs, self.ys = xt.chunk(M), yt.chunk(M)
         self.opt.zero_grad(set_to_none=False)
-        # (a skipped step keeps the BatchNorm statistics its forward passes moved)
-        kept = [b.clone() for _, b in self.cut.buffers] if self.rule.skip else []
+        kept = kept_buffers(self.cut.buffers, self.rule.skip)
         result = self.rule.result(*self._run_rounds())
         if not result.skipped:
             self.opt.step()
             if self.scheduler is not None:
                 self.scheduler.step()
-        elif kept:
-            with self.torch.no_grad():
-                for (_, b), old in zip(self.cut.buffers, kept, strict=True):
-                    b.copy_(old)
+        else:
+            restore_buffers(self.torch, self.cut.buffers, kept)
         self.steps += 1
         self.xs = self.ys = None
         return result

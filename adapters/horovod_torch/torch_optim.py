@@ -97,6 +97,15 @@ def state_templates(torch, optimizer: Any) -> list[dict[str, Any]]:
     return templates
 
 
+def slot_names(templates: list[dict[str, Any]]) -> tuple[str, ...]:
+    """The checkpoint's names (``opt/<name>/...``) of the per-element slots in ``templates``
+    (:func:`state_templates`), every group's, each once."""
+    from adapters.horovod_torch.ops import NEUTRAL_SLOTS
+
+    return tuple(dict.fromkeys(NEUTRAL_SLOTS.get(k, k) for t in templates for k in t
+                               if k != "step"))
+
+
 def rebind(optimizer: Any, new: Callable[[Any], tuple[Any, Callable] | None]) -> None:
     """Replaces each parameter ``p`` of ``optimizer``'s groups, in place, by ``new(p)``'s
     tensor (``(tensor, take)``, ``take`` cutting a state tensor of ``p``'s shape to it), or
