@@ -8,6 +8,12 @@
 #                                              line to use with srun/sbatch
 #   slurm/local_cluster.sh stop [--nodes N]    stop what start started, and remove the namespaces
 #   slurm/local_cluster.sh status [--nodes N]
+#   slurm/local_cluster.sh exec NODE CMD...    run CMD on a node of a multi-node cluster (its
+#                                              network, hostname and mounts), in this directory
+#                                              with this environment, as srun would; there
+#                                              `ssh` reaches every node (slurm/node_ssh/ssh: the
+#                                              nodes run no sshd), so mpirun -hostfile and
+#                                              horovodrun -H work from it
 #
 # One node (the default): this host, claiming 8 CPUs (config_overrides) so that 4 tasks fit on
 # a 2-core machine. State in $TOOLKIT_SLURM_DIR (default /tmp/hpc-toolkit-slurm).
@@ -26,6 +32,25 @@ set -euo pipefail
 NODES=1
 ACTION=${1:-}
 shift || true
+SCRIPT_DIR=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+
+# A node's slurmd was started inside the node's namespaces: entering its namespaces is being on
+# the node.
+if [ "$ACTION" = exec ]; then
+  NODE=${1:-}
+  [ $# -ge 2 ] || { echo "local_cluster.sh: usage: $0 exec NODE CMD..." >&2; exit 2; }
+  shift
+  PID=""
+  case "$NODE" in node*[!0-9]*|node) ;; node*) PID=$(pgrep -xf "slurmd -N $NODE -f .*" | head -n 1 || true) ;; esac
+  if [ -z "$PID" ]; then
+    echo "local_cluster.sh: exec $NODE: no such node is running (no 'slurmd -N $NODE')" >&2
+    echo "HINT: the nodes of 'local_cluster.sh start --nodes N' are node1..nodeN" >&2
+    exit 2
+  fi
+  exec nsenter --target "$PID" --net --uts --mount --wd="$PWD" \
+    env PATH="$SCRIPT_DIR/node_ssh:$PATH" "$@"
+fi
+
 while [ $# -gt 0 ]; do
   case "$1" in
     --nodes) NODES=$2; shift 2 ;;
@@ -207,5 +232,5 @@ case "$ACTION" in
   start) start ;;
   stop) stop ;;
   status) SLURM_CONF=$CONF sinfo -N ;;
-  *) die "usage: $0 start|stop|status [--nodes N]" ;;
+  *) die "usage: $0 start|stop|status [--nodes N], or $0 exec NODE CMD..." ;;
 esac
