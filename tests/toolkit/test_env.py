@@ -38,6 +38,14 @@ SRUN_2_NODES = {
     "SLURM_STEP_NUM_NODES": "2",
 }
 
+MPIRUN_2_NODES = {
+    "OMPI_COMM_WORLD_SIZE": "4", "OMPI_COMM_WORLD_RANK": "2", "OMPI_COMM_WORLD_LOCAL_RANK": "0",
+    "OMPI_COMM_WORLD_LOCAL_SIZE": "2", "OMPI_COMM_WORLD_NODE_RANK": "0",
+    "OMPI_MCA_orte_hnp_uri": "247332864.0;tcp://10.77.0.11:60513",
+    "OMPI_MCA_orte_local_daemon_uri": "247332864.1;tcp://10.77.0.12:48111",
+    "OMPI_MCA_orte_num_nodes": "2",
+}
+
 # The coordinator port derived from a job id: any free port will do, so the table leaves its
 # value open and the tests after it check what matters (the same for every rank of a step,
 # different for concurrent jobs and steps).
@@ -55,18 +63,23 @@ CASES = {
         {**SRUN_2_NODES, "SLURM_STEP_NUM_TASKS": "3", "SLURM_NTASKS": "3", "SLURM_PROCID": "2",
          "SLURM_LOCALID": "0", "SLURM_STEP_TASKS_PER_NODE": "2,1"},
         LaunchEnv(3, 2, 0, 1, 1, "node07", DERIVED, "srun", 2)),
-    "mpirun": (
-        {"OMPI_COMM_WORLD_SIZE": "4", "OMPI_COMM_WORLD_RANK": "2",
-         "OMPI_COMM_WORLD_LOCAL_RANK": "0", "OMPI_COMM_WORLD_LOCAL_SIZE": "2",
+    # Open MPI 4.1's mpirun -hostfile (node1 slots=2, node2 slots=2) started on node1, rank 2
+    # on node2: OMPI_COMM_WORLD_NODE_RANK is the rank among the node's processes, the node is
+    # its daemon's (mpirun's own node is daemon 0).
+    "mpirun, second node": (MPIRUN_2_NODES, LaunchEnv(4, 2, 0, 2, 1, "10.77.0.11", DERIVED,
+                                                      "mpirun", 2)),
+    "mpirun, first node": (
+        {**MPIRUN_2_NODES, "OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_LOCAL_RANK": "1",
          "OMPI_COMM_WORLD_NODE_RANK": "1",
-         "OMPI_MCA_orte_hnp_uri": "1234567.0;tcp://10.0.0.5,172.17.0.2:45123"},
-        LaunchEnv(4, 2, 0, 2, 1, "10.0.0.5", DERIVED, "mpirun", 0)),
+         "OMPI_MCA_orte_local_daemon_uri": "247332864.0;tcp://10.77.0.11:60513"},
+        LaunchEnv(4, 1, 1, 2, 0, "10.77.0.11", DERIVED, "mpirun", 2)),
     "mpirun inside a Slurm allocation": (
         {**SRUN_2_NODES, "SLURM_PROCID": "0", "OMPI_COMM_WORLD_SIZE": "4",
          "OMPI_COMM_WORLD_RANK": "3", "OMPI_COMM_WORLD_LOCAL_RANK": "1",
          "OMPI_COMM_WORLD_LOCAL_SIZE": "2", "OMPI_COMM_WORLD_NODE_RANK": "1",
-         "OMPI_MCA_orte_hnp_uri": "99.0;tcp://node07:1"},
-        LaunchEnv(4, 3, 1, 2, 1, "node07", DERIVED, "mpirun", 0)),
+         "OMPI_MCA_orte_hnp_uri": "99.0;tcp://node07:1",
+         "OMPI_MCA_orte_local_daemon_uri": "99.1;tcp://node08:2", "OMPI_MCA_orte_num_nodes": "2"},
+        LaunchEnv(4, 3, 1, 2, 1, "node07", DERIVED, "mpirun", 2)),
     "torchrun": (
         {"RANK": "5", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "4",
          "GROUP_RANK": "1", "GROUP_WORLD_SIZE": "2", "MASTER_ADDR": "host-a",
@@ -180,7 +193,7 @@ def test_the_port_slurm_reserved_for_the_step_wins_over_the_derived_one():
         assert detect_launch_env(environ).coordinator_port == srun_port(4242)
 
 
-@pytest.mark.parametrize("launcher", ["srun two nodes", "mpirun", "horovodrun gloo",
+@pytest.mark.parametrize("launcher", ["srun two nodes", "mpirun, second node", "horovodrun gloo",
                                       "single process"])
 def test_the_port_variable_names_the_port_under_every_launcher(launcher):
     environ = {**CASES[launcher][0], "SLURM_STEP_RESV_PORTS": "12000-12001",
@@ -306,6 +319,10 @@ def test_inconsistent_environments_are_errors_with_a_hint(environ, match):
      "SLURM_NTASKS=2, but this process was not started by srun (no SLURM_STEP_ID): it would "
      "train alone as a world of 1\nHINT: start it with 'srun -n 2 --mpi=pmix python ...' "
      "inside the job, or ask for --ntasks=1"),
+    (lambda: detect_launch_env({**MPIRUN_2_NODES, "OMPI_MCA_orte_local_daemon_uri": "node2"}),
+     "cannot read OMPI_MCA_orte_local_daemon_uri='node2'\n"
+     "HINT: expected Open MPI's 'JOB.DAEMON;tcp://...'; relaunch the job with an unmodified "
+     "mpirun environment"),
     (lambda: detect_launch_env({"PMI_SIZE": "2", "PMI_RANK": "0"}),
      "PMI_SIZE=2 but no launcher this toolkit knows started the process\n"
      "HINT: launch with horovodrun, mpirun (Open MPI) or srun --mpi=pmix"),

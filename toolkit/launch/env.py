@@ -36,7 +36,7 @@ class LaunchEnv:
         coordinator_port: a port on that host that is free to use for this job.
         launcher: which launcher started the job: ``horovodrun``, ``srun``, ``mpirun``,
             ``torchrun`` or ``python``.
-        num_nodes: the job's nodes (0 where the launcher does not say: Open MPI's mpirun).
+        num_nodes: the job's nodes (0 where the launcher does not say: Open MPI 5's mpirun).
     """
 
     world_size: int = 1
@@ -209,8 +209,8 @@ def _slurm_local_size(env: Mapping[str, str]) -> int:
 
 
 def _from_openmpi(env: Mapping[str, str]) -> LaunchEnv:
-    # mpirun's own URI names the host it runs on, which is where rank 0 is placed first;
-    # JAX's OmpiCluster makes the same choice.
+    # mpirun's own URI names the host it runs on, which is where rank 0 is placed first when
+    # that host is one of the job's nodes; JAX's OmpiCluster makes the same choice.
     uri = env.get("OMPI_MCA_orte_hnp_uri", "")
     match = re.search(r"tcp://([^,:;/]+)", uri)
     job = uri.split(";")[0].split(".")[0] if uri else str(os.getppid())
@@ -219,12 +219,26 @@ def _from_openmpi(env: Mapping[str, str]) -> LaunchEnv:
         rank=_int(env, "OMPI_COMM_WORLD_RANK"),
         local_rank=_int(env, "OMPI_COMM_WORLD_LOCAL_RANK", 0),
         local_size=_int(env, "OMPI_COMM_WORLD_LOCAL_SIZE", 1),
-        node_rank=_int(env, "OMPI_COMM_WORLD_NODE_RANK", 0),
+        node_rank=_openmpi_node(env),
         coordinator_address=match.group(1) if match else "127.0.0.1",
         coordinator_port=_port_for(job),
         launcher="mpirun",
-        num_nodes=0,
+        # the nodes the job's ranks are on (Open MPI 4's runtime says; 5's does not)
+        num_nodes=_int(env, "OMPI_MCA_orte_num_nodes", 0),
     )
+
+
+def _openmpi_node(env: Mapping[str, str]) -> int:
+    """The index of the rank's node: that of the node's Open MPI daemon (mpirun's own node is
+    0, the hostfile's other nodes follow in order). OMPI_COMM_WORLD_NODE_RANK is no node index
+    but the rank among the node's processes, like the local rank."""
+    uri = env.get("OMPI_MCA_orte_local_daemon_uri", "")
+    match = re.match(r"\s*\d+\.(\d+);", uri)
+    if uri and match is None:
+        raise ToolkitError(f"cannot read OMPI_MCA_orte_local_daemon_uri={uri!r}",
+                           "expected Open MPI's 'JOB.DAEMON;tcp://...'; relaunch the job with "
+                           "an unmodified mpirun environment")
+    return int(match.group(1)) if match else 0
 
 
 def _from_torchrun(env: Mapping[str, str]) -> LaunchEnv:
