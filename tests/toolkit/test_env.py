@@ -7,6 +7,7 @@ import random
 import pytest
 
 from toolkit import LaunchEnv, ToolkitError, detect_launch_env, expand_nodelist
+from toolkit.launch.coordinator import check_coordinator_host, is_local_address
 from toolkit.launch.env import _port_for
 
 
@@ -347,3 +348,25 @@ def test_launch_env_is_frozen():
     env = LaunchEnv()
     with pytest.raises(AttributeError):
         env.rank = 1  # type: ignore[misc]
+
+
+def test_an_address_of_this_host_is_local_and_others_are_not():
+    assert is_local_address("127.0.0.1") and is_local_address("localhost")
+    assert is_local_address("192.0.2.123") is False  # (TEST-NET-1: nobody's address)
+    assert is_local_address("no-such-host.invalid") is None
+
+
+def test_rank_0_away_from_the_launchers_host_is_an_error_naming_both():
+    """horovodrun -H node2:2,node1:2 started on node1: rank 0 runs on node2, the rendezvous
+    (the coordinator) on node1. Rank 0 says so at once instead of a hang."""
+    env = detect_launch_env({"HOROVOD_RANK": "0", "HOROVOD_SIZE": "4",
+                             "HOROVOD_GLOO_RENDEZVOUS_ADDR": "192.0.2.11",
+                             "HOROVOD_GLOO_RENDEZVOUS_PORT": "40000"})
+    with pytest.raises(ToolkitError) as err:
+        check_coordinator_host(env)
+    assert str(err.value).startswith(
+        "the coordinator's address 192.0.2.11 (horovodrun's choice) is not an address of "), err
+    assert str(err.value).endswith(
+        "HINT: start horovodrun on the first host of -H (rank 0's), not on another host")
+    check_coordinator_host(dataclasses.replace(env, rank=1))  # (only rank 0 can tell)
+    check_coordinator_host(dataclasses.replace(env, coordinator_address="127.0.0.1"))
