@@ -36,8 +36,17 @@ def child_env(extra: dict | None = None) -> dict:
     return env
 
 
-def launch_command(launcher: str, nproc: int, argv: list[str]) -> list[str]:
-    """The command line that starts ``python argv...`` on ``nproc`` ranks with ``launcher``."""
+# Run on node1 of the two-node cluster, where ssh reaches node2 (slurm/node_ssh/ssh).
+ON_NODE1 = [str(ROOT / "slurm" / "local_cluster.sh"), "exec", "node1"]
+# What the ranks an Open MPI daemon starts on another node get from this environment (mpirun's
+# -x): the rest of theirs is that node's login environment.
+FORWARDED = ("PATH", "PYTHONPATH", "PYTHONUNBUFFERED", "TF_CPP_MIN_LOG_LEVEL")
+
+
+def launch_command(launcher: str, nproc: int, argv: list[str],
+                   env: dict | None = None) -> list[str]:
+    """The command line that starts ``python argv...`` on ``nproc`` ranks with ``launcher``
+    (``env``: the environment it will run in; mpirun passes part of it to other nodes)."""
     py = [PYTHON, *argv]
     if launcher == "any":
         # A test whose subject is not the launcher. mpirun starts ranks in 0.1 s; horovodrun
@@ -59,6 +68,18 @@ def launch_command(launcher: str, nproc: int, argv: list[str]) -> list[str]:
     if launcher == "srun-2nodes":  # half the ranks on each node of the two-node cluster
         return ["srun", "-N", "2", f"--ntasks-per-node={nproc // 2}", "--mpi=pmix",
                 "--kill-on-bad-exit=1", *py]
+    # The two-node cluster's ranks, half on each node, started from node1 as from a node of
+    # the allocation: mpirun with a hostfile (two slots per node), horovodrun with -H.
+    if launcher == "mpirun-2nodes":
+        env = os.environ if env is None else env
+        forward = [arg for name in env if name in FORWARDED or name.startswith("TOOLKIT_")
+                   for arg in ("-x", name)]
+        return [*ON_NODE1, "mpirun", "--allow-run-as-root", "-hostfile",
+                str(ROOT / "slurm" / "two_nodes.hostfile"), "-np", str(nproc), *forward, *py]
+    if launcher in ("horovodrun-2nodes", "horovodrun-mpi-2nodes"):
+        mode = "--mpi" if launcher == "horovodrun-mpi-2nodes" else "--gloo"
+        hosts = f"node1:{nproc - nproc // 2},node2:{nproc // 2}"
+        return [*ON_NODE1, str(BIN / "horovodrun"), "-np", str(nproc), "-H", hosts, mode, *py]
     if launcher == "torchrun":
         return [str(BIN / "torchrun"), "--nproc-per-node", str(nproc), *argv]
     raise ValueError(launcher)
@@ -142,13 +163,14 @@ def launch(request):
         extra = dict(env or {})
         if launcher == "srun":
             extra.update(request.getfixturevalue("slurm_cluster"))
-        if launcher == "srun-2nodes":
+        if launcher.endswith("-2nodes"):
             extra.update(request.getfixturevalue("two_node_cluster"))
         with tempfile.TemporaryDirectory(prefix="results-") as results:
             extra.setdefault("TOOLKIT_TEST_RESULTS", results)
+            environ = child_env(extra)
             start = time.monotonic()
-            proc = subprocess.run(launch_command(launcher, nproc, argv), cwd=ROOT,
-                                  env=child_env(extra), capture_output=True, text=True,
+            proc = subprocess.run(launch_command(launcher, nproc, argv, environ), cwd=ROOT,
+                                  env=environ, capture_output=True, text=True,
                                   timeout=timeout, stdin=subprocess.DEVNULL)
             return Job(proc, time.monotonic() - start, Path(results))
 
@@ -173,8 +195,9 @@ def start():
     procs = []
 
     def spawn(launcher: str, nproc: int, argv: list[str], env: dict | None = None):
-        proc = subprocess.Popen(launch_command(launcher, nproc, argv), cwd=ROOT,
-                                env=child_env(env), stdout=subprocess.PIPE,
+        environ = child_env(env)
+        proc = subprocess.Popen(launch_command(launcher, nproc, argv, environ), cwd=ROOT,
+                                env=environ, stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, text=True, start_new_session=True)
         procs.append(proc)
         return proc

@@ -1,9 +1,10 @@
 """Two nodes on this machine (``slurm/local_cluster.sh start --nodes 2``): node1 and node2 are
 network namespaces with their own hostnames, addresses, /etc/hosts and node-local directories,
-a slurmd each, and a link between them shaped to a fraction of what loopback moves. What runs
-across that boundary: Slurm's placement, the launch environment every rank reads, every
-backend's layouts against the float64 reference from a batch job of two nodes, and a
-checkpoint written from both nodes resumed on one."""
+a slurmd each, and a link between them shaped to a fraction of what loopback moves; ssh from
+one node to the other is slurm/node_ssh/ssh. What runs across that boundary: Slurm's placement,
+the launch environment every rank reads under srun, mpirun and horovodrun, a training run
+under each, every backend's layouts against the float64 reference from a batch job of two
+nodes, and a checkpoint written from both nodes resumed on one."""
 
 import json
 import subprocess
@@ -14,19 +15,23 @@ import pytest
 WORKER = "tests/scripts/launch_env_worker.py"
 
 
-def test_each_rank_knows_its_node_and_local_rank(launch, two_node_cluster):
-    """srun -N 2 --ntasks-per-node 2: ranks 0-1 on node1 and 2-3 on node2, each with its local
-    rank and node rank, and one coordinator (node1's address) for every rank."""
-    job = launch("srun-2nodes", 4, [WORKER])
+@pytest.mark.parametrize("launcher, reported", [
+    ("srun-2nodes", "srun"), ("mpirun-2nodes", "mpirun"), ("horovodrun-2nodes", "horovodrun"),
+    ("horovodrun-mpi-2nodes", "mpirun")])
+def test_each_rank_knows_its_node_and_local_rank(launch, two_node_cluster, launcher, reported):
+    """srun -N 2 --ntasks-per-node 2, mpirun -hostfile (two slots per node) and horovodrun -H
+    node1:2,node2:2 (Gloo, and --mpi: its mpirun) started on node1: ranks 0-1 on node1 and
+    2-3 on node2, each with its local rank and node rank, and one coordinator (node1's
+    address) for every rank."""
+    job = launch(launcher, 4, [WORKER])
     assert job.returncode == 0, job
     rows = sorted(job.results, key=lambda r: r["rank"])
     assert [(r["hostname"], r["rank"], r["local_rank"], r["node_rank"]) for r in rows] == [
         ("node1", 0, 0, 0), ("node1", 1, 1, 0), ("node2", 2, 0, 1), ("node2", 3, 1, 1)], rows
     assert {(r["world_size"], r["local_size"], r["num_nodes"], r["launcher"]) for r in rows} == {
-        (4, 2, 2, "srun")}
-    assert {(r["coordinator_address"], r["coordinator_ip"]) for r in rows} == {
-        ("node1", "10.77.0.11")}, rows
-    assert len({r["coordinator_port"] for r in rows}) == 1, rows
+        (4, 2, 2, reported)}
+    assert {r["coordinator_ip"] for r in rows} == {"10.77.0.11"}, rows
+    assert len({(r["coordinator_address"], r["coordinator_port"]) for r in rows}) == 1, rows
 
 
 def test_rank_0_says_where_the_ranks_are(launch, two_node_cluster):
@@ -39,6 +44,16 @@ def test_rank_0_says_where_the_ranks_are(launch, two_node_cluster):
     uneven = launch("srun-2nodes", 4, [*train, "--batch-size", "60"], env={"SLURM_NTASKS": "3"})
     assert uneven.returncode == 0, uneven
     assert "3 rank(s) on 2 node(s), 2 on rank 0's node" in uneven.stdout, uneven
+
+
+@pytest.mark.parametrize("launcher, backend", [
+    ("mpirun-2nodes", "horovod-torch"), ("horovodrun-2nodes", "jax-pmap")])
+def test_a_training_run_across_the_nodes(launch, two_node_cluster, launcher, backend):
+    """mpirun and horovodrun, started on node1, train across both nodes (one step)."""
+    job = launch(launcher, 4, ["examples/train_digits.py", "--steps", "1", "--backend", backend])
+    assert job.returncode == 0, job
+    assert "world       4 rank(s) on 2 node(s), 2 per node; devices per rank: cpu" in job.stdout
+    assert "done: world_size 4  steps 1" in job.stdout, job
 
 
 def test_the_link_between_nodes_is_slower_than_within_one(two_node_cluster):
