@@ -126,6 +126,7 @@ NOT_RUN: dict[str, str] = {
     "examples/bring_your_own/flax_cnn.py": "usage, no figure (tests/test_bring_your_own.py)",
 }
 GPU = "needs a GPU (tests/test_gpu.py, make test-gpu)"
+TWO_NODES = "needs the two-node cluster (tests/test_two_nodes.py runs each launcher on it)"
 @dataclass
 class Command:
     """One documented command line, parsed."""
@@ -226,6 +227,8 @@ def documented() -> list[tuple[str, list[Command]]]:
 def not_run(command: Command) -> str | None:
     if "gpu" in command.args and "--device" in command.args:
         return GPU
+    if command.launcher == "srun" and re.search(r"\s(-N ?|--nodes[= ])[2-9]", command.text):
+        return TWO_NODES
     return NOT_RUN.get(command.program)
 
 

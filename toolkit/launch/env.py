@@ -36,7 +36,8 @@ class LaunchEnv:
         coordinator_port: a port on that host that is free to use for this job.
         launcher: which launcher started the job: ``horovodrun``, ``srun``, ``mpirun``,
             ``torchrun`` or ``python``.
-        num_nodes: the job's nodes (0 where the launcher does not say: Open MPI 5's mpirun).
+        num_nodes: the job's nodes (0 where the launcher does not say: an mpirun without Open
+            MPI 4's runtime variables).
     """
 
     world_size: int = 1
@@ -223,7 +224,7 @@ def _from_openmpi(env: Mapping[str, str]) -> LaunchEnv:
         coordinator_address=match.group(1) if match else "127.0.0.1",
         coordinator_port=_port_for(job),
         launcher="mpirun",
-        # the nodes the job's ranks are on (Open MPI 4's runtime says; 5's does not)
+        # the nodes the job's ranks are on (Open MPI 4's runtime, ORTE, says)
         num_nodes=_int(env, "OMPI_MCA_orte_num_nodes", 0),
     )
 
