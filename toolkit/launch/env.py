@@ -231,8 +231,9 @@ def _from_openmpi(env: Mapping[str, str]) -> LaunchEnv:
 
 def _openmpi_node(env: Mapping[str, str]) -> int:
     """The index of the rank's node: that of the node's Open MPI daemon (mpirun's own node is
-    0, the hostfile's other nodes follow in order). OMPI_COMM_WORLD_NODE_RANK is no node index
-    but the rank among the node's processes, like the local rank."""
+    0, the hostfile's other nodes follow in order; an mpirun started outside the job's nodes
+    keeps 0, and theirs count from 1). OMPI_COMM_WORLD_NODE_RANK is no node index but the rank
+    among the node's processes, like the local rank."""
     uri = env.get("OMPI_MCA_orte_local_daemon_uri", "")
     match = re.match(r"\s*\d+\.(\d+);", uri)
     if uri and match is None:
