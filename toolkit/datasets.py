@@ -1,4 +1,5 @@
-"""Real data that ships inside installed packages (no download at run time)."""
+"""Real data that ships inside installed packages (no download at run time), and the staging of
+a data set to node-local storage (:func:`stage`, from ``toolkit/data/staging.py``)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,9 @@ from pathlib import Path
 
 import numpy as np
 
+from toolkit.data.staging import stage
 from toolkit.errors import ToolkitError
+from toolkit.launch.env import LaunchEnv
 from toolkit.launch.rank0 import atomic_open
 
 
@@ -171,6 +174,33 @@ def load_text(cache_dir: str | os.PathLike | None = None, *,
     cut = len(tokens) - n_val
     return TextCorpus(train=tokens[:cut], val=tokens[cut:], sha256=meta["sha256"],
                       files=int(meta["files"]), path=npy)
+
+
+def stage_text(corpus: TextCorpus, local_dir: str | os.PathLike | None = None, *,
+               env: LaunchEnv | None = None) -> TextCorpus:
+    """The same corpus, memory-mapped from a node-local copy of its cache file.
+
+    Every rank calls it; local rank 0 of each node copies the cache file once (:func:`stage`)
+    and every rank maps the copy. The split, hash and fingerprints stay those of ``corpus``, so
+    a checkpoint resumes across staged and unstaged runs.
+
+    Args:
+        corpus: what :func:`load_text` returned (its cache file on shared storage).
+        local_dir: the node-local directory; default ``$SLURM_TMPDIR``, else ``$TMPDIR``.
+        env: the launch environment; the detected one when omitted.
+
+    Example:
+        >>> text = stage_text(load_text())         # doctest: +SKIP
+    """
+    local = stage(corpus.path, local_dir, env=env)
+    tokens = np.load(local, mmap_mode="r", allow_pickle=False)
+    if tokens.shape != (corpus.num_bytes,) or tokens.dtype != np.uint8:
+        raise ToolkitError(f"the staged {local} holds {tokens.dtype}{list(tokens.shape)}, not "
+                           f"the corpus's {corpus.num_bytes} bytes",
+                           f"its cache file {corpus.path} was rebuilt meanwhile: load the "
+                           "corpus again, then stage it")
+    cut = len(corpus.train)
+    return dataclasses.replace(corpus, train=tokens[:cut], val=tokens[cut:], path=local)
 
 
 def _read_cache(npy: Path, meta_file: Path) -> tuple[dict, np.ndarray | None]:
