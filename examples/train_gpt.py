@@ -8,6 +8,8 @@ Every ``--eval-every`` steps rank 0 prints the training loss, the validation los
 bits per byte (beside the unigram entropy of the validation bytes: what a model that ignores
 context would score) and tokens per second; at the end, a continuation of a fixed prompt
 sampled from the trained model. Kill it and rerun with ``--resume latest`` to continue.
+``--stage-data [DIR]`` first copies the corpus to each node's local disk (``DIR``, else
+``$SLURM_TMPDIR`` or ``$TMPDIR``), once per node, and trains on that copy.
 """
 
 import math
@@ -17,7 +19,7 @@ import numpy as np
 
 import adapters
 import toolkit
-from toolkit.datasets import load_text
+from toolkit.datasets import load_text, stage_text
 
 PROMPT = "def __init__(self"
 
@@ -41,9 +43,14 @@ def main() -> None:
     p.add_argument("--eval-windows", type=int, default=256,
                    help="validation windows used at each interval (all at the end)")
     p.add_argument("--sample-bytes", type=int, default=200)
+    p.add_argument("--stage-data", nargs="?", const="", default=None, metavar="DIR",
+                   help="copy the corpus to node-local storage first, once per node: DIR, "
+                        "else $SLURM_TMPDIR or $TMPDIR")
     args = p.parse_args()
 
-    corpus = load_text()
+    corpus = load_text()  # its cache file, built once on shared storage
+    if args.stage_data is not None:
+        corpus = stage_text(corpus, args.stage_data or None)
     train = toolkit.TokenWindows(corpus.train, args.context)
     val = toolkit.TokenWindows(corpus.val, args.context)
     val_head = toolkit.TokenWindows(corpus.val[:args.eval_windows * args.context + 1],
