@@ -248,7 +248,7 @@ def _wait_for(target: Path, wanted: dict, expected: str | None, timeout: float) 
                 "look for local rank 0's error in the job's output (it may have crashed), or "
                 "pass a larger stage(..., timeout=...) for a slow disk")
         time.sleep(pause)
-        pause = min(0.5, pause * 2)
+        pause = min(0.5, pause * 2, timeout / 4)
 
 
 def _describes(marker: dict | None, wanted: dict, expected: str | None) -> bool:
