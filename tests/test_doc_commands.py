@@ -78,6 +78,11 @@ SMOKE: dict[str, Smoke] = {
         (r"^state: \d+ MB in \d+ float32 arrays", r"toolkit save / np\.save\+fsync",
          r"^training step \(horovod-torch MLP"),
         options={"--mb": "1", "--repeats": "1", "--steps": "2"}),
+    "benchmarks/staging.py": Smoke(
+        (r"^corpus: \d+ MB of uint16 tokens", r"^staging: first copy [\d.]+ s",
+         r"^sequential, [\d,]+ MB\s+[\d.]+ s", r"^random windows, \d+x32x1024\s+[\d.]+ s"),
+        options={"--mb": "8", "--passes": "1", "--batches": "10"},
+        outputs=("--shared-dir", "--local-dir")),
     "benchmarks/stop_signal_overhead.py": Smoke(
         (r"^\S+\s+world \d+: [\d.]+ ms/step without handlers; checking every 1",),
         options={"--steps": "2", "--repeats": "1"}, positional=("horovod-torch",)),
