@@ -59,9 +59,12 @@ def test_the_example_prints_what_a_user_needs(one_process):
     for launcher in ("horovodrun-gloo", "mpirun", "srun") for b in ("horovod-torch", "jax-pjit")])
 def test_two_ranks_reproduce_one_process(backend, launcher, launch, tmp_path, one_process,
                                          read_metrics):
-    job = launch(launcher, 2, args(tmp_path, "two", backend))
+    # under mpirun, from a node-local copy of the corpus that one of the two ranks makes
+    staged = ["--stage-data", str(tmp_path / "local")] if launcher == "mpirun" else []
+    job = launch(launcher, 2, args(tmp_path, "two", backend, staged))
     assert job.returncode == 0, job
     assert job.stdout.count("done: world_size 2 ") == 1, job
+    assert job.stdout.count("staging: ") == job.stdout.count(" copied ") == len(staged) // 2
     assert "[Gloo]" not in job.stdout, job  # no other library's chatter (jaxlib's Gloo)
     ref, got = losses(read_metrics, one_process[1]), losses(read_metrics, tmp_path / "two.jsonl")
     assert np.max(np.abs(got - ref) / np.abs(ref)) <= 1e-5
