@@ -1,7 +1,7 @@
 """stage: a verified node-local copy made once, re-used while good, replaced when not.
 
 Local ranks are LaunchEnv values here (a waiting rank runs in a thread or a second process
-beside local rank 0); tests/test_staging.py runs the same under mpirun.
+beside local rank 0); tests/test_staging_one_node.py runs the same under mpirun.
 """
 
 import hashlib
