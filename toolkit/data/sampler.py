@@ -192,6 +192,16 @@ class GlobalBatchSampler:
             self.set_epoch(self.epoch + 1)
 
 
+    def check_accumulation(self, steps: int) -> None:
+        """A ToolkitError unless the local batch splits into ``steps`` micro-batches."""
+        if self.local_batch_size % steps:
+            raise ToolkitError(
+                f"the local batch of {self.local_batch_size} samples (global "
+                f"{self.global_batch_size} / {self.world_size} data-parallel shares) does not "
+                f"split into accumulation_steps={steps} micro-batches",
+                "choose a global batch divisible by world size x accumulation steps")
+
+
 def shard_indices(num_samples: int, world_size: int, rank: int) -> np.ndarray:
     """The strided share ``[rank::world_size]`` of ``range(num_samples)`` (for evaluation).
 

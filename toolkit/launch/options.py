@@ -55,6 +55,10 @@ OPTIONS: dict[str, tuple[str, dict[str, Any]]] = {
                                                        "finite: stop the run, or skip the step")),
     "--max-consecutive-skips": ("max_consecutive_skips", dict(
         type=int, default=5, help="with --on-nonfinite skip: more skipped steps in a row stop")),
+    "--stall-timeout": ("stall_timeout", dict(
+        type=float, default=600.0, help="seconds a rank may be silent, or one step, checkpoint "
+        "or evaluation may last, before the job ends naming the ranks that did not arrive "
+        "(0: never)")),
 }
 
 

@@ -20,13 +20,14 @@ from toolkit.errors import ToolkitError, at_least_one
 from toolkit.launch.devices import DEVICES
 from toolkit.launch.env import LaunchEnv
 from toolkit.launch.rank0 import current_env, print0
+from toolkit.launch.stall import DEFAULT_STALL_TIMEOUT, StallWatch, check_timeout, open_watch
 from toolkit.models.reference import check_clip
 from toolkit.models.specs import LOSSES, OptimizerSpec, check_choice, learning_rate, lr_scale
 from toolkit.parallel.layouts import DataShare, resolve_layout
 from toolkit.precision import use_precision
 from toolkit.trainer.checkpoints import RunCheckpoints
 from toolkit.trainer.evaluation import check_metrics, evaluate
-from toolkit.trainer.guard import DivergenceGuard, TrainingDiverged
+from toolkit.trainer.guard import DivergenceGuard
 from toolkit.trainer.history import History, MetricsLog, ProgressLine, epoch_line
 from toolkit.trainer.losses import StepLosses
 from toolkit.trainer.preemption import (
@@ -36,12 +37,13 @@ from toolkit.trainer.preemption import (
     check_signals,
     noting_signals,
 )
+from toolkit.trainer.stopping import StopsTogether
 from toolkit.trainer.summary import format_facts, run_facts
 
 __all__ = ["PREEMPTED_EXIT_CODE", "History", "Trainer", "TrainingPreempted"]
 
 
-class Trainer:
+class Trainer(StopsTogether):
     """The one training loop of every backend and layout: a :class:`GlobalBatchSampler`
     splits each global batch, the adapter's strategy for the layout steps, step losses are
     averaged across ranks before anyone prints them, and only global rank 0 prints and writes.
@@ -105,6 +107,9 @@ class Trainer:
             whole model, the same on every rank) is not finite updates nothing (parameters,
             optimizer state and count, BatchNorm statistics) and the sampler moves on; more
             than ``max_consecutive_skips`` such steps in a row stop the run as above.
+        stall_timeout: seconds a rank may send nothing, or stay in one phase (a step, a
+            checkpoint, an evaluation), before the job ends (status 124) naming the ranks that
+            did not arrive, their nodes and the step (``toolkit.launch.stall``); 0: never.
         prefetch: ``True`` loads the next local batch in a background thread during the step,
             ``False`` when its step starts, ``"auto"`` the thread unless the data are numpy
             arrays in memory; ``trainer.prefetch_stats`` says how much loading time it hid.
@@ -150,6 +155,7 @@ class Trainer:
         divergence_window: int = 20,
         on_nonfinite: str = "stop",
         max_consecutive_skips: int = 5,
+        stall_timeout: float = DEFAULT_STALL_TIMEOUT,
         prefetch: bool | str = "auto",
         eval_batch_size: int = 1024,
         env: LaunchEnv | None = None,
@@ -190,6 +196,8 @@ class Trainer:
         self._train_data: Dataset | None = None  # its fingerprint, if any, is checkpointed
         self.env = env or current_env()
         self._log = MetricsLog(self.metrics_log, self.env.rank)
+        self.stall_timeout = check_timeout(stall_timeout)
+        self._watch = StallWatch(self.env.rank, self.env.world_size, 0)  # (until set-up)
         lr_scale(lr_scaling, 1)  # validates the name before any process group exists
         self.global_step = 0
         self._setup_done = False
@@ -203,6 +211,8 @@ class Trainer:
         # (custom adapters need not know the option while it is the default)
         self.adapter.setup(env, self.layout, **({} if self.device == "auto"
                                                  else {"device": self.device}))
+        self._watch = open_watch(env, self.stall_timeout, lambda v: self.adapter.allreduce(
+            v, "sum"), lambda record: self._log.write([{**record, "step": self.global_step}]))
         # The layout says which share of each global batch this process loads: its own under
         # data parallelism, its replica's under a pipeline or a tensor-parallel group that
         # spans processes (those processes compute one replica and must see the same samples).
@@ -211,12 +221,7 @@ class Trainer:
             num_samples, self.global_batch_size, world_size=share.count, rank=share.index,
             shuffle=self.shuffle, seed=self.seed, drop_last=self.drop_last)
         self.layout.micro_batch(self.sampler.local_batch_size)  # its error when they do not fit
-        if self.sampler.local_batch_size % self.accumulation_steps:
-            raise ToolkitError(
-                f"the local batch of {self.sampler.local_batch_size} samples (global "
-                f"{self.global_batch_size} / {share.count} data-parallel shares) does not split "
-                f"into accumulation_steps={self.accumulation_steps} micro-batches",
-                "choose a global batch divisible by world size x accumulation steps")
+        self.sampler.check_accumulation(self.accumulation_steps)
         # (options at their defaults are not passed: an adapter of one's own need not know them)
         options = {"clip_grad_norm": self.clip_grad_norm, "skip_nonfinite": self.skip_nonfinite,
                    "activation_checkpointing": self.activation_checkpointing}
@@ -293,6 +298,7 @@ class Trainer:
         if self.checkpoints.unsaved(self.global_step):
             self.save_checkpoint()
         self.checkpoints.wait()
+        self._watch.at("idle", self.global_step)
         return self._history
 
     def save_checkpoint(self) -> Path | None:
@@ -300,17 +306,8 @@ class Trainer:
         The steps since the last check pass the divergence guard first."""
         if self.checkpoints.store is not None and len(getattr(self, "_losses", ())):
             self._flush()  # raises TrainingDiverged before a diverged state is saved
-        return self.checkpoints.save(self.global_step)
-
-    def _stop_diverged(self, step: int, loss: float, why: str) -> None:
-        """Every rank (each holds the same averaged losses) stops together, the newest
-        checkpoint left as the last good one."""
-        self._log.write([{"event": "diverged", "step": step, "loss": loss, "why": why}])
-        last = self.checkpoints.newest()  # an asynchronous write of a good state completes
-        self._progress.clear()
-        self.adapter.barrier()
-        self.adapter.shutdown()
-        raise TrainingDiverged(step, loss, why, last)
+        with self._watch.during("checkpoint", self.global_step):
+            return self.checkpoints.save(self.global_step)
 
     def _flush(self) -> None:
         """Averages the pending step losses across ranks (one allreduce), logs them, and
@@ -329,7 +326,10 @@ class Trainer:
             for idx in sampler:
                 lr = learning_rate(self.optimizer, self.global_step) * scale \
                     if not _is_native(self.optimizer) else None
-                step = StepResult.of(self.adapter.train_step(*loader.get(idx), lr))
+                self._watch.at("input", self.global_step + 1)
+                batch = loader.get(idx)
+                self._watch.at("step", self.global_step + 1)
+                step = StepResult.of(self.adapter.train_step(*batch, lr))
                 self._losses.add(step, self.skip_nonfinite)  # (norm: the same on every rank)
                 self.global_step += 1
                 done = sampler.step if sampler.epoch == epoch else len(sampler)  # at its end
@@ -355,22 +355,6 @@ class Trainer:
                                          time.monotonic() - epoch_start)
                 history.epochs.append(record)
 
-    def _stop_preempted(self, loader: BatchPrefetcher) -> None:
-        """Every rank checkpoints this step and leaves together, its communicator shut down in
-        order (else Horovod reports a broken connection); the metrics log records the stop."""
-        self._flush()
-        self._progress.clear()
-        self.prefetch_stats = loader.stats()
-        self._log.write([{"event": "prefetch", **self.prefetch_stats}])
-        path = self.save_checkpoint() or self.checkpoints.directory
-        self.checkpoints.wait()
-        signame = self._stop.agreed_signal  # the same on every rank
-        self._log.write([{"event": "stopped", "signal": signame, "step": self.global_step,
-                          "checkpoint": str(path)}])
-        self.adapter.barrier()
-        self.adapter.shutdown()
-        raise TrainingPreempted(signame, self.global_step, path, self._stop.signal is None)
-
     def _loss_settled(self) -> bool:
         """False while the loss is above ``divergence_factor`` x its best: a scheduled
         checkpoint waits, so that the newest one predates a divergence found later."""
@@ -391,9 +375,10 @@ class Trainer:
                  y: np.ndarray | None = None) -> dict[str, float]:
         """Loss (and accuracy for classification) over all of ``data`` (``x`` with labels
         ``y``, or a data set), exactly as one process evaluating everything would."""
-        return evaluate(self.adapter, self.env, self.layout, as_dataset(
-            data, y, what="the evaluation data"), self.eval_batch_size, self.metrics,
-            with_accuracy=self.loss == "cross_entropy")
+        with self._watch.during("evaluation", self.global_step):
+            return evaluate(self.adapter, self.env, self.layout, as_dataset(
+                data, y, what="the evaluation data"), self.eval_batch_size, self.metrics,
+                with_accuracy=self.loss == "cross_entropy")
 
 
 def _is_native(optimizer: Any) -> bool:
