@@ -80,6 +80,9 @@ def launch_command(launcher: str, nproc: int, argv: list[str],
         mode = "--mpi" if launcher == "horovodrun-mpi-2nodes" else "--gloo"
         hosts = f"node1:{nproc - nproc // 2},node2:{nproc // 2}"
         return [*ON_NODE1, str(BIN / "horovodrun"), "-np", str(nproc), "-H", hosts, mode, *py]
+    if launcher == "srun-node1":  # every rank on node1 of the two-node cluster
+        return ["srun", "-N", "1", "-w", "node1", "-n", str(nproc), "--mpi=pmix",
+                "--kill-on-bad-exit=1", *py]
     if launcher == "torchrun":
         return [str(BIN / "torchrun"), "--nproc-per-node", str(nproc), *argv]
     raise ValueError(launcher)
@@ -163,7 +166,7 @@ def launch(request):
         extra = dict(env or {})
         if launcher == "srun":
             extra.update(request.getfixturevalue("slurm_cluster"))
-        if launcher.endswith("-2nodes"):
+        if launcher.endswith("-2nodes") or launcher == "srun-node1":
             extra.update(request.getfixturevalue("two_node_cluster"))
         with tempfile.TemporaryDirectory(prefix="results-") as results:
             extra.setdefault("TOOLKIT_TEST_RESULTS", results)
