@@ -31,7 +31,10 @@ from collections.abc import Callable
 STALLED_EXIT_CODE = 124
 DEFAULT_STALL_TIMEOUT = 600.0  # seconds: a first step that compiles for minutes still passes
 GONE_GRACE_SECONDS = 5.0  # a rank that failed says why and its launcher ends the job first
-_QUICK = 0.05  # seconds: a rank's phase changes reach rank 0 this often at most
+# A rank's phase changes reach rank 0 at most every _QUICK seconds, and rank 0 reads at most
+# _MESSAGES_PER_SECOND from all ranks together (a large job's ranks report less often).
+_QUICK = 0.05
+_MESSAGES_PER_SECOND = 2000
 
 # What a rank is doing, as the message says it; the order is the order within one step.
 PHASES = {
@@ -197,6 +200,8 @@ class StallWatch:
         values = np.asarray(exchange(values))
         host = bytes(int(v) for v in values[:int(values[65])]).decode()
         port = int(values[64])
+        if port == 0:  # rank 0 watches nothing (its stall_timeout is 0)
+            return
         if self.rank == 0:
             target, args = self._serve, (server,)
         else:
@@ -246,14 +251,14 @@ class StallWatch:
     def _heartbeat(self, sock: socket.socket) -> None:
         interval = min(1.0, self.timeout / 10)
         heard, buffer = time.monotonic(), b""
-        sock.settimeout(_QUICK)
+        sock.settimeout(max(_QUICK, self.world_size / _MESSAGES_PER_SECOND))
         try:
             while not self._stop.is_set():
                 self._changed.clear()
                 with self._lock:
                     sock.sendall(_line(self._report()))
                 deadline = time.monotonic() + interval
-                # (a new phase goes out at once, at most every _QUICK seconds)
+                # (a new phase goes out at once, but not more often than the socket's timeout)
                 while time.monotonic() < deadline and not self._changed.is_set():
                     try:
                         data = sock.recv(4096)
