@@ -190,7 +190,8 @@ start() {
   export SLURM_CONF=$CONF
   start_munge
   [ "$NODES" = 1 ] || make_network
-  running "$DIR/slurmctld.pid" || slurmctld -f "$CONF"
+  # A new cluster starts empty (-c): jobs of one stopped or crashed earlier hold no CPUs.
+  running "$DIR/slurmctld.pid" || slurmctld -c -f "$CONF"
   start_slurmds
   for _ in $(seq 1 60); do
     states=$(sinfo -h -N -o '%t' 2>/dev/null || true)

@@ -86,7 +86,7 @@ def test_a_rank_whose_process_died_is_named_after_a_grace(monkeypatch):
     job.root.at("checkpoint", 20)
     waited = job.wait(lambda: job.verdicts, 10)
     assert stall.GONE_GRACE_SECONDS - 0.5 < waited < stall.GONE_GRACE_SECONDS + 2, waited
-    assert "rank 1 on node2 ended (its connection closed) in step 20 (writing a checkpoint)" \
+    assert "rank 1 on node2 ended (connection closed) in step 20 (writing a checkpoint)" \
         in job.verdicts[0][0]
 
 

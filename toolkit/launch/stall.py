@@ -75,7 +75,7 @@ class _Rank:
 
 def _ranges(ranks: list[int]) -> str:
     """``[0, 1, 2, 5]`` -> ``"ranks 0-2, 5"``."""
-    parts, start = [], None
+    parts, start, ranks = [], None, sorted(ranks)
     for i, r in enumerate(ranks):
         if start is None:
             start = r
@@ -107,10 +107,10 @@ def diagnose(ranks: dict[int, _Rank], timeout: float, now: float,
         return None
     silent = [r for r in live if r.closed is None and now - r.heard > 3 * interval]
     lines = []
-    for late, how in ((gone, "ended (its connection closed) in {where}"),
+    for late, how in ((gone, "ended (connection closed) in {where}"),
                       (silent, "sent nothing for {t:.0f} s, last in {where}")):
         for where in dict.fromkeys(r.where() for r in late):
-            group = [r for r in late if r.where() == where]
+            group = sorted((r for r in late if r.where() == where), key=lambda r: r.rank)
             lines.append(f"{_ranges([r.rank for r in group])} on {_hosts(group)} "
                          + how.format(where=where, t=min(now - r.heard for r in group)))
     others = [r for r in live if r not in silent and r not in gone]
@@ -122,7 +122,7 @@ def diagnose(ranks: dict[int, _Rank], timeout: float, now: float,
                          f"did not arrive: still in {late[0].where()}")
             others = [r for r in others if r not in late]
     for where in dict.fromkeys(r.where() for r in others):
-        group = [r for r in others if r.where() == where]
+        group = sorted((r for r in others if r.where() == where), key=lambda r: r.rank)
         waited = max(r.seconds_in_phase + now - r.heard for r in group)
         lines.append(f"{_ranges([r.rank for r in group])} on {_hosts(group)} "
                      f"{'wait' if len(group) > 1 else 'waits'} in {where}, for {waited:.0f} s")
