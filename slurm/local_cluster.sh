@@ -155,6 +155,7 @@ make_network() {
     mkdir -p "$DIR/local/node$i" "$DIR/spool/node$i"
     if ! ip netns list | grep -qx "$ns\( (id: [0-9]*)\)\?"; then
       ip netns add "$ns"
+      ip link del "tkv$i" 2>/dev/null || true  # one a crashed run left behind
       ip link add "tkv$i" type veth peer name eth0 netns "$ns"
       ip link set "tkv$i" master "$BRIDGE"
       ip link set "tkv$i" up
@@ -213,6 +214,8 @@ stop() {
     for i in $(seq 1 "$NODES"); do
       local ns=toolkit-node$i
       ip netns pids "$ns" 2>/dev/null | xargs -r kill -9 2>/dev/null || true
+      # (the kernel frees a namespace's links lazily: a quick restart would meet them)
+      ip link del "tkv$i" 2>/dev/null || true
       ip netns del "$ns" 2>/dev/null || true
     done
     ip link del "$BRIDGE" 2>/dev/null || true
