@@ -3,7 +3,8 @@
 ``horovod-torch`` (``horovod_torch/pipeline.py``) and ``horovod-tf`` (``_tf_pipeline.py``) run a
 ``toolkit.Pipeline`` the same way; this base class holds everything but the tensors' arithmetic:
 
-- the rank grid (``toolkit.PipelineGrid``: rank ``r`` is stage ``r // D`` of replica ``r % D``),
+- the rank grid (the layout's ``toolkit.PipelineGrid``: which rank holds which stage of which
+  replica, as ``Pipeline.within_node`` places them),
   the schedule (``toolkit.pipeline_schedule``) regrouped into lockstep rounds
   (``toolkit.lockstep_rounds``), and the loop over them: each round every rank runs at most one
   forward or backward (the subclass's ``_compute``); the round's messages move in one named
@@ -53,7 +54,7 @@ def check_pipeline(layout: Any, world_size: int) -> PipelineGrid:
     if layout.schedule == "interleaved-1f1b" and layout.stages == 1 and layout.chunks > 1:
         raise ToolkitError("interleaved-1f1b with 1 stage has no neighbour to interleave with",
                            "use 2 or more stages, or chunks=1")
-    return PipelineGrid(world_size, layout.stages)
+    return layout.grid(world_size)
 
 
 class StageCompute(Protocol):

@@ -2,7 +2,8 @@
 host-side collectives, and the check that Horovod agrees with the launcher.
 
 A ``toolkit.Pipeline`` averages gradients in Horovod process sets (each stage's replicas, the
-end stages holding a tied embedding: ``toolkit.PipelineGrid.reduction_groups``). Horovod's
+end stages holding a tied embedding: ``toolkit.PipelineGrid.reduction_groups`` of the
+layout's ``grid``). Horovod's
 static sets must be given to the first ``hvd.init``, which is why the layout comes with
 ``setup``. A framework's runtime (``adapters/horovod_torch/runtime.py``,
 ``adapters/horovod_tf`` ...) imports its framework and its Horovod module in ``connect`` and
@@ -22,7 +23,6 @@ from toolkit.launch.cli import close_on_input_error
 from toolkit.launch.devices import choose_device
 from toolkit.models.specs import DTYPES, check_choice
 from toolkit.parallel.layouts import Pipeline
-from toolkit.parallel.pipeline.partition import PipelineGrid
 
 
 def init_horovod(hvd, layout: Any, world_size: int) -> dict[tuple[int, ...], Any]:
@@ -34,7 +34,7 @@ def init_horovod(hvd, layout: Any, world_size: int) -> dict[tuple[int, ...], Any
     ``setup``). If Horovod was initialised before (by the user's script or
     an earlier Trainer), a group not registered then is added dynamically, which Horovod allows
     only when ``HOROVOD_DYNAMIC_PROCESS_SETS=1`` was set before that first init."""
-    groups = (PipelineGrid(world_size, layout.stages).reduction_groups()
+    groups = (layout.grid(world_size).reduction_groups()
               if isinstance(layout, Pipeline) else ())
     if not hvd.is_initialized():
         sets = [hvd.ProcessSet(list(g)) for g in groups]

@@ -38,7 +38,7 @@ class StagePlacement(Protocol):
 
     def _setup_devices(self, devices: list[Any]) -> None:
         """Sets ``where``: the global index of each local device (in ``local_devices``' order;
-        device ``i`` is stage ``i // D`` of replica ``i % D``)."""
+        device ``i`` sits at ``grid.stage_of(i)``, ``grid.replica_of(i)``)."""
 
     def _collectives(self) -> Any:
         """The stage-axis collectives the compiled programs use (``ppermute`` shifts, psums)."""
@@ -139,9 +139,13 @@ class PipelineExecutor(StrategyBase):
         self.metrics = dict(metrics or {})
         self.tx = make_optimizer(optimizer, name)
         self.D = len(devices) // S
+        # The layout's rank grid over the devices (process-major): under the Trainer's samples
+        # a process's devices are consecutive replicas of one stage, as its ranks' grid says.
+        self.grid = self.layout.grid(
+            len(devices), jax.local_device_count() if self.samples == "replica" else 1)
         self._setup_devices(devices)
         self._index_of = dict(zip(self.local_devices, self.where, strict=True))
-        self._stage_of = {d: i // self.D for d, i in self._index_of.items()}
+        self._stage_of = {d: self.grid.stage_of(i) for d, i in self._index_of.items()}
         host = self.staged.flatten(self.staged.init, a.dtype_name)
         if a.env.world_size > 1:  # rank 0's initial parameters become everyone's
             from jax.experimental import multihost_utils
@@ -152,7 +156,7 @@ class PipelineExecutor(StrategyBase):
         self._set_state(host, self.opt.init(host))
         self.grads = self._zeros((self.staged.length,))
         self.ctrl = [[self._per_stage(w.ctrl) for w in r.waves] for r in self.plan.rounds]
-        local = [(i // self.D, i % self.D) for i in self.where]
+        local = [(self.grid.stage_of(i), self.grid.replica_of(i)) for i in self.where]
         self.local_stages = sorted({s for s, _ in local})
         self.position = (local[0][0], local[0][1] // jax.local_device_count())
         self.recorders = {s: StageRecorder(s, min(d for t, d in local if t == s))
@@ -359,8 +363,8 @@ class PipelineExecutor(StrategyBase):
         rows = {}
         for shard in arr.addressable_shards:
             i = self._index_of[shard.device]
-            if i % self.D == 0:
-                rows[i // self.D] = np.asarray(shard.data).reshape(-1)
+            if self.grid.replica_of(i) == 0:
+                rows[self.grid.stage_of(i)] = np.asarray(shard.data).reshape(-1)
         return rows
 
     def sharded_state(self):

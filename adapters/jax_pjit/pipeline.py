@@ -2,12 +2,13 @@
 devices, stages exchanging activations and their gradients with ``lax.ppermute`` inside
 ``jax.shard_map``.
 
-Ranks. The mesh is every device, process-major, reshaped ``(S, D)``: device ``i`` is stage
-``i // D`` of replica ``i % D`` (``toolkit.PipelineGrid``'s order applied to devices, so one
-process per device gives exactly its rank mapping; a process with ``L`` devices holds ``L``
-consecutive replicas of one stage, or, alone, several stages). Samples: see
-``adapters._jax.pipeline.PipelineExecutor``; gradients are summed over ``data`` (each
-backward scales by ``1 / B``).
+Ranks. The mesh holds every device, process-major, at the place the layout's
+``toolkit.PipelineGrid`` over the devices gives it (``executor.grid``: mesh cell ``(s, d)`` is
+device ``grid.rank(s, d)``), so one process per device gives exactly its rank mapping; a
+process with ``L`` devices holds ``L`` consecutive replicas of one stage, or, alone, several
+stages. Samples: see ``adapters._jax.pipeline.PipelineExecutor`` (each device takes its slice
+of its process's local batch); gradients are summed over ``data`` (each backward scales by
+``1 / B``).
 
 Execution. One step is three kinds of jitted programs over the mesh, each called by every process
 in the same order: ``prepare`` (the gather of the inputs and labels), one ``exchange`` per wave of
@@ -68,7 +69,8 @@ class PjitPipeline(PipelineExecutor):
         jax, S = self.host.jax, self.layout.stages
         from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-        self.mesh = Mesh(np.asarray(devices).reshape(S, self.D), ("stage", "data"))
+        cells = [[devices[self.grid.rank(s, d)] for d in range(self.D)] for s in range(S)]
+        self.mesh = Mesh(np.asarray(cells), ("stage", "data"))
         self._ns = lambda *dims: NamedSharding(self.mesh, PartitionSpec(*dims))
         self.where = [i for i, d in enumerate(devices) if d.process_index == jax.process_index()]
         self.local_devices = [devices[i] for i in self.where]
@@ -89,7 +91,14 @@ class PjitPipeline(PipelineExecutor):
         return self._place(np.zeros((S, D) + tuple(shape), self.host.dtype_name), ("stage", "data"))
 
     def _batch(self, local: np.ndarray):
-        return self.host.jax.make_array_from_process_local_data(self._ns(("stage", "data")), local)
+        """``(S, D, b, ...)``: each local device's slice of the local batch, in the devices'
+        order (the mesh's order of cells is the grid's, not the devices')."""
+        jax, S = self.host.jax, self.layout.stages
+        parts = local.reshape((len(self.local_devices), -1) + local.shape[1:])
+        return jax.make_array_from_single_device_arrays(
+            (S, self.D) + parts.shape[1:], self._ns("stage", "data"),
+            [jax.device_put(p[None, None], d) for p, d in zip(parts, self.local_devices,
+                                                                strict=True)])
 
     def _scalars(self, host: np.ndarray):
         return self._place(host, ())
@@ -108,7 +117,7 @@ class PjitPipeline(PipelineExecutor):
         smap = partial(jax.shard_map, mesh=self.mesh)
 
         def prepare(x):
-            return progs.prepare(x)[None, None]
+            return progs.prepare(x[0, 0])[None, None]
 
         def exchange(forward, backward):
             run = progs.exchange(forward, backward)
@@ -123,15 +132,16 @@ class PjitPipeline(PipelineExecutor):
             return p[None], tmap(lambda v: v[None], opt), g[None, None], loss, norm
 
         opt_specs = tmap(lambda _: st, self.opt_state)
-        prep = jax.jit(smap(prepare, in_specs=spec(("stage", "data")), out_specs=sd))
+        prep = jax.jit(smap(prepare, in_specs=sd, out_specs=sd))
         upd = jax.jit(smap(update, in_specs=(st, opt_specs, sd, sd, spec()),
                            out_specs=(st, opt_specs, sd, spec(), spec())),
                       donate_argnums=(0, 1, 2))
         self.box = self._zeros(progs.box_shape(self.plan.slots))
         self.losses = self._zeros((self.layout.micro_batches, progs.mb))
         # Compile everything now (the first round's arguments stand for every round's).
-        structs = [jax.ShapeDtypeStruct((n,) + a.shape[1:], a.dtype,
-                                        sharding=self._ns(("stage", "data"))) for a in (xi, yi)]
+        cells = (self.layout.stages, self.D, n // (self.layout.stages * self.D))
+        structs = [jax.ShapeDtypeStruct(cells + a.shape[1:], a.dtype,
+                                        sharding=self._ns("stage", "data")) for a in (xi, yi)]
         self._prepare = [prep.lower(s).compile() for s in structs]
         wave = next((w for ws in self.ctrl for w in ws), None)
         self._exchange = {(f, b): exchange(f, b).lower(self.box, wave).compile()

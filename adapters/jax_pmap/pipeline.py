@@ -3,21 +3,23 @@ on one axis, stages exchanging activations and their gradients with ``lax.ppermu
 explicit device indices.
 
 Ranks. Device ``i`` of the pmap axis (every device, process-major: a process's devices are
-consecutive indices, checked at build) is stage ``i // D`` of replica ``i % D``, the order
-jax-pjit's ``(stage, data)`` mesh gives, so a run moves between the two backends unchanged.
+consecutive indices, checked at build) sits where the layout's ``toolkit.PipelineGrid`` over
+the devices puts it (``executor.grid``), as in jax-pjit's ``(stage, data)`` mesh, so a run
+moves between the two backends unchanged.
 Every array has the local devices on its leading axis: a device holds its stage's flat
 parameter vector (a copy per replica), its own gradient, box and losses.
 
 Collectives (``DeviceAxisCollectives``, the mechanism of
 ``adapters._jax.programs.StagePrograms``, whose bodies jax-pjit runs under
-``shard_map``): ``ppermute`` with the pairs ``(a * D + d, b * D + d)`` for every replica ``d``;
-the sum over a stage's ``D`` replicas and the tied embedding's sum over a replica's holder
-stages are ``psum`` with ``axis_index_groups`` (the groups ``{s * D + d : d}`` and
-``{s * D + d : s}``), and the prepare step's gather of a replica's inputs is ``all_gather``
-with the latter groups. Grouped collectives work across processes on CPU with XLA's Gloo
-collectives on JAX 0.10.2 (verified here under ``horovodrun --gloo``: 2 processes x 1 and x 2
-devices, 4 processes x 1, against the sums by hand), so no padded one-hot ``(S, L)`` psum over
-every device is needed: each gradient element crosses only its own group.
+``shard_map``): ``ppermute`` with the pairs ``(grid.rank(a, d), grid.rank(b, d))`` for every
+replica ``d``; the sum over a stage's ``D`` replicas and the tied embedding's sum over a
+replica's holder stages are ``psum`` with ``axis_index_groups`` (the groups
+``grid.stage_ranks(s)`` and ``grid.pipeline_ranks(d)``), and the prepare step's gather of a
+replica's inputs is ``all_gather`` with the latter groups. Grouped collectives work across
+processes on CPU with XLA's Gloo collectives on JAX 0.10.2 (verified here under ``horovodrun
+--gloo``: 2 processes x 1 and x 2 devices, 4 processes x 1, against the sums by hand), so no
+padded one-hot ``(S, L)`` psum over every device is needed: each gradient element crosses
+only its own group.
 
 Compilation. A pmapped program cannot be compiled ahead for the local shapes of a multi-process
 run (``lower`` takes global ones), so each program's first call is preceded by a barrier: the
@@ -41,13 +43,13 @@ class DeviceAxisCollectives:
     """The mechanism of ``StagePrograms`` on pmap's one device axis (see the module
     docstring)."""
 
-    def __init__(self, lax, stages: int, replicas: int):
-        self.lax, self.D = lax, replicas
-        self.of_stage = [[s * replicas + d for d in range(replicas)] for s in range(stages)]
-        self.of_replica = [[s * replicas + d for s in range(stages)] for d in range(replicas)]
+    def __init__(self, lax, grid):
+        self.lax, self.grid = lax, grid  # (a toolkit.PipelineGrid over the pmap axis)
+        self.of_stage = [list(grid.stage_ranks(s)) for s in range(grid.stages)]
+        self.of_replica = [list(grid.pipeline_ranks(d)) for d in range(grid.replicas)]
 
     def stage(self):
-        return self.lax.axis_index(AXIS) // self.D
+        return self.grid.stage_of(self.lax.axis_index(AXIS))
 
     def replica_sum(self, x):
         return self.lax.psum(x, AXIS, axis_index_groups=self.of_stage)
@@ -59,9 +61,9 @@ class DeviceAxisCollectives:
         return self.lax.psum(x, AXIS)
 
     def shift(self, x, pairs):
-        D = self.D
-        return self.lax.ppermute(x, AXIS, [(a * D + d, b * D + d) for a, b in pairs
-                                           for d in range(D)])
+        rank = self.grid.rank
+        return self.lax.ppermute(x, AXIS, [(rank(a, d), rank(b, d)) for a, b in pairs
+                                           for d in range(self.grid.replicas)])
 
     def gather_replica(self, x):
         return self.lax.all_gather(x, AXIS, axis_index_groups=self.of_replica, axis=0,
@@ -103,13 +105,13 @@ class PmapPipeline(PipelineExecutor):
             jax.pmap(lambda t: lax.all_gather(t, AXIS), axis_name=AXIS), self.host.barrier)
 
     def _collectives(self) -> DeviceAxisCollectives:
-        return DeviceAxisCollectives(self.host.jax.lax, self.layout.stages, self.D)
+        return DeviceAxisCollectives(self.host.jax.lax, self.grid)
 
     def _stacked(self, host: np.ndarray):
         return self.host.jax.device_put(host, self.stacked)
 
     def _per_stage(self, host: np.ndarray):
-        return self._stacked(np.stack([host[i // self.D] for i in self.where]))
+        return self._stacked(np.stack([host[self.grid.stage_of(i)] for i in self.where]))
 
     def _zeros(self, shape: tuple[int, ...]):
         return self._stacked(np.zeros((len(self.where),) + tuple(shape), self.host.dtype_name))
@@ -124,7 +126,7 @@ class PmapPipeline(PipelineExecutor):
         """Every stage's vector on every process (an all-gather: every process calls)."""
         every = np.asarray(self._pfull(flat).addressable_data(0))
         every = every.reshape(self.layout.stages * self.D, -1)
-        return every[::self.D]
+        return every[[self.grid.rank(s, 0) for s in range(self.layout.stages)]]
 
     def _compile(self, n: int, xi: np.ndarray, yi: np.ndarray) -> None:
         """The step's pmapped programs for a global batch of ``n`` rows (compiled at their

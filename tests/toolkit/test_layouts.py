@@ -16,7 +16,9 @@ from toolkit.parallel.shards import FlatLayout, unit_layouts, units_of
 
 def test_names_round_trip_through_parse_layout():
     layouts = [DataParallel(), Sharded(1), Sharded(2), Sharded(3), Sharded(3, 2),
-               Pipeline(2, 4), Pipeline(4, 8, "gpipe"), Pipeline(4, 8, "interleaved-1f1b", 2)]
+               Pipeline(2, 4), Pipeline(4, 8, "gpipe"), Pipeline(4, 8, "interleaved-1f1b", 2),
+               Pipeline(2, 4, within_node="replicas"),
+               Pipeline(4, 8, "interleaved-1f1b", 2, within_node="replicas")]
     for layout in layouts:
         assert parse_layout(layout.name) == layout
     assert DataParallel().name == "data_parallel"
@@ -25,6 +27,14 @@ def test_names_round_trip_through_parse_layout():
     assert parse_layout("data") == DataParallel()
     assert parse_layout("sharded:2") == Sharded(stage=2)
     assert parse_layout("pipeline:2:4") == Pipeline(stages=2, micro_batches=4, schedule="1f1b")
+    # which axis stays within a node: said only when it is not the default
+    assert Pipeline(2, 4, within_node="stages").name == "pipeline:2:4:1f1b"
+    assert Pipeline(2, 4, "gpipe", within_node="replicas").name == (
+        "pipeline:2:4:gpipe:within-node=replicas")
+    for text in ("pipeline:2:4:within-node=replicas", "pipeline:2:4:1f1b:within_node=replicas",
+                 "Pipeline:2:4:1F1B:Within-Node=Replicas"):
+        assert parse_layout(text) == Pipeline(2, 4, within_node="replicas"), text
+    assert parse_layout("pipeline:2:4:1f1b:within-node=stages") == Pipeline(2, 4)
 
 
 def test_layouts_are_frozen():
@@ -42,6 +52,7 @@ def test_layouts_are_frozen():
     (lambda: Pipeline(2, 4, "zb-h1"), ["'zb-h1'", "gpipe, 1f1b, interleaved-1f1b"]),
     (lambda: Pipeline(2, 4, "1f1b", chunks=2), ["chunks=2", "interleaved-1f1b"]),
     (lambda: Pipeline(2.5, 4), ["stages=2.5"]),
+    (lambda: Pipeline(2, 4, within_node="data"), ["within_node='data'", "HINT: use 'stages'"]),
 ])
 def test_invalid_layouts_name_the_value(make, words):
     with pytest.raises(ToolkitError) as err:
@@ -174,8 +185,11 @@ def test_the_data_share_of_each_process_follows_its_place_in_the_mesh():
     assert shares(Sharded(1, tensor_parallel=4), 2, 2) == [(1, 0), (1, 0)]
     # 4 processes x 2 devices, groups of 4: processes {0, 1} and {2, 3}
     assert shares(Sharded(2, tensor_parallel=4), 4, 2) == [(2, 0), (2, 0), (2, 1), (2, 1)]
-    # a pipeline's stages share their replica's samples: rank r is replica r % D
-    assert shares(Pipeline(2, 4), 4, 1) == [(2, 0), (2, 1), (2, 0), (2, 1)]
+    # a pipeline's stages share their replica's samples: rank r is replica r // S, or, with
+    # a stage's replicas on neighbouring ranks, r % D
+    assert shares(Pipeline(2, 4), 4, 1) == [(2, 0), (2, 0), (2, 1), (2, 1)]
+    assert shares(Pipeline(2, 4, within_node="replicas"), 4, 1) == [(2, 0), (2, 1), (2, 0),
+                                                                    (2, 1)]
     assert shares(Pipeline(2, 4), 2, 1) == [(1, 0), (1, 0)]
 
 
@@ -229,6 +243,27 @@ def test_layouts_in_words_and_their_micro_batch():
     assert Pipeline(2, 6).micro_batch(12, accumulation_steps=3) == 2
     for layout in (DataParallel(), Sharded(1), Pipeline(2, 4)):
         assert type(layout.micro_batch(8, 2)) is int
+
+
+def test_each_layout_says_what_a_rank_holds():
+    assert [DataParallel().holds(2, r) for r in range(2)] == ["replica 0", "replica 1"]
+    assert DataParallel().holds(2, 1, local_devices=2) == "replicas 2-3"
+    assert Sharded(3).holds(4, 2) == "shard 2" and Sharded(2).holds(2, 1, 2) == "shards 2-3"
+    assert Sharded(3, tensor_parallel=2).holds(4, 3) == "shard 1, tensor part 1"
+    assert Sharded(3, tensor_parallel=2).holds(2, 1, 2) == "shard 1, tensor parts 0-1"
+    assert Sharded(3, tensor_parallel=2).holds(1, 0, 4) == "shards 0-1, tensor parts 0-1"
+    assert Sharded(3, tensor_parallel=4).holds(4, 2, 2) == "shard 1, tensor parts 0-1"
+    assert [Pipeline(2, 4).holds(4, r) for r in range(4)] == [
+        "replica 0, stage 0", "replica 0, stage 1", "replica 1, stage 0", "replica 1, stage 1"]
+    assert [Pipeline(2, 4, within_node="replicas").holds(4, r) for r in range(4)] == [
+        "replica 0, stage 0", "replica 1, stage 0", "replica 0, stage 1", "replica 1, stage 1"]
+    # two devices per process (jax-pmap, jax-pjit): a process holds two replicas of a stage
+    assert [Pipeline(2, 4).holds(4, r, 2) for r in range(4)] == [
+        "replicas 0-1, stage 0", "replicas 0-1, stage 1", "replicas 2-3, stage 0",
+        "replicas 2-3, stage 1"]
+    assert [Pipeline(2, 4, within_node="replicas").holds(4, r, 2) for r in range(4)] == [
+        "replicas 0-1, stage 0", "replicas 2-3, stage 0", "replicas 0-1, stage 1",
+        "replicas 2-3, stage 1"]
 
 
 class _Plain:  # a backend with data parallelism only (toolkit.Adapter's methods)
@@ -289,7 +324,9 @@ def test_resolve_layout_reads_forms_and_refuses_what_a_backend_cannot_run():
 
 
 FORMS = ("write one of: data, sharded:1|2|3, "
-         "pipeline:STAGES:MICRO_BATCHES[:gpipe|1f1b|interleaved-1f1b]")
+         "pipeline:STAGES:MICRO_BATCHES[:gpipe|1f1b|interleaved-1f1b][:within-node=stages|"
+         "replicas]")
+NODE_HINT = "HINT: write within-node=stages (the default) or within-node=replicas"
 PIPELINE_EXAMPLE = "HINT: e.g. Pipeline(stages=4, micro_batches=8)"
 
 
@@ -305,6 +342,15 @@ PIPELINE_EXAMPLE = "HINT: e.g. Pipeline(stages=4, micro_batches=8)"
     ("pipeline:2:4:interleaved-1f1b:z",
      f"layout 'pipeline:2:4:interleaved-1f1b:z': chunks 'z' is not an integer\nHINT: {FORMS}"),
     ("Tensor", f"unknown layout 'Tensor'\nHINT: {FORMS}"),
+    ("pipeline:2:4:1f1b:within-node=stage",
+     "layout 'pipeline:2:4:1f1b:within-node=stage': within-node='stage' is not a pipeline "
+     f"axis\n{NODE_HINT}: a replica's stages, or a stage's replicas, on neighbouring ranks "
+     "(inside a node)"),
+    ("pipeline:2:4:nodes=replicas", "layout 'pipeline:2:4:nodes=replicas': unknown pipeline "
+     f"option 'nodes'\n{NODE_HINT}, e.g. pipeline:2:4:1f1b:within-node=replicas"),
+    ("sharded:3:within-node=replicas", "layout 'sharded:3:within-node=replicas': expected tpN "
+     "after the stage\nHINT: e.g. sharded:3 or sharded:3:tp2"),
+    ("pipeline:2:4:1f1b:2:3", f"unknown layout 'pipeline:2:4:1f1b:2:3'\nHINT: {FORMS}"),
 ])
 def test_parse_layout_errors_whole(text, message):
     with pytest.raises(ToolkitError) as err:

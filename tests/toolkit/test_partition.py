@@ -130,26 +130,53 @@ def test_explicit_splits_pass_through():
 
 def test_micro_batches_and_grid():
     assert micro_batch_size(32, 8) == 4 and micro_batch_size(5, 5) == 1
-    grid = PipelineGrid(world_size=4, stages=2)
+    grid = PipelineGrid(world_size=4, stages=2)  # a replica's stages on neighbouring ranks
     assert grid.replicas == 2
+    assert [(grid.stage_of(r), grid.replica_of(r)) for r in range(4)] == [
+        (0, 0), (1, 0), (0, 1), (1, 1)]
+    assert grid.pipeline_ranks(1) == (2, 3) and grid.stage_ranks(1) == (1, 3)
+    grid = PipelineGrid(world_size=4, stages=2, within_node="replicas")
     assert [(grid.stage_of(r), grid.replica_of(r)) for r in range(4)] == [
         (0, 0), (0, 1), (1, 0), (1, 1)]
     assert grid.pipeline_ranks(1) == (1, 3) and grid.stage_ranks(1) == (2, 3)
-    assert all(grid.rank(grid.stage_of(r), grid.replica_of(r)) == r for r in range(4))
 
 
-@pytest.mark.parametrize("world, stages, groups", [
-    (2, 2, ()),                      # D = 1: nothing to average; the ends are the whole world
-    (4, 2, ((0, 1), (2, 3))),        # each stage's 2 replicas; the ends are the world
-    (3, 3, ((0, 2),)),               # the tied embedding's first and last stage
-    (6, 3, ((0, 1), (2, 3), (4, 5), (0, 1, 4, 5))),
-    (4, 1, ()),                      # one stage: its replicas are the whole world
+@pytest.mark.parametrize("within", ["stages", "replicas"])
+@pytest.mark.parametrize("world, stages, per_rank", [
+    (4, 2, 1), (6, 3, 1), (8, 2, 2), (12, 2, 3), (8, 4, 2), (8, 1, 4), (3, 3, 1)])
+def test_every_rank_has_one_place_and_a_rank_s_devices_hold_one_stage(within, world, stages,
+                                                                      per_rank):
+    grid = PipelineGrid(world, stages, within, per_rank)
+    places = [(grid.stage_of(i), grid.replica_of(i)) for i in range(world)]
+    assert sorted(places) == [(s, d) for s in range(stages) for d in range(world // stages)]
+    assert all(grid.rank(s, d) == i for i, (s, d) in enumerate(places))
+    for first in range(0, world, per_rank):  # a rank's devices: consecutive replicas, a stage
+        run = places[first:first + per_rank]
+        assert {s for s, _ in run} == {run[0][0]}
+        assert [d for _, d in run] == list(range(run[0][1], run[0][1] + per_rank))
+    # the devices' grid agrees with the ranks' grid: device r * L + j is a replica of rank r's
+    ranks = PipelineGrid(world // per_rank, stages, within)
+    for i, (s, d) in enumerate(places):
+        assert (s, d // per_rank) == (ranks.stage_of(i // per_rank),
+                                      ranks.replica_of(i // per_rank))
+    if within == "replicas":  # stage i // D of replica i % D, whatever a rank's devices
+        assert places == [(i // (world // stages), i % (world // stages)) for i in range(world)]
+
+
+@pytest.mark.parametrize("world, stages, within, groups", [
+    (2, 2, "stages", ()),          # D = 1: nothing to average; the ends are the whole world
+    (4, 2, "stages", ((0, 2), (1, 3))),  # each stage's 2 replicas; the ends are the world
+    (4, 2, "replicas", ((0, 1), (2, 3))),
+    (3, 3, "stages", ((0, 2),)),   # the tied embedding's first and last stage
+    (6, 3, "stages", ((0, 3), (1, 4), (2, 5), (0, 2, 3, 5))),
+    (6, 3, "replicas", ((0, 1), (2, 3), (4, 5), (0, 1, 4, 5))),
+    (4, 1, "stages", ()),          # one stage: its replicas are the whole world
 ])
-def test_reduction_groups(world, stages, groups):
-    grid = PipelineGrid(world_size=world, stages=stages)
+def test_reduction_groups(world, stages, within, groups):
+    grid = PipelineGrid(world_size=world, stages=stages, within_node=within)
     assert grid.reduction_groups() == groups
-    assert grid.end_ranks() == grid.stage_ranks(0) + (
-        grid.stage_ranks(stages - 1) if stages > 1 else ())
+    assert grid.end_ranks() == tuple(sorted(grid.stage_ranks(0) + (
+        grid.stage_ranks(stages - 1) if stages > 1 else ())))
 
 
 @pytest.mark.parametrize("call, message", [
@@ -196,6 +223,13 @@ def test_reduction_groups(world, stages, groups):
     (lambda: PipelineGrid(6, 4),
      "world size 6 is not a multiple of the 4 pipeline stages\nHINT: launch S x D ranks, e.g. "
      "4 or 8, or use a number of stages that divides the world size"),
+    (lambda: PipelineGrid(4, 2, within_node="nodes"),
+     "within_node='nodes' is not a pipeline axis\nHINT: use 'stages' (a replica's stages on "
+     "neighbouring ranks, inside a node: the default) or 'replicas' (a stage's replicas inside "
+     "a node, stages across nodes)"),
+    (lambda: PipelineGrid(6, 2, per_rank=2),
+     "6 devices in runs of 2 per rank do not give each of the 2 stages whole runs\nHINT: use a "
+     "number of ranks that is a multiple of 2"),
 ])
 def test_partition_errors_say_what_was_wrong_and_what_to_do(call, message):
     with pytest.raises(ToolkitError) as err:

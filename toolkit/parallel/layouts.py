@@ -3,12 +3,15 @@
 - ``DataParallel()``: every rank holds the whole model and optimizer state (the default).
 - ``Sharded(stage)``: ZeRO stage 1 shards the optimizer state over the ranks, stage 2 also the
   gradients, stage 3 also the parameters (= FSDP's full sharding).
-- ``Pipeline(stages, micro_batches, schedule, chunks)``: the model cut into ``stages`` pieces;
-  ``S x D`` ranks are ``D`` data-parallel replicas of an ``S``-stage pipeline.
+- ``Pipeline(stages, micro_batches, schedule, chunks, within_node)``: the model cut into
+  ``stages`` pieces; ``S x D`` ranks are ``D`` data-parallel replicas of an ``S``-stage
+  pipeline, a replica's stages on neighbouring ranks (or, ``within_node="replicas"``, a
+  stage's replicas).
 
 ``parse_layout`` reads the command-line form (``data``, ``sharded:3``, ``pipeline:4:8:1f1b``)
 and every layout's ``name`` writes it back (``data_parallel`` for data parallel), so a manifest
-records the layout a run used.
+records the layout a run used. Every layout says what each rank holds (``holds``: the start-up
+block's placement table).
 """
 
 from __future__ import annotations
@@ -18,10 +21,16 @@ import numbers
 from typing import ClassVar
 
 from toolkit.errors import ToolkitError
-from toolkit.parallel.pipeline.partition import PipelineGrid, micro_batch_size
+from toolkit.parallel.pipeline.partition import (
+    WITHIN_NODE,
+    PipelineGrid,
+    check_within_node,
+    micro_batch_size,
+)
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
-LAYOUT_FORMS = "data, sharded:1|2|3, pipeline:STAGES:MICRO_BATCHES[:gpipe|1f1b|interleaved-1f1b]"
+LAYOUT_FORMS = ("data, sharded:1|2|3, pipeline:STAGES:MICRO_BATCHES[:gpipe|1f1b|interleaved-1f1b]"
+                "[:within-node=stages|replicas]")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,6 +47,11 @@ class DataShare:
 
     count: int
     index: int
+
+
+def _span(word: str, first: int, count: int) -> str:
+    """``replica 3`` or, for several consecutive ones, ``replicas 2-3``."""
+    return f"{word} {first}" if count == 1 else f"{word}s {first}-{first + count - 1}"
 
 
 def _positive_int(owner: str, field: str, value: object, example: str) -> int:
@@ -68,6 +82,10 @@ class DataParallel:
     def describe(self, world_size: int, local_devices: int = 1) -> str:
         """The layout in words, on ``world_size`` processes of ``local_devices`` each."""
         return f"data parallel over {world_size * local_devices} device(s)"
+
+    def holds(self, world_size: int, rank: int, local_devices: int = 1) -> str:
+        """What ``rank`` holds: a whole replica per device (``replicas 2-3``)."""
+        return _span("replica", rank * local_devices, local_devices)
 
     def micro_batch(self, local_batch: int, accumulation_steps: int = 1) -> int:
         """Samples per forward pass: the local batch over the accumulation steps."""
@@ -134,6 +152,16 @@ class Sharded:
         return (f"{self.name} (ZeRO-{self.stage}) over data={world_size * local_devices // k}"
                 f"{model}")
 
+    def holds(self, world_size: int, rank: int, local_devices: int = 1) -> str:
+        """What ``rank`` holds: the shard of its devices' data index (``shards 2-3``) and,
+        with tensor parallelism, its devices' parts of the split matrices."""
+        k, first, local = self.tensor_parallel, rank * local_devices, local_devices
+        if k == 1:
+            return _span("shard", first, local)
+        shards = max(1, local // k)  # the data indices of the (data, model) mesh it holds
+        return (f"{_span('shard', first // k, shards)}, "
+                f"{_span('tensor part', first % k, min(k, local))}")
+
     def micro_batch(self, local_batch: int, accumulation_steps: int = 1) -> int:
         """Samples per forward pass: the local batch over the accumulation steps."""
         return local_batch // accumulation_steps
@@ -153,6 +181,11 @@ class Pipeline:
         splits: explicit split points, the first layer of every piece but the first
             (``stages x chunks - 1`` increasing indices); empty: balanced by parameter count.
             Not part of ``name`` (a checkpoint is the same whatever the cut).
+        within_node: the axis placed on neighbouring ranks, so inside a node: ``"stages"`` (a
+            replica's stages: activations stay inside a node, each stage's gradient allreduce
+            crosses nodes) or ``"replicas"`` (a stage's replicas: the allreduce stays inside a
+            node, activations cross). Text form ``:within-node=replicas``. Checkpoints do not
+            depend on it. See ``toolkit.PipelineGrid``.
     """
 
     stages: int
@@ -160,6 +193,7 @@ class Pipeline:
     schedule: str = "1f1b"
     chunks: int = 1
     splits: tuple[int, ...] = ()
+    within_node: str = "stages"
     kind: ClassVar[str] = "pipeline"
     collective_forward: ClassVar[bool] = True
 
@@ -186,16 +220,23 @@ class Pipeline:
                 f"indices", f"give the first layer of each of the {pieces} pieces but the first, "
                 f"e.g. splits={tuple(range(1, pieces))}, or none to balance by size")
         object.__setattr__(self, "splits", tuple(int(p) for p in splits))
+        check_within_node(self.within_node)
 
     @property
     def name(self) -> str:
         chunks = f":{self.chunks}" if self.chunks > 1 else ""
-        return f"pipeline:{self.stages}:{self.micro_batches}:{self.schedule}{chunks}"
+        node = f":within-node={self.within_node}" if self.within_node != WITHIN_NODE[0] else ""
+        return f"pipeline:{self.stages}:{self.micro_batches}:{self.schedule}{chunks}{node}"
+
+    def grid(self, world_size: int, per_rank: int = 1) -> PipelineGrid:
+        """Which rank (or, with ``per_rank`` devices each, which device) holds which stage
+        of which replica: the one mapping every backend uses."""
+        return PipelineGrid(world_size, self.stages, self.within_node, per_rank)
 
     def data_share(self, world_size: int, rank: int, local_devices: int = 1) -> DataShare:
         """Every rank of a replica loads the replica's share (stage 0 uses the inputs, the
         last stage the labels): ``D = world_size / stages`` shares."""
-        grid = PipelineGrid(world_size, self.stages)
+        grid = self.grid(world_size)
         return DataShare(grid.replicas, grid.replica_of(rank))
 
     def describe(self, world_size: int, local_devices: int = 1) -> str:
@@ -203,6 +244,14 @@ class Pipeline:
         chunks = f", {self.chunks} chunks per stage" if self.chunks > 1 else ""
         return (f"pipeline of {self.stages} stages x {world_size // self.stages} replica(s), "
                 f"{self.micro_batches} micro-batches, {self.schedule}{chunks}")
+
+    def holds(self, world_size: int, rank: int, local_devices: int = 1) -> str:
+        """What ``rank`` holds, e.g. ``replica 1, stage 0`` (its devices: consecutive
+        replicas of one stage)."""
+        grid = self.grid(world_size * local_devices, local_devices)
+        first = rank * local_devices
+        return (f"{_span('replica', grid.replica_of(first), local_devices)}, "
+                f"stage {grid.stage_of(first)}")
 
     def micro_batch(self, local_batch: int, accumulation_steps: int = 1) -> int:
         """Samples per forward pass: the replica's batch over the schedule's micro-batches
@@ -225,12 +274,15 @@ def parse_layout(text: str) -> Layout:
     """The layout the command-line form ``text`` names.
 
     ``data`` (or ``data_parallel``), ``sharded:S``, ``pipeline:S:M``, ``pipeline:S:M:SCHEDULE``
-    and, for the interleaved schedule, ``pipeline:S:M:interleaved-1f1b:CHUNKS``. A layout's
+    and, for the interleaved schedule, ``pipeline:S:M:interleaved-1f1b:CHUNKS``; a pipeline
+    may end with ``:within-node=stages|replicas`` (``Pipeline.within_node``). A layout's
     ``name`` parses back to an equal layout.
 
     Example:
-        >>> parse_layout("pipeline:2:4")
-        Pipeline(stages=2, micro_batches=4, schedule='1f1b', chunks=1, splits=())
+        >>> parse_layout("pipeline:2:4") == Pipeline(stages=2, micro_batches=4, schedule="1f1b")
+        True
+        >>> parse_layout("pipeline:2:4:gpipe:within-node=replicas").name
+        'pipeline:2:4:gpipe:within-node=replicas'
     """
     parts = str(text).strip().lower().split(":")
     kind = parts[0]
@@ -244,13 +296,30 @@ def parse_layout(text: str) -> Layout:
                                    "e.g. sharded:3 or sharded:3:tp2")
             tp = _int_field(text, parts[2][2:], "tensor-parallel size")
         return Sharded(_int_field(text, parts[1], "stage"), tp)
-    if kind == "pipeline" and len(parts) in (3, 4, 5):
-        stages = _int_field(text, parts[1], "stages")
-        micro = _int_field(text, parts[2], "micro-batches")
-        schedule = parts[3] if len(parts) > 3 else "1f1b"
-        chunks = _int_field(text, parts[4], "chunks") if len(parts) > 4 else 1
-        return Pipeline(stages, micro, schedule, chunks)
+    if kind == "pipeline":
+        options = dict(p.partition("=")[::2] for p in parts[1:] if "=" in p)
+        parts = [p for p in parts if "=" not in p]
+        if len(parts) in (3, 4, 5):
+            return Pipeline(_int_field(text, parts[1], "stages"),
+                            _int_field(text, parts[2], "micro-batches"),
+                            parts[3] if len(parts) > 3 else "1f1b",
+                            _int_field(text, parts[4], "chunks") if len(parts) > 4 else 1,
+                            within_node=_within_node(text, options))
     raise ToolkitError(f"unknown layout {text!r}", f"write one of: {LAYOUT_FORMS}")
+
+
+def _within_node(text: str, options: dict[str, str]) -> str:
+    """The ``within-node=...`` option of a pipeline's text form (the only option)."""
+    hint = "write within-node=stages (the default) or within-node=replicas"
+    for key, value in options.items():
+        if key.replace("_", "-") != "within-node":
+            raise ToolkitError(f"layout {text!r}: unknown pipeline option {key!r}",
+                               f"{hint}, e.g. pipeline:2:4:1f1b:within-node=replicas")
+        if value not in WITHIN_NODE:
+            raise ToolkitError(f"layout {text!r}: within-node={value!r} is not a pipeline axis",
+                               f"{hint}: a replica's stages, or a stage's replicas, on "
+                               "neighbouring ranks (inside a node)")
+    return options.get("within-node", options.get("within_node", WITHIN_NODE[0]))
 
 
 def resolve_layout(layout, adapter):

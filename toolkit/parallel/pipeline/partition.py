@@ -9,9 +9,13 @@ stage holds.
 Interleaved schedules cut the model into ``S x v`` *chunks*: chunk ``k`` (the virtual stage ``k``)
 lives on rank ``k % S`` as that rank's local chunk ``k // S``, Megatron-LM's placement.
 
-A pipeline's ``S x D`` ranks are ``D`` data-parallel replicas of an ``S``-stage pipeline; rank
-``r`` is stage ``r // D`` of replica ``r % D`` (stage-major, Megatron-LM's order: the ranks that
-average gradients together are neighbours, the once-per-micro-batch activations travel further).
+A pipeline's ``S x D`` ranks are ``D`` data-parallel replicas of an ``S``-stage pipeline;
+``PipelineGrid`` says which rank holds which ``(stage, replica)``. Launchers fill a node with
+consecutive ranks, so the axis that runs over consecutive ranks stays within a node:
+``within_node="stages"`` (the default) puts a replica's stages on consecutive ranks (rank
+``r`` is stage ``r % S`` of replica ``r // S``: activations stay inside a node, the gradient
+allreduce crosses nodes), ``"replicas"`` a stage's replicas (stage ``r // D`` of replica
+``r % D``: the allreduce stays inside a node, activations cross).
 """
 
 from __future__ import annotations
@@ -221,36 +225,79 @@ def partition_model(spec, stages: int, chunks: int = 1,
     return ModelPartition(stages, chunks, ranges, tuple(names), piece_costs, shared)
 
 
+WITHIN_NODE = ("stages", "replicas")
+
+
 @dataclasses.dataclass(frozen=True)
 class PipelineGrid:
     """Where a rank sits in ``replicas`` data-parallel copies of a ``stages``-stage pipeline.
 
-    Rank ``r`` is stage ``r // replicas`` of replica ``r % replicas``.
+    Args:
+        world_size: ranks (or devices: the JAX backends place their devices on the same grid,
+            device ``i`` of the process-major order in place of rank ``i``).
+        stages: pipeline stages ``S``.
+        within_node: the axis on consecutive ranks, so within a node: ``"stages"`` (rank ``r``
+            is stage ``r % S`` of replica ``r // S``) or ``"replicas"`` (stage ``r // D`` of
+            replica ``r % D``).
+        per_rank: indices that come in runs of this many, a rank's devices: a run holds
+            ``per_rank`` consecutive replicas of one stage, and the runs sit on the grid as
+            ranks do (so a process's devices hold one stage, as the Trainer's samples assume).
+
+    Every position is plain arithmetic (``//``, ``%``, ``*``, ``+``), so a traced index works
+    too (jax-pmap's ``lax.axis_index``).
+
+    Example:
+        >>> grid = PipelineGrid(world_size=4, stages=2)
+        >>> [(grid.stage_of(r), grid.replica_of(r)) for r in range(4)]
+        [(0, 0), (1, 0), (0, 1), (1, 1)]
+        >>> PipelineGrid(4, 2, within_node="replicas").stage_ranks(0)
+        (0, 1)
     """
 
     world_size: int
     stages: int
+    within_node: str = "stages"
+    per_rank: int = 1
 
     def __post_init__(self) -> None:
         _count("world size", self.world_size, "world size 4")
         _count("stages", self.stages, "stages=2")
+        _count("per_rank", self.per_rank, "per_rank=1")
+        check_within_node(self.within_node)
         if self.world_size % self.stages:
             raise ToolkitError(
                 f"world size {self.world_size} is not a multiple of the {self.stages} pipeline "
                 "stages", f"launch S x D ranks, e.g. {self.stages} or {2 * self.stages}, or use "
                 "a number of stages that divides the world size")
+        if self.world_size % (self.stages * self.per_rank):
+            raise ToolkitError(
+                f"{self.world_size} devices in runs of {self.per_rank} per rank do not give "
+                f"each of the {self.stages} stages whole runs",
+                f"use a number of ranks that is a multiple of {self.stages}")
 
     @property
     def replicas(self) -> int:
         return self.world_size // self.stages
 
+    @property
+    def _stages_inside(self) -> bool:
+        return self.within_node == "stages"
+
     def stage_of(self, rank: int) -> int:
+        if self._stages_inside:
+            return rank // self.per_rank % self.stages
         return rank // self.replicas
 
     def replica_of(self, rank: int) -> int:
+        if self._stages_inside:
+            p = self.per_rank
+            return rank // (p * self.stages) * p + rank % p
         return rank % self.replicas
 
     def rank(self, stage: int, replica: int) -> int:
+        if self._stages_inside:
+            p = self.per_rank
+            return (replica // p * self.stages + stage) * p + replica % p
         return stage * self.replicas + replica
 
     def pipeline_ranks(self, replica: int) -> tuple[int, ...]:
@@ -258,14 +305,15 @@ class PipelineGrid:
         return tuple(self.rank(s, replica) for s in range(self.stages))
 
     def stage_ranks(self, stage: int) -> tuple[int, ...]:
-        """The ranks holding ``stage`` (they average its gradients)."""
+        """The ranks holding ``stage`` (they average its gradients), in increasing order."""
         return tuple(self.rank(stage, d) for d in range(self.replicas))
 
     def end_ranks(self) -> tuple[int, ...]:
-        """The ranks of the first and the last stage: they sum the gradient of a parameter both
-        hold (a GPT's tied ``tok_emb``; Megatron-LM's embedding group)."""
+        """The ranks of the first and the last stage, in increasing order: they sum the
+        gradient of a parameter both hold (a GPT's tied ``tok_emb``; Megatron-LM's embedding
+        group)."""
         last = self.stage_ranks(self.stages - 1) if self.stages > 1 else ()
-        return self.stage_ranks(0) + last
+        return tuple(sorted(self.stage_ranks(0) + last))
 
     def reduction_groups(self) -> tuple[tuple[int, ...], ...]:
         """The rank groups a step's gradient reduction runs in, leaving out single ranks and
@@ -275,6 +323,8 @@ class PipelineGrid:
 
         Example:
             >>> PipelineGrid(world_size=6, stages=3).reduction_groups()
+            ((0, 3), (1, 4), (2, 5), (0, 2, 3, 5))
+            >>> PipelineGrid(world_size=6, stages=3, within_node="replicas").reduction_groups()
             ((0, 1), (2, 3), (4, 5), (0, 1, 4, 5))
         """
         groups = [self.stage_ranks(s) for s in range(self.stages)] + [self.end_ranks()]
@@ -283,6 +333,16 @@ class PipelineGrid:
             if 1 < len(g) < self.world_size and g not in out:
                 out.append(g)
         return tuple(out)
+
+
+def check_within_node(value: object) -> str:
+    """``value`` when it names a pipeline axis to keep within a node, else a ToolkitError."""
+    if value not in WITHIN_NODE:
+        raise ToolkitError(
+            f"within_node={value!r} is not a pipeline axis",
+            "use 'stages' (a replica's stages on neighbouring ranks, inside a node: the "
+            "default) or 'replicas' (a stage's replicas inside a node, stages across nodes)")
+    return str(value)
 
 
 def micro_batch_size(local_batch: int, micro_batches: int) -> int:
