@@ -21,7 +21,8 @@ OPTIONS: dict[str, tuple[str, dict[str, Any]]] = {
                      dict(type=int, default=64, help="global batch (all ranks together)")),
     "--seed": ("seed", dict(type=int, default=0)),
     "--layout": ("layout", dict(default="data", help="data, sharded:1|2|3 or "
-                                "pipeline:S:M[:schedule] (docs/layouts)")),
+                                "pipeline:S:M[:schedule][:within-node=stages|replicas] "
+                                "(docs/layouts)")),
     "--accumulation-steps": ("accumulation_steps", dict(type=int, default=1)),
     "--checkpoint-dir": ("checkpoint_dir", dict(default=None)),
     "--checkpoint-every": ("checkpoint_every",

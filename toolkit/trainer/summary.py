@@ -4,7 +4,10 @@ record, with the same facts."""
 from __future__ import annotations
 
 import math
+import socket
 from typing import Any
+
+from toolkit.trainer.placement import format_placement, gather_nodes, placement_facts
 
 
 def parameter_count(model: Any) -> int | None:
@@ -19,12 +22,17 @@ def parameter_count(model: Any) -> int | None:
 
 
 def run_facts(trainer: Any, samples: int) -> dict[str, Any]:
-    """The start facts of ``trainer`` (a ``toolkit.Trainer`` after its set-up)."""
+    """The start facts of ``trainer`` (a ``toolkit.Trainer`` after its set-up). A collective:
+    every rank calls it (the ranks' hosts are gathered for the placement table)."""
     from toolkit.contract import DrivesDevices
 
     t, env = trainer, trainer.env
     drives = isinstance(t.adapter, DrivesDevices)
+    nodes = gather_nodes(t.adapter.allreduce if env.is_distributed else None, env.world_size,
+                         env.rank, socket.gethostname())
     return start_facts(
+        placement=placement_facts(nodes, t.layout, env.world_size,
+                                  t.adapter.local_device_count() if drives else 1),
         backend=t.adapter.name, layout=t.layout, world_size=env.world_size,
         local_size=env.local_size, num_nodes=env.num_nodes,
         dtype=t.adapter.dtype_name if drives else None,
@@ -39,8 +47,10 @@ def start_facts(*, backend: str, layout: Any, world_size: int, local_size: int, 
                 devices: list[str], dtype: str | None, global_batch: int, local_batch: int,
                 accumulation_steps: int, model: Any, samples: int, steps_per_epoch: int,
                 checkpoint_dir: Any, resumed_from: Any, resumed_step: int,
-                precision: str | None = None) -> dict[str, Any]:
-    """The facts of a run's start, as JSON values."""
+                precision: str | None = None,
+                placement: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The facts of a run's start, as JSON values (``placement``: the table of
+    ``toolkit.trainer.placement.placement_facts``)."""
     micro = layout.micro_batch(local_batch, accumulation_steps)
     return {
         "backend": backend, "dtype": dtype, "precision": precision,
@@ -53,7 +63,7 @@ def start_facts(*, backend: str, layout: Any, world_size: int, local_size: int, 
         "samples": samples, "steps_per_epoch": steps_per_epoch,
         "checkpoint_dir": None if checkpoint_dir is None else str(checkpoint_dir),
         "resumed_from": None if resumed_from is None else str(resumed_from),
-        "start_step": resumed_step,
+        "start_step": resumed_step, "placement": placement,
     }
 
 
@@ -79,6 +89,8 @@ def format_facts(f: dict[str, Any]) -> str:
         ("layout", f["layout_words"]),
         ("world", f"{f['world_size']} rank(s) on {f['nodes']} node(s), {per_node}; devices "
                   f"per rank: {', '.join(f['devices_per_rank'])}"),
+        *([("placement", "\n".join(format_placement(f["placement"], 12)))]
+          if f.get("placement") else []),
         ("batch", f"global {f['global_batch']}, local {f['local_batch']} per data share, "
                   f"micro {f['micro_batch']}"),
         ("model", f"{f['model']}, {params}"),
