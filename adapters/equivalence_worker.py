@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 from pathlib import Path
 
@@ -37,6 +38,13 @@ def main() -> None:
     # with a fresh adapter: one launch instead of one per layout. Results go to OUT/<i>/. The
     # pipelines run first: Horovod makes their process sets when it starts.
     layouts = [toolkit.parse_layout(name) for name in args.layout.split(",")]
+    # Horovod registers the first pipeline's process sets as it starts; pipelines that reduce
+    # in other rank groups (the other within_node) add theirs later, which Horovod allows
+    # only with dynamic process sets, asked for before it starts.
+    groups = {layout.grid(env.world_size).reduction_groups() for layout in layouts
+              if layout.kind == "pipeline" and env.world_size % layout.stages == 0}
+    if len(groups) > 1:
+        os.environ.setdefault("HOROVOD_DYNAMIC_PROCESS_SETS", "1")
     for i, layout in sorted(enumerate(layouts), key=lambda item: item[1].kind != "pipeline"):
         run_layout(args, layout, Path(args.out) / str(i), env)
 

@@ -133,11 +133,17 @@ def test_pipeline_schedules_at_two_stages(launch, tmp_path):
 @pytest.mark.slow
 def test_pipeline_with_two_replicas_per_stage(launch, tmp_path):
     """S = 2, D = 2 on 4 ranks, every backend: each stage's gradients averaged over its two
-    replicas (Horovod process sets; pjit's data axis; pmap's grouped psum)."""
+    replicas (Horovod process sets; pjit's data axis; pmap's grouped psum), with a replica's
+    stages on neighbouring ranks (the default) and with a stage's replicas there instead."""
+    layouts = ["pipeline:2:4:1f1b", "pipeline:2:4:1f1b:within-node=replicas"]
     job, report = run_equivalence(launch, tmp_path, "--world-sizes", "4", "--steps", "20",
-                                  "--layout", "pipeline:2:4:1f1b")
-    check_all_pass(job, report, [4], LOSS_TOLERANCE["float32"])
-    assert {r["layout"] for r in report["results"]} == {"pipeline:2:4:1f1b"}
+                                  "--layout", ",".join(layouts))
+    assert job.returncode == 0, job
+    rows = {(r["backend"], r["layout"]): r for r in report["results"]}
+    assert sorted(rows) == sorted((b, layout) for b in BACKENDS for layout in layouts)
+    for r in rows.values():
+        assert r["status"] == "pass", r
+        assert r["max_rel_loss_dev"] <= LOSS_TOLERANCE["float32"], r
 
 
 @pytest.mark.slow
