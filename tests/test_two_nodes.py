@@ -35,15 +35,24 @@ def test_each_rank_knows_its_node_and_local_rank(launch, two_node_cluster, launc
 
 
 def test_rank_0_says_where_the_ranks_are(launch, two_node_cluster):
-    """The start-up block's world line, from Slurm's placement: two per node, or three ranks
-    placed 2 + 1 (rank 0's node has two)."""
+    """The start-up block's world line and placement table, from Slurm's placement: two per
+    node (a pipeline: each node holds one replica's two stages), or three ranks placed 2 + 1
+    (rank 0's node has two)."""
     train = ["examples/train_digits.py", "--steps", "1"]
-    job = launch("srun-2nodes", 4, train)
+    job = launch("srun-2nodes", 4, [*train, "--layout", "pipeline:2:4"])
     assert job.returncode == 0, job
     assert "world       4 rank(s) on 2 node(s), 2 per node; devices per rank: cpu" in job.stdout
+    lines = job.stdout.splitlines()
+    at = lines.index("placement   node1: rank 0 (replica 0, stage 0)  "
+                     "rank 1 (replica 0, stage 1)")
+    assert lines[at + 1] == ("            node2: rank 2 (replica 1, stage 0)  "
+                             "rank 3 (replica 1, stage 1)"), job
     uneven = launch("srun-2nodes", 4, [*train, "--batch-size", "60"], env={"SLURM_NTASKS": "3"})
     assert uneven.returncode == 0, uneven
     assert "3 rank(s) on 2 node(s), 2 on rank 0's node" in uneven.stdout, uneven
+    lines = uneven.stdout.splitlines()
+    at = lines.index("placement   node1: rank 0 (replica 0)  rank 1 (replica 1)")
+    assert lines[at + 1] == "            node2: rank 2 (replica 2)", uneven
 
 
 @pytest.mark.parametrize("launcher, backend", [

@@ -163,6 +163,9 @@ def test_the_placement_table_says_what_each_rank_holds_on_each_node():
         "            node2: rank 2 (replica 0, stage 1)  rank 3 (replica 1, stage 1)"]
     assert table(two_by_two, toolkit.Sharded(3), 4)[1] == (
         "            node2: rank 2 (shard 2)  rank 3 (shard 3)")
+    # Slurm's 2 + 1 (tests/test_two_nodes.py prints it from two nodes)
+    assert table([("node1", [0, 1]), ("node2", [2])], toolkit.DataParallel(), 3) == [
+        "node1: rank 0 (replica 0)  rank 1 (replica 1)", "            node2: rank 2 (replica 2)"]
     # one process per node driving 4 devices (jax-pmap on GPU nodes)
     assert table([("gpu1", [0]), ("gpu2", [1])], toolkit.DataParallel(), 2, 4) == [
         "gpu1: rank 0 (replicas 0-3)", "            gpu2: rank 1 (replicas 4-7)"]
