@@ -58,10 +58,13 @@ def test_rank_0_says_where_the_ranks_are(launch, two_node_cluster):
 @pytest.mark.parametrize("launcher, backend", [
     ("mpirun-2nodes", "horovod-torch"), ("horovodrun-2nodes", "jax-pmap")])
 def test_a_training_run_across_the_nodes(launch, two_node_cluster, launcher, backend):
-    """mpirun and horovodrun, started on node1, train across both nodes (one step)."""
+    """mpirun and horovodrun, started on node1, train across both nodes (one step); rank 0's
+    placement table names both nodes, whatever the launcher says about them."""
     job = launch(launcher, 4, ["examples/train_digits.py", "--steps", "1", "--backend", backend])
     assert job.returncode == 0, job
     assert "world       4 rank(s) on 2 node(s), 2 per node; devices per rank: cpu" in job.stdout
+    assert "placement   node1: rank 0 (replica 0)  rank 1 (replica 1)" in job.stdout, job
+    assert "node2: rank 2 (replica 2)  rank 3 (replica 3)" in job.stdout, job
     assert "done: world_size 4  steps 1" in job.stdout, job
 
 
