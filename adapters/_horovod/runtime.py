@@ -3,11 +3,11 @@ host-side collectives, and the check that Horovod agrees with the launcher.
 
 A ``toolkit.Pipeline`` averages gradients in Horovod process sets (each stage's replicas, the
 end stages holding a tied embedding: ``toolkit.PipelineGrid.reduction_groups`` of the
-layout's ``grid``). Horovod's
-static sets must be given to the first ``hvd.init``, which is why the layout comes with
-``setup``. A framework's runtime (``adapters/horovod_torch/runtime.py``,
-``adapters/horovod_tf`` ...) imports its framework and its Horovod module in ``connect`` and
-says how a host array becomes the framework's tensor (``tensor``).
+layout's ``grid``). Horovod's static sets must be given to the first ``hvd.init``, which is
+why the layout comes with ``setup``. A framework's runtime
+(``adapters/horovod_torch/runtime.py``, ``adapters/horovod_tf`` ...) imports its framework and
+its Horovod module in ``connect`` and says how a host array becomes the framework's tensor
+(``tensor``).
 """
 
 from __future__ import annotations
