@@ -138,11 +138,9 @@ class PipelineExecutor(StrategyBase):
         a.start_counting(loss, optimizer, clip_grad_norm, skip_nonfinite)
         self.metrics = dict(metrics or {})
         self.tx = make_optimizer(optimizer, name)
-        self.D = len(devices) // S
-        # The layout's rank grid over the devices (process-major): under the Trainer's samples
-        # a process's devices are consecutive replicas of one stage, as its ranks' grid says.
-        self.grid = self.layout.grid(
-            len(devices), jax.local_device_count() if self.samples == "replica" else 1)
+        per_rank = jax.local_device_count() if self.samples == "replica" else 1
+        self.grid = self.layout.grid(len(devices), per_rank)  # (a process: a stage's replicas)
+        self.D = self.grid.replicas
         self._setup_devices(devices)
         self._index_of = dict(zip(self.local_devices, self.where, strict=True))
         self._stage_of = {d: self.grid.stage_of(i) for d, i in self._index_of.items()}
