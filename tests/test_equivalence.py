@@ -174,7 +174,8 @@ def check_clipped(job, report, clip, combos, tolerance):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("dtype, optimizer", [("float32", "sgd"), ("float64", "adamw")])
+@pytest.mark.parametrize("dtype, optimizer", [
+    pytest.param("float32", "sgd", marks=pytest.mark.long), ("float64", "adamw")])
 def test_clipping_every_backend_data_parallel_and_sharded_at_1_and_2(launch, tmp_path, dtype,
                                                                      optimizer):
     layouts = ["data_parallel", "sharded:1", "sharded:3"]
@@ -225,7 +226,8 @@ def test_mixed_precision_equals_its_rounded_reference_at_world_sizes_1_and_2(lau
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("precision, clip", [("bf16-mixed", None), ("fp16-mixed", "0.5")])
+@pytest.mark.parametrize("precision, clip", [
+    pytest.param("bf16-mixed", None, marks=pytest.mark.long), ("fp16-mixed", "0.5")])
 def test_mixed_precision_in_pipelines_equals_its_rounded_reference(launch, tmp_path, precision,
                                                                    clip):
     """The pipelines in mixed precision, 2 stages x 4 micro-batches on 2 and 4 ranks: each
