@@ -21,8 +21,14 @@ class Job:
         self.root = stall.StallWatch(
             0, world_size, timeout, on_verdict=lambda text, record: self.verdicts.append(
                 (text, record)), exit=lambda code: self.exits.append((0, code)))
-        self.root.start(lambda v: self.shared.setdefault("v", v.copy()), "127.0.0.1")
+        self.root.start(self._sum, "127.0.0.1")
         self.port = int(self.shared["v"][64])
+
+    def _sum(self, values):
+        """Rank 0's part of the exchange, as the sum over every rank comes out."""
+        self.shared["v"] = values.copy()
+        self.shared["v"][66] = self.world_size
+        return self.shared["v"]
 
     def rank(self, rank: int) -> stall.StallWatch:
         watch = stall.StallWatch(rank, self.world_size, self.timeout,
@@ -95,8 +101,8 @@ def test_the_other_ranks_end_when_rank_0_answers_nothing(capfd):
     server = socket.create_server(("127.0.0.1", 0))
     watch = stall.StallWatch(1, 2, 1.0, exit=lambda code: exits.append(code))
     exits: list[int] = []
-    values = np.zeros(66)
-    values[64] = server.getsockname()[1]
+    values = np.zeros(67)
+    values[64], values[66] = server.getsockname()[1], 2
     name = b"127.0.0.1"
     values[:len(name)], values[65] = list(name), len(name)
     watch.start(lambda v: values, "127.0.0.1")
@@ -151,12 +157,22 @@ def test_one_process_or_a_zero_timeout_watches_nothing():
         assert not watch.active
 
 
+def test_a_one_process_stand_in_for_a_larger_world_watches_nothing():
+    """A backend stand-in whose 'allreduce' returns this process's values (tests that play
+    rank 0 or rank 3 of a world of 4 in one process): the count of ranks in the sum is 1, so
+    neither rank 0 waits for ranks that never come nor another rank for a rank 0."""
+    for rank in (0, 3):
+        watch = stall.StallWatch(rank, 4, 1.0)
+        watch.start(lambda v: v, "127.0.0.1")
+        assert not watch.active
+
+
 def test_an_unreachable_rank_0_is_a_clear_error():
     closed = socket.create_server(("127.0.0.1", 0))
     port = closed.getsockname()[1]
     closed.close()
-    values = np.zeros(66)
-    values[64] = port
+    values = np.zeros(67)
+    values[64], values[66] = port, 2
     values[:9], values[65] = list(b"127.0.0.1"), 9
     watch = stall.StallWatch(1, 2, 5.0)
     with pytest.raises(ToolkitError, match=r"rank 1 cannot reach rank 0's stall watch") as err:

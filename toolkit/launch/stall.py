@@ -190,7 +190,8 @@ class StallWatch:
 
         if self.timeout <= 0 or self.world_size == 1:
             return
-        values = np.zeros(66)
+        values = np.zeros(67)
+        values[66] = 1  # every rank counts itself
         if self.rank == 0:
             server = socket.create_server(("", 0), backlog=self.world_size)
             name = self.host.encode()[:64]
@@ -200,7 +201,11 @@ class StallWatch:
         values = np.asarray(exchange(values))
         host = bytes(int(v) for v in values[:int(values[65])]).decode()
         port = int(values[64])
-        if port == 0:  # rank 0 watches nothing (its stall_timeout is 0)
+        # Nothing to watch when rank 0's stall_timeout is 0, or when the sum did not add every
+        # rank (a one-process stand-in for a backend, playing one rank of a larger world).
+        if port == 0 or int(values[66]) != self.world_size:
+            if self.rank == 0:
+                server.close()
             return
         if self.rank == 0:
             target, args = self._serve, (server,)
