@@ -28,6 +28,8 @@ import threading
 import time
 from collections.abc import Callable
 
+from toolkit.launch.stall_verdict import PHASES, Rank, diagnose
+
 STALLED_EXIT_CODE = 124
 DEFAULT_STALL_TIMEOUT = 600.0  # seconds: a first step that compiles for minutes still passes
 GONE_GRACE_SECONDS = 5.0  # a rank that failed says why and its launcher ends the job first
@@ -35,18 +37,6 @@ GONE_GRACE_SECONDS = 5.0  # a rank that failed says why and its launcher ends th
 # _MESSAGES_PER_SECOND from all ranks together (a large job's ranks report less often).
 _QUICK = 0.05
 _MESSAGES_PER_SECOND = 2000
-
-# What a rank is doing, as the message says it; the order is the order within one step.
-PHASES = {
-    "start": "start-up (building the model, restoring a checkpoint)",
-    "input": "loading its batch",
-    "step": "the step's collectives",
-    "checkpoint": "writing a checkpoint",
-    "evaluation": "evaluation",
-    "idle": "outside training",
-}
-_ORDER = {name: i for i, name in enumerate(PHASES)}
-
 
 def check_timeout(value) -> float:
     """``value`` as seconds, or a ToolkitError naming it."""
@@ -56,77 +46,6 @@ def check_timeout(value) -> float:
         raise ToolkitError(f"stall_timeout={value!r} is not a number of seconds >= 0",
                            f"the default is {DEFAULT_STALL_TIMEOUT:g} s; 0 turns the watch off")
     return float(value)
-
-
-class _Rank:
-    """What rank 0 knows of one rank."""
-
-    def __init__(self, rank: int, host: str = "?"):
-        self.rank, self.host = rank, host
-        self.phase, self.step, self.seconds_in_phase = "start", 0, 0.0
-        self.heard = time.monotonic()  # the last message (rank 0's own clock)
-        self.closed: float | None = None  # when its connection closed while it trained
-        self.done = False  # it said goodbye
-
-    def where(self) -> str:
-        return f"step {self.step} ({PHASES[self.phase]})" if self.phase not in (
-            "start", "idle") else PHASES[self.phase]
-
-
-def _ranges(ranks: list[int]) -> str:
-    """``[0, 1, 2, 5]`` -> ``"ranks 0-2, 5"``."""
-    parts, start, ranks = [], None, sorted(ranks)
-    for i, r in enumerate(ranks):
-        if start is None:
-            start = r
-        if i + 1 == len(ranks) or ranks[i + 1] != r + 1:
-            parts.append(str(start) if start == r else f"{start}-{r}")
-            start = None
-    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(parts)
-
-
-def _hosts(ranks: list[_Rank]) -> str:
-    return ", ".join(dict.fromkeys(r.host for r in ranks))
-
-
-def diagnose(ranks: dict[int, _Rank], timeout: float, now: float,
-             interval: float = 1.0) -> str | None:
-    """The verdict on the ranks' states, or None while nothing is stalled.
-
-    The job ends when a rank has sent nothing for ``timeout`` seconds (stopped, hung with its
-    interpreter, its node or link lost), when a rank's connection closed while it trained (its
-    process died) ``GONE_GRACE_SECONDS`` ago, or when a rank has been in one phase for
-    ``timeout`` seconds. The verdict names first the ranks silent for three heartbeats
-    (``interval`` apart) or gone, else the ranks furthest behind (a collective they never
-    enter), then what the others wait in."""
-    live = [r for r in ranks.values() if not r.done]
-    gone = [r for r in live if r.closed is not None and now - r.closed > GONE_GRACE_SECONDS]
-    if not gone and not any(
-            r.closed is None and (now - r.heard > timeout or r.phase != "idle" and (
-                r.seconds_in_phase + now - r.heard > timeout)) for r in live):
-        return None
-    silent = [r for r in live if r.closed is None and now - r.heard > 3 * interval]
-    lines = []
-    for late, how in ((gone, "ended (connection closed) in {where}"),
-                      (silent, "sent nothing for {t:.0f} s, last in {where}")):
-        for where in dict.fromkeys(r.where() for r in late):
-            group = sorted((r for r in late if r.where() == where), key=lambda r: r.rank)
-            lines.append(f"{_ranges([r.rank for r in group])} on {_hosts(group)} "
-                         + how.format(where=where, t=min(now - r.heard for r in group)))
-    others = [r for r in live if r not in silent and r not in gone]
-    if not lines:  # all alive, some stuck: the ones furthest behind did not arrive
-        behind = min((r.step, _ORDER[r.phase]) for r in others)
-        late = [r for r in others if (r.step, _ORDER[r.phase]) == behind]
-        if len(late) < len(others):
-            lines.append(f"{_ranges([r.rank for r in late])} on {_hosts(late)} "
-                         f"did not arrive: still in {late[0].where()}")
-            others = [r for r in others if r not in late]
-    for where in dict.fromkeys(r.where() for r in others):
-        group = sorted((r for r in others if r.where() == where), key=lambda r: r.rank)
-        waited = max(r.seconds_in_phase + now - r.heard for r in group)
-        lines.append(f"{_ranges([r.rank for r in group])} on {_hosts(group)} "
-                     f"{'wait' if len(group) > 1 else 'waits'} in {where}, for {waited:.0f} s")
-    return "\n  ".join(lines)
 
 
 class StallWatch:
@@ -301,7 +220,7 @@ class StallWatch:
 
     # ------------------------------------------------------------------ rank 0
     def _serve(self, server: socket.socket) -> None:
-        ranks = {0: _Rank(0, self.host)}
+        ranks = {0: Rank(0, self.host)}
         started = time.monotonic()
         sel = selectors.DefaultSelector()
         sel.register(server, selectors.EVENT_READ)
@@ -326,9 +245,9 @@ class StallWatch:
                 mine["phase"], mine["step"], mine["for"], now)
             for rank in range(1, self.world_size):  # a rank that never connected is silent
                 if rank not in ranks and now - started > self.timeout:
-                    ranks[rank] = _Rank(rank, "its node (it never connected)")
+                    ranks[rank] = Rank(rank, "its node (it never connected)")
                     ranks[rank].heard = started
-            verdict = diagnose(ranks, self.timeout, now, interval)
+            verdict = diagnose(ranks, self.timeout, now, interval, GONE_GRACE_SECONDS)
             if verdict is not None:
                 return self._end(verdict, ranks, peers)
         for conn in peers:
@@ -357,7 +276,7 @@ class StallWatch:
             message = json.loads(raw)
             if "host" in message:
                 entry[0] = message["rank"]
-                ranks[entry[0]] = _Rank(entry[0], message["host"])
+                ranks[entry[0]] = Rank(entry[0], message["host"])
                 continue
             rank = ranks[entry[0]]
             rank.heard = time.monotonic()
@@ -371,7 +290,7 @@ class StallWatch:
         except OSError:
             pass
 
-    def _end(self, verdict: str, ranks: dict[int, _Rank], peers) -> None:
+    def _end(self, verdict: str, ranks: dict[int, Rank], peers) -> None:
         text = (f"stalled (stall timeout {self.timeout:g} s):\n  {verdict}\n"
                 "The job ends: a stopped or hung process, a lost node or a cut link on the "
                 "ranks named first. Resume from the last checkpoint with --resume latest; "
