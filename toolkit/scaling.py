@@ -237,8 +237,8 @@ def draw(points: list[Point], png: str, mode: str, title: str):
         for p in points:
             if p.status != "ok":
                 ax.axvline(p.world_size, color="0.6", lw=0.8)
-                ax.text(p.world_size, ax.get_ylim()[0], "failed ", rotation=90, fontsize=8, ha="right",
-                        color="0.4", va="bottom")
+                ax.text(p.world_size, ax.get_ylim()[0], "failed ", rotation=90, fontsize=8,
+                        ha="right", color="0.4", va="bottom")
         ax.set_xticks(sizes)
         ax.set_xlabel("ranks (N)")
         ax.grid(alpha=0.3)
