@@ -6,8 +6,11 @@
 
 Every ``--eval-every`` steps rank 0 prints the training loss, the validation loss in nats and
 bits per byte (beside the unigram entropy of the validation bytes: what a model that ignores
-context would score) and tokens per second; at the end, a continuation of a fixed prompt
-sampled from the trained model. Kill it and rerun with ``--resume latest`` to continue.
+context would score) and tokens per second, and writes the validation loss to the metrics
+log (``eval`` records); at the end it evaluates the whole validation split, or its first
+``--final-eval-windows`` windows, printing its progress every few seconds, and samples a
+continuation of a fixed prompt from the trained model. Kill it and rerun with ``--resume
+latest`` to continue.
 ``--stage-data [DIR]`` first copies the corpus to each node's local disk (``DIR``, else
 ``$SLURM_TMPDIR`` or ``$TMPDIR``), once per node, and trains on that copy.
 """
@@ -20,6 +23,7 @@ import numpy as np
 import adapters
 import toolkit
 from toolkit.datasets import load_text, stage_text
+from toolkit.trainer.history import MetricsLog
 
 PROMPT = "def __init__(self"
 
@@ -41,12 +45,18 @@ def main() -> None:
                    help="JAX backends: CPU devices per process")
     p.add_argument("--eval-every", type=int, default=250, help="steps between evaluations")
     p.add_argument("--eval-windows", type=int, default=256,
-                   help="validation windows used at each interval (all at the end)")
+                   help="validation windows used at each interval")
+    p.add_argument("--final-eval-windows", type=int, default=None, metavar="N",
+                   help="validation windows of the final evaluation: the first N (0 skips "
+                        "it; default: all)")
     p.add_argument("--sample-bytes", type=int, default=200)
     p.add_argument("--stage-data", nargs="?", const="", default=None, metavar="DIR",
                    help="copy the corpus to node-local storage first, once per node: DIR, "
                         "else $SLURM_TMPDIR or $TMPDIR")
     args = p.parse_args()
+    if args.final_eval_windows is not None and args.final_eval_windows < 0:
+        p.error(f"--final-eval-windows {args.final_eval_windows} must be >= 0 (0 skips the "
+                "final evaluation)")
 
     corpus = load_text()  # its cache file, built once on shared storage
     if args.stage_data is not None:
@@ -71,6 +81,7 @@ def main() -> None:
     trainer.fit(train)  # max_steps=0: sets up (and resumes) without training
     loaded = waited = 0.0  # input loading, and how much of it training waited for
     started = time.perf_counter()
+    log = MetricsLog(trainer.metrics_log, trainer.env.rank)  # rank 0 appends, as the Trainer
     while trainer.global_step < args.steps:  # train in intervals, evaluating after each
         interval = trainer.global_step // args.eval_every + 1
         trainer.max_steps = min(args.steps, interval * args.eval_every)
@@ -81,13 +92,24 @@ def main() -> None:
         steps = trainer.global_step - history.first_step
         tokens = steps * args.batch_size * args.context / (time.perf_counter() - began)
         v = trainer.evaluate(val_head)["val_loss"]
+        log.write([{"event": "eval", "step": trainer.global_step, "val_loss": v,
+                    "val_windows": len(val_head)}])
         toolkit.print0(f"step {trainer.global_step:5d}  loss {history.final_loss:.4f}  "
                        f"val {v:.4f} nats/byte ({v / math.log(2):.3f} bits/byte)  "
                        f"{tokens:,.0f} tokens/s")
-    final = trainer.evaluate(val)["val_loss"]
-    toolkit.print0(f"done: world_size {trainer.env.world_size}  steps {trainer.global_step}  "
-                   f"val_loss {final:.4f} nats/byte = {final / entropy:.2f} x the unigram "
-                   f"entropy {entropy:.3f}")
+    windows = len(val) if args.final_eval_windows is None else min(len(val),
+                                                                    args.final_eval_windows)
+    done = f"done: world_size {trainer.env.world_size}  steps {trainer.global_step}  "
+    if windows == 0:
+        toolkit.print0(done + "final evaluation skipped (--final-eval-windows 0)")
+    else:
+        final = final_eval(trainer, corpus.val, args.context, windows)
+        log.write([{"event": "eval", "step": trainer.global_step, "val_loss": final,
+                    "val_windows": windows, "final": True}])
+        toolkit.print0(done + f"val_loss {final:.4f} nats/byte = {final / entropy:.2f} x the "
+                       f"unigram entropy {entropy:.3f}"
+                       + ("" if windows == len(val) else f" ({windows:,} of {len(val):,} "
+                                                          "validation windows)"))
     if loaded > 0:  # two clocks: the wait is not a part of the loading (prefetch.stats)
         wall = time.perf_counter() - started
         toolkit.print0(f"input: the prefetch thread spent {loaded:.2f} s loading batches; the "
@@ -97,6 +119,23 @@ def main() -> None:
               if k.startswith("params/")}
     text = sample(model, params, PROMPT, args.sample_bytes, args.seed)
     toolkit.print0(f"sample: {PROMPT}{text}")
+
+
+def final_eval(trainer, tokens, context: int, windows: int, chunk: int = 2048,
+               every_s: float = 5.0) -> float:
+    """The validation loss over the first ``windows`` windows, evaluated ``chunk`` windows at
+    a time (every rank the same chunks), rank 0 printing the progress every ``every_s``."""
+    began = last = time.perf_counter()
+    total = 0.0
+    for first in range(0, windows, chunk):
+        n = min(chunk, windows - first)
+        part = toolkit.TokenWindows(tokens[first * context:(first + n) * context + 1], context)
+        total += trainer.evaluate(part)["val_loss"] * n  # each window has context tokens
+        now = time.perf_counter()
+        if now - last >= every_s and first + n < windows:
+            toolkit.print0(f"final eval {first + n:,}/{windows:,} windows, {now - began:.0f} s")
+            last = now
+    return total / windows
 
 
 def sample(model, params, prompt: str, n: int, seed: int, temperature: float = 0.8) -> str:
