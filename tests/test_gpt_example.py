@@ -1,6 +1,7 @@
 """examples/train_gpt.py under every launcher: a tiny GPT on the standard library's bytes, the
 same losses on 2 ranks as on 1 process, the lines a user reads, and a resume."""
 
+import json
 import re
 import shutil
 
@@ -115,3 +116,47 @@ def test_resuming_with_another_schedule_stops_unless_allowed(launch, tmp_path):
     assert allowed.returncode == 0, allowed
     assert "resumed with changed settings (allowed): optimizer.lr.total_steps 20 -> 30" in \
         allowed.stdout, allowed
+
+
+def eval_records(path) -> list[dict]:
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+    return [r for r in records if r["event"] == "eval"]
+
+
+def test_every_evaluation_is_in_the_metrics_log(one_process):
+    job, log = one_process
+    evals = eval_records(log)
+    assert [(r["step"], r["val_windows"], r.get("final", False)) for r in evals[:2]] == [
+        (10, 16, False), (20, 16, False)], evals
+    final = evals[2]
+    assert final["final"] and final["step"] == 20 and final["val_windows"] > 40_000
+    assert f"val_loss {final['val_loss']:.4f} nats/byte" in job.stdout
+
+
+def test_the_final_evaluation_takes_its_budget(launch, tmp_path):
+    """``--final-eval-windows 256``: the first 256 windows, and the line says so; 0 skips."""
+    short = [a if a != "20" else "2" for a in TINY]
+    job = launch("python", 1, [GPT, *short, "--final-eval-windows", "256", "--metrics-log",
+                               str(tmp_path / "m.jsonl")])
+    assert job.returncode == 0, job
+    assert re.search(r"^done: world_size 1  steps 2  val_loss \d+\.\d+ nats/byte = .* \(256 of "
+                     r"[\d,]+ validation windows\)$", job.stdout, re.M), job.stdout
+    assert eval_records(tmp_path / "m.jsonl")[-1]["val_windows"] == 256
+    refused = launch("python", 1, [GPT, *short, "--final-eval-windows", "-1"])
+    assert refused.returncode == 2 and "--final-eval-windows -1 must be >= 0" in \
+        refused.stderr, refused
+
+
+@pytest.mark.long
+def test_the_final_evaluation_shows_its_progress(launch):
+    """The whole validation split at context 16 (about 98,000 windows) takes several seconds:
+    rank 0 prints plain progress lines (no carriage returns in a log), then the result."""
+    small = ["--layers", "1", "--width", "32", "--heads", "2", "--context", "16", "--steps",
+             "1", "--eval-every", "1", "--batch-size", "4", "--eval-windows", "4",
+             "--sample-bytes", "4"]
+    job = launch("python", 1, [GPT, *small])
+    assert job.returncode == 0, job
+    progress = re.findall(r"^final eval ([\d,]+)/([\d,]+) windows, (\d+) s$", job.stdout, re.M)
+    assert progress and all(int(d.replace(",", "")) < int(t.replace(",", ""))
+                            for d, t, _ in progress), job.stdout
+    assert "\r" not in job.stdout and "\x1b" not in job.stdout
