@@ -53,8 +53,8 @@ class Point:
 
 
 def ranks_per_node(given: int | None, environ: dict) -> int | None:
-    """Ranks that fill a node: ``given``, else the allocation's CPUs on its first node
-    (SLURM_JOB_CPUS_PER_NODE: ``"4(x2)"``, ``"4,2"`` or ``"4"``).
+    """Ranks that fill a node: ``given``, else the job's tasks per node, else its CPUs on its
+    first node (SLURM_NTASKS_PER_NODE, SLURM_JOB_CPUS_PER_NODE: ``"4(x2)"``, ``"4,2"``, ``"4"``).
 
     Example:
         >>> ranks_per_node(None, {"SLURM_JOB_CPUS_PER_NODE": "8(x2)"})
@@ -62,7 +62,8 @@ def ranks_per_node(given: int | None, environ: dict) -> int | None:
     """
     if given:
         return given
-    match = re.match(r"(\d+)", environ.get("SLURM_JOB_CPUS_PER_NODE", ""))
+    match = re.match(r"(\d+)", environ.get("SLURM_NTASKS_PER_NODE")
+                     or environ.get("SLURM_JOB_CPUS_PER_NODE", ""))
     return int(match.group(1)) if match else None
 
 
