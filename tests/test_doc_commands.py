@@ -55,6 +55,9 @@ class Smoke:
     world_sizes: str | None = None  # the option of the world sizes it launches itself
 
 
+# examples/train_gpt.py's options for a GPT that trains in a blink
+TINY_GPT = {"--layers": "1", "--width": "32", "--heads": "2", "--context": "16",
+            "--batch-size": "4", "--sample-bytes": "4"}
 EQUIVALENCE_TABLE = (r"^backend\s+world\s+launcher\s+layout\s+device\s+final loss",
                      r"^{backend}\s+{world}\s+\w+\s+\S+")
 SMOKE: dict[str, Smoke] = {
@@ -108,10 +111,20 @@ SMOKE: dict[str, Smoke] = {
     "examples/train_gpt.py": Smoke(
         (r"^step\s+\d+\s+loss [\d.]+\s+val [\d.]+ nats/byte .* tokens/s",
          r"^done: world_size \d+ "),
-        options={"--steps": "2", "--eval-every": "2", "--layers": "1", "--width": "32",
-                 "--heads": "2", "--context": "16", "--batch-size": "4", "--eval-windows": "4",
-                 "--sample-bytes": "4"}, first_of={"--backend": "horovod-torch"},
-        outputs=("--checkpoint-dir", "--metrics-log")),
+        options={**TINY_GPT, "--steps": "2", "--eval-every": "2", "--eval-windows": "4",
+                 "--final-eval-windows": "64"},
+        first_of={"--backend": "horovod-torch"}, outputs=("--checkpoint-dir", "--metrics-log")),
+    "-m toolkit.plot": Smoke((r"^run\s+steps\s+final loss\s+val loss\s+throughput",
+                              r"^plot: \S+\.png$"), outputs=("--png",),
+                             folders_positional=True),
+    # the options after ``--`` go to the script: a tiny GPT, no evaluation
+    "-m toolkit.scaling": Smoke(
+        (r"^N\s+nodes\s+(samples|tokens)/s\s+speed-up\s+efficiency",
+         r"^1\s+1\s+[\d.]+\s+1\.00\s+1\.00\s.*\sok$"),
+        options={**TINY_GPT, "--steps": "2", "--warmup": "0", "--eval-every": "100",
+                 "--final-eval-windows": "0"},
+        first_of={"--backend": "horovod-torch"}, smallest_of={"--world-sizes": "1"},
+        outputs=("--png", "--out-dir"), world_sizes="--world-sizes"),
     "examples/train_digits.py": Smoke((r"^done: world_size \d+ ",), options={"--steps": "2"},
                                       first_of={"--backend": "horovod-torch"},
                                       outputs=("--checkpoint-dir", "--metrics-log")),
@@ -385,8 +398,14 @@ def test_parse_reads_launchers_and_wrappers():
     assert run.multi_process and run.launcher == "python"
 
 
+# A block of more runs than this (the four backends' runs before their plot) is `long`: make
+# test-long runs it; each of its commands has a shorter documented form that make test runs.
+LONG_BLOCK = 3
+
+
 def _marks(runs: list[SmokeRun]) -> list:
-    return [pytest.mark.slow] if any(r.multi_process for r in runs) else []
+    return ([pytest.mark.slow] if any(r.multi_process for r in runs) else []) + (
+        [pytest.mark.long] if len(runs) > LONG_BLOCK else [])
 
 
 @pytest.mark.parametrize("where, runs", [pytest.param(where, runs, id=where, marks=_marks(runs))
