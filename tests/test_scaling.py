@@ -76,3 +76,16 @@ def test_every_size_failing_is_a_failure(tmp_path):
                  "--batch-size", "64", "--lr-scaling", "nonsense")
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert rows(proc.stdout)[1][-1].startswith("exit 2: "), proc.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.slurm
+@pytest.mark.long
+def test_the_batch_job_runs_the_study_under_srun(sbatch, tmp_path):
+    png = tmp_path / "scaling.png"
+    state, output = sbatch("slurm/scaling.sbatch", [
+        "--script", "examples/train_digits.py", "--world-sizes", "1,2", "--steps", "40",
+        "--warmup", "10", "--png", str(png), "--", "--batch-size", "64"])
+    assert state == "COMPLETED", output
+    assert "under srun" in output and [r[-1] for r in rows(output).values()] == ["ok", "ok"]
+    assert png.stat().st_size > 10_000
