@@ -19,8 +19,9 @@ from toolkit.errors import ToolkitError
 @dataclass
 class MetricsFile:
     """One run's records: ``start`` (the start record, ``{}`` if none), the step records'
-    ``steps``/``losses``/``times`` (arrays), ``evals`` ([(step, time, val_loss)]),
-    ``intervals`` and ``prefetch`` (records)."""
+    ``steps``/``losses``/``times`` (arrays), ``evals`` ([(step, time, val_loss)]: the
+    periodic ones), ``finals`` (the same, of an evaluation marked final: often over more
+    data), ``intervals`` and ``prefetch`` (records)."""
 
     path: Path
     start: dict
@@ -28,6 +29,7 @@ class MetricsFile:
     losses: np.ndarray
     times: np.ndarray
     evals: list[tuple[int, float, float]] = field(default_factory=list)
+    finals: list[tuple[int, float, float]] = field(default_factory=list)
     intervals: list[dict] = field(default_factory=list)
     prefetch: list[dict] = field(default_factory=list)
 
@@ -42,7 +44,9 @@ class MetricsFile:
         s = self.start
         if not s:
             return self.path.stem
-        precision = s.get("precision") or s.get("dtype") or ""
+        precision = s.get("precision") or ""
+        if precision in ("", "32", "64"):  # no mixed precision: the parameters' dtype says it
+            precision = s.get("dtype") or precision
         return f"{s.get('backend', '?')} {precision} x{s.get('world_size', '?')}".replace(
             "  ", " ")
 
@@ -56,17 +60,23 @@ class MetricsFile:
         context = self.start.get("context")
         return int(context) if context else None
 
-    def flushes(self) -> tuple[np.ndarray, np.ndarray]:
-        """(last step, time) of each distinct time the step records carry (several steps may
-        share one write), the start record's (start_step, time) first when there is one."""
-        last: dict[float, int] = {}
-        for s, t in zip(self.steps, self.times, strict=True):
-            last[float(t)] = max(int(s), last.get(float(t), 0))
-        pairs = sorted((s, t) for t, s in last.items())
-        if self.start.get("time") is not None and pairs and \
-                self.start["time"] < pairs[0][1]:
+    def flushes(self, within: float = 0.02) -> tuple[np.ndarray, np.ndarray]:
+        """(last step, time) of each write of step records, the start record's (start_step,
+        time) first when there is one. Several steps may share one write, and one write's
+        records may straddle a millisecond: times ``within`` seconds of a write's first are
+        that write (so per-step times come in groups of that length)."""
+        pairs = sorted(zip(self.steps.tolist(), self.times.tolist(), strict=True))
+        if self.start.get("time") is not None and pairs and self.start["time"] < pairs[0][1]:
             pairs.insert(0, (int(self.start.get("start_step") or 0), self.start["time"]))
-        arr = np.asarray(pairs, dtype=float).reshape(-1, 2)
+        out: list[list[float]] = []
+        first = -np.inf
+        for step, t in pairs:
+            if out and t - first <= within:
+                out[-1] = [step, t]
+            else:
+                out.append([step, t])
+                first = t
+        arr = np.asarray(out, dtype=float).reshape(-1, 2)
         return arr[:, 0], arr[:, 1]
 
     def throughput(self, max_points: int = 60) -> tuple[np.ndarray, np.ndarray, np.ndarray,
@@ -89,7 +99,11 @@ class MetricsFile:
                          .round().astype(int))
         steps, times = steps[keep], times[keep]
         dt, ds = np.diff(times), np.diff(steps)
-        ok = dt > 0
+        # a window in which the run evaluated measures the evaluation too: left out
+        evals = np.asarray([t for _, t, _ in self.evals + self.finals])
+        ok = (dt > 0) & ~np.array([bool(np.any((evals > a + 0.02) & (evals < b - 0.02)))
+                                   for a, b in zip(times[:-1], times[1:], strict=True)],
+                                  dtype=bool).reshape(dt.shape)
         rate = ds[ok] * batch / dt[ok]
         unit = "samples/s"
         if self.tokens_per_sample:
@@ -105,7 +119,7 @@ def read_metrics(path: str | Path) -> MetricsFile:
         raise ToolkitError(f"metrics log {str(path)!r} does not exist",
                            "write one with the training script's --metrics-log FILE")
     start: dict = {}
-    steps, evals, intervals, prefetch = [], [], [], []
+    steps, evals, finals, intervals, prefetch = [], [], [], [], []
     lines = path.read_text().splitlines()
     for number, line in enumerate(lines, 1):
         if not line.strip():
@@ -123,7 +137,8 @@ def read_metrics(path: str | Path) -> MetricsFile:
         elif event == "step" and "loss" in r:
             steps.append((r["step"], r["loss"], r["time"]))
         elif event in ("eval", "epoch") and r.get("val_loss") is not None:
-            evals.append((int(r["step"]), float(r["time"]), float(r["val_loss"])))
+            (finals if r.get("final") else evals).append(
+                (int(r["step"]), float(r["time"]), float(r["val_loss"])))
         elif event == "interval":
             intervals.append(r)
         elif event == "prefetch":
@@ -134,4 +149,4 @@ def read_metrics(path: str | Path) -> MetricsFile:
                            "least one step?")
     a = np.asarray(steps, dtype=float)
     return MetricsFile(path, start, a[:, 0].astype(int), a[:, 1], a[:, 2], sorted(evals),
-                       intervals, prefetch)
+                       sorted(finals), intervals, prefetch)

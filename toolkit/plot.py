@@ -3,9 +3,10 @@
     python -m toolkit.plot run1.jsonl run2.jsonl --png curves.png [--x step|time] [--labels a,b]
 
 The left panel shows each run's training loss (a smoothed line over the faint raw losses) and
-its validation losses (markers: the ``eval`` and ``epoch`` records) against the step or the
-wall time since the run started; the right panel its throughput (the ``interval`` records'
-tokens/s or samples/s, else derived from the step records' times and the global batch).
+its validation losses (markers: the ``eval`` and ``epoch`` records; a star for a final one)
+against the step or the wall time since the run started; the right panel its throughput
+(the ``interval`` records' tokens/s or samples/s, else derived from the step records' times
+and the global batch; a window with an evaluation in it is left out).
 Each run's label defaults to its backend, precision and world size (the start record).
 """
 
@@ -37,6 +38,13 @@ def smooth(values: np.ndarray, weight: float | None = None) -> np.ndarray:
     return out
 
 
+def step_seconds(run: MetricsFile) -> np.ndarray:
+    """Each step's time since the run's start; where several steps share one write, spread
+    evenly between that write and the one before (not a staircase)."""
+    steps, times = run.flushes()
+    return np.interp(run.steps, steps, times) - run.t0
+
+
 def draw(runs: list[MetricsFile], png: str, x: str = "step",
          labels: list[str] | None = None):
     """Draws ``runs`` into ``png`` and returns the matplotlib Figure (its axes' lines hold
@@ -48,25 +56,31 @@ def draw(runs: list[MetricsFile], png: str, x: str = "step",
 
     labels = labels or [r.label for r in runs]
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.8))
-    units = set()
+    units, runs_lines = set(), []
     for i, (run, label) in enumerate(zip(runs, labels, strict=True)):
         color = f"C{i % 10}"
-        xs = run.steps if x == "step" else run.times - run.t0
+        xs = run.steps if x == "step" else step_seconds(run)
         left.plot(xs, run.losses, color=color, lw=0.6, alpha=0.25)
-        left.plot(xs, smooth(run.losses), color=color, lw=1.6, label=f"{label} train")
+        runs_lines += left.plot(xs, smooth(run.losses), color=color, lw=1.6,
+                                label=f"{label} train")
         if run.evals:
             ev = np.asarray(run.evals)
             left.plot(ev[:, 0] if x == "step" else ev[:, 1] - run.t0, ev[:, 2], "o--",
                       color=color, ms=4, lw=1, label=f"{label} validation")
+        if run.finals:
+            ev = np.asarray(run.finals)
+            left.plot(ev[:, 0] if x == "step" else ev[:, 1] - run.t0, ev[:, 2], "*",
+                      color=color, ms=10, label=f"{label} final validation")
         steps, seconds, rate, unit = run.throughput()
         if len(rate):
             units.add(unit)
             right.plot(steps if x == "step" else seconds, rate, ".-", color=color, lw=1,
                        ms=3, label=label)
     xlabel = "step" if x == "step" else "wall time since the start (s)"
-    left.set(xlabel=xlabel, ylabel="loss", title="training (line) and validation (markers)")
+    left.set(xlabel=xlabel, ylabel="loss",
+             title="training loss (lines); validation (dots; a star: final)")
     left.grid(alpha=0.3)
-    left.legend(fontsize=8)
+    left.legend(handles=runs_lines, labels=labels, fontsize=8)
     right.set(xlabel=xlabel, ylabel=" or ".join(sorted(units)) or "throughput",
               title="throughput")
     right.set_ylim(bottom=0)
@@ -87,7 +101,8 @@ def summary(runs: list[MetricsFile], labels: list[str]) -> str:
     for run, label in zip(runs, labels, strict=True):
         _, _, rate, unit = run.throughput()
         rows.append((label, str(int(run.steps[-1])), f"{run.losses[-1]:.4f}",
-                     f"{run.evals[-1][2]:.4f}" if run.evals else "-",
+                     f"{(run.finals or run.evals)[-1][2]:.4f}" if run.finals or run.evals
+                     else "-",
                      f"{np.median(rate):,.0f} {unit}" if len(rate) else "-"))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip()
