@@ -321,7 +321,8 @@ def main(argv: list[str] | None = None) -> int:
         batch = ("the script's default global batch" if not args.batch_size else
                  f"global batch {args.batch_size}" if args.mode == "strong" else
                  f"batch {args.batch_size} per rank")
-        title = (f"{args.mode} scaling of {args.script} under {args.launcher}, {batch}, "
+        on = f" on {args.backend}" if args.backend else ""
+        title = (f"{args.mode} scaling of {args.script}{on} under {args.launcher}, {batch}, "
                  f"{args.steps} steps after {args.warmup}")
         print(title, flush=True)
         points = []
