@@ -112,10 +112,10 @@ def measure(log: MetricsFile, warmup: int) -> tuple[float, str, float, float | N
                            f"(the log's steps are timed at {sorted(set(steps.tolist()))[:8]})",
                            "run more --steps, or fewer --warmup")
     n, seconds = steps[-1] - steps[first], times[-1] - times[first]
-    wait = None
-    for r in log.prefetch:  # today's logs: the whole run's wait, over its batches
-        if r.get("batches"):
-            wait = r["wait_seconds"] / r["batches"]
+    # logs without interval records: the wait of the whole run (one prefetch record per fit)
+    batches = sum(r.get("batches") or 0 for r in log.prefetch)
+    wait = sum(r.get("wait_seconds") or 0.0 for r in log.prefetch) / batches if batches \
+        else None
     return float(n * log.start["global_batch"] / seconds), "samples/s", float(seconds / n), wait
 
 
