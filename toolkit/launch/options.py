@@ -33,7 +33,14 @@ OPTIONS: dict[str, tuple[str, dict[str, Any]]] = {
                                 "requeue) or a checkpoint directory")),
     "--allow-changes": ("allow_changes", dict(action="store_true", help="resume even if the "
                                               "schedule, batch, seed or optimizer differ")),
-    "--metrics-log": ("metrics_log", dict(default=None, help="JSON-lines file (rank 0)")),
+    "--metrics-log": ("metrics_log", dict(default=None, help="JSON-lines file (rank 0; "
+                                          "docs/metrics.md)")),
+    "--tensorboard": ("tensorboard_dir", dict(default=None, metavar="DIR", help="write "
+                                              "TensorBoard event files there (rank 0)")),
+    "--log-every": ("log_every", dict(type=int, default=0, help="print an interval line "
+                                      "(loss, lr, samples/s, step time, MFU) every N steps")),
+    "--peak-flops": ("peak_flops", dict(type=float, default=None, help="peak FLOP/s of one "
+                                        "device, for the MFU (default: known GPUs' data sheet)")),
     "--precision": ("precision", dict(
         choices=("32", "64", "bf16-mixed", "fp16-mixed"), default=None,
         help="the arithmetic's precision (docs/precision.md); default: the backend's dtype")),

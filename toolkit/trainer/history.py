@@ -64,19 +64,23 @@ class MetricsLog:
 
 
 class ProgressLine:
-    """A one-line progress display on rank 0, only when stderr is a terminal.
+    """A progress bar on rank 0 (``tqdm``), only when stderr is a terminal: the steps, the
+    loss, samples/s and the time left. Elsewhere (a Slurm log, CI) it writes nothing, so a log
+    file never holds control characters; the interval lines say the same there.
 
     Args:
         enabled: show it (on a terminal).
-        max_steps: the run's target (the Trainer's ``max_steps``): the line counts the run's
+        max_steps: the run's target (the Trainer's ``max_steps``): the bar counts the run's
             global steps towards it (``step 101/200``); None counts the epoch's steps
             (``epoch 0  101/1170 steps``).
+        global_batch: samples per step (the bar's rate is in samples/s).
     """
 
-    def __init__(self, enabled: bool, max_steps: int | None = None):
+    def __init__(self, enabled: bool, max_steps: int | None = None, global_batch: int = 1):
         self.enabled = enabled and sys.stderr.isatty()
-        self.max_steps = max_steps
+        self.max_steps, self.global_batch = max_steps, global_batch
         self._last = 0.0
+        self._bar: Any = None
 
     def update(self, step: int, epoch: int, epoch_step: int, epoch_steps: int,
                loss: Any) -> None:
@@ -84,16 +88,24 @@ class ProgressLine:
         if not self.enabled:  # the loss may be a framework scalar: float() only when shown
             return
         now = time.monotonic()
-        last = step == self.max_steps if self.max_steps is not None else (
-            epoch_step == epoch_steps)
-        if now - self._last > 0.2 or last:
+        count, total = (step, self.max_steps) if self.max_steps is not None else (
+            epoch_step, epoch_steps)
+        if now - self._last > 0.2 or count == total:
             self._last = now
-            sys.stderr.write(f"\r  {self.text(step, epoch, epoch_step, epoch_steps)}  "
-                             f"loss {float(loss):.4f} ")
-            sys.stderr.flush()
+            text = f"{self.text(step, epoch, epoch_step, epoch_steps)}  loss {float(loss):.4f}"
+            if self._bar is None:
+                from tqdm import tqdm
+
+                self._bar = tqdm(
+                    total=total, initial=count, desc=text, file=sys.stderr, leave=False,
+                    mininterval=0, miniters=1, unit=" samples", unit_scale=self.global_batch,
+                    bar_format="  {desc}  {bar:20}  {rate_fmt}  ETA {remaining}")
+            else:
+                self._bar.set_description_str(text, refresh=False)
+                self._bar.update(count - self._bar.n)
 
     def text(self, step: int, epoch: int, epoch_step: int, epoch_steps: int) -> str:
-        """What the line counts: the run's steps when it has ``max_steps``, else the epoch's.
+        """What the bar counts: the run's steps when it has ``max_steps``, else the epoch's.
 
         Example:
             >>> ProgressLine(False, max_steps=200).text(101, 0, 101, 116988)
@@ -106,9 +118,10 @@ class ProgressLine:
         return f"epoch {epoch}  {epoch_step}/{epoch_steps} steps"
 
     def clear(self) -> None:
-        if self.enabled:
-            sys.stderr.write("\r\033[K")
-            sys.stderr.flush()
+        """Removes the bar (at an epoch's end and the run's)."""
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
 
 
 def epoch_line(record: dict, seconds: float) -> str:

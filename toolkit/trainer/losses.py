@@ -4,6 +4,7 @@ the divergence guard, in step order, with the same values on every rank."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -12,21 +13,34 @@ import numpy as np
 from toolkit.contract import StepResult
 from toolkit.trainer.guard import DivergenceGuard
 from toolkit.trainer.history import History, MetricsLog
+from toolkit.trainer.metrics import IntervalMeter
+from toolkit.trainer.tensorboard import TensorBoardLog
 
 
 class StepLosses:
-    """The step losses (and gradient norms) of one ``fit`` not yet averaged across ranks."""
+    """The step losses (and gradient norms) of one ``fit`` not yet averaged across ranks;
+    ``meter`` times them, ``tensorboard`` receives the records the log does, and ``read_lr``
+    reads a native optimizer's learning rate (None when there is none to read)."""
 
-    def __init__(self, history: History, guard: DivergenceGuard, log: MetricsLog):
+    def __init__(self, history: History, guard: DivergenceGuard, log: MetricsLog,
+                 meter: IntervalMeter | None = None, tensorboard: TensorBoardLog | None = None,
+                 read_lr: Callable[[], float | None] | None = None):
         self.history, self.guard, self.log = history, guard, log
+        self.meter, self.tensorboard, self.read_lr = meter, tensorboard, read_lr
+        self.times: list[float] = []  # when each step returned (wall clock, seconds)
+        self.lrs: list[float | None] = []  # each step's learning rate, if known
+        self.last_interval: dict[str, Any] | None = None  # the latest interval record
         self.pending: list[Any] = []  # local step losses not yet averaged across ranks
         self.norms: list[Any] = []  # their gradient norms (the same on every rank)
         self.skipped: list[bool] = []  # whether each step was skipped (on_nonfinite="skip")
         self.scales: list[tuple[float, bool]] = []  # fp16: each step's (loss scale, overflow)
 
-    def add(self, step: StepResult, guard_skips: bool = False) -> None:
+    def add(self, step: StepResult, guard_skips: bool = False, lr: float | None = None) -> None:
         """A step's result; ``guard_skips``: its skips are the divergence guard's to count
-        (``on_nonfinite="skip"``), a loss scaler's overflows never are."""
+        (``on_nonfinite="skip"``), a loss scaler's overflows never are; ``lr``: its learning
+        rate (a spec optimizer's)."""
+        self.times.append(round(time.time(), 3))
+        self.lrs.append(lr if lr is not None or self.read_lr is None else self.read_lr())
         self.pending.append(step.loss)
         self.skipped.append(guard_skips and bool(step.skipped) and not step.overflow)
         if step.grad_norm is not None:
@@ -58,14 +72,33 @@ class StepLosses:
         history.skipped_steps.extend(first + i + 1 for i, s in enumerate(skipped) if s)
         history.loss_scales.extend(s for s, _ in scales)
         history.overflow_steps.extend(first + i + 1 for i, (_, o) in enumerate(scales) if o)
-        self.log.write({"event": "step", "step": first + i + 1, "loss": float(v),
-                        **({"grad_norm": norms[i]} if norms else {}),
-                        **({"skipped": True} if skipped[i] else {}),
-                        **({"loss_scale": scales[i][0]} if scales else {}),
-                        **({"overflow": True} if scales and scales[i][1] else {})}
-                       for i, v in enumerate(averaged))
+        records = [{"event": "step", "step": first + i + 1, "loss": float(v),
+                    "time": self.times[i],
+                    **({"lr": self.lrs[i]} if self.lrs[i] is not None else {}),
+                    **({"grad_norm": norms[i]} if norms else {}),
+                    **({"skipped": True} if skipped[i] else {}),
+                    **({"loss_scale": scales[i][0]} if scales else {}),
+                    **({"overflow": True} if scales and scales[i][1] else {})}
+                   for i, v in enumerate(averaged)]
+        interval = self.meter.interval(step, self.lrs, norms, [s for s, _ in scales]) \
+            if self.meter is not None else None
+        if interval is not None:
+            records.append({"time": round(time.time(), 3), **interval})
+            self.last_interval = interval
+        report(self.log, self.tensorboard, records)
         pending.clear()
+        self.times.clear()
+        self.lrs.clear()
         self.norms.clear()
         self.skipped.clear()
         self.scales.clear()
         return self.guard.check(first, averaged, norms, skipped, [o for _, o in scales])
+
+
+def report(log: MetricsLog, tensorboard: TensorBoardLog | None, records: list[dict]) -> None:
+    """``records`` to the metrics log and to TensorBoard (flushed)."""
+    log.write(records)
+    if tensorboard is not None:
+        for record in records:
+            tensorboard.write(record)
+        tensorboard.flush()

@@ -25,12 +25,14 @@ def run_facts(trainer: Any, samples: int) -> dict[str, Any]:
     """The start facts of ``trainer`` (a ``toolkit.Trainer`` after its set-up). A collective:
     every rank calls it (the ranks' hosts are gathered for the placement table)."""
     from toolkit.contract import DrivesDevices
+    from toolkit.trainer.metrics import mfu_facts
 
     t, env = trainer, trainer.env
     drives = isinstance(t.adapter, DrivesDevices)
     nodes = gather_nodes(t.adapter.allreduce if env.is_distributed else None, env.world_size,
                          env.rank, socket.gethostname())
-    return start_facts(
+    names = t.adapter.device_names() if drives else ["1 device"]
+    return {**start_facts(
         placement=placement_facts(nodes, t.layout, env.world_size,
                                   t.adapter.local_device_count() if drives else 1),
         backend=t.adapter.name, layout=t.layout, world_size=env.world_size,
@@ -40,7 +42,9 @@ def run_facts(trainer: Any, samples: int) -> dict[str, Any]:
         global_batch=t.global_batch_size, local_batch=t.sampler.local_batch_size,
         accumulation_steps=t.accumulation_steps, model=t.model, samples=samples,
         steps_per_epoch=len(t.sampler), checkpoint_dir=t.checkpoints.directory,
-        resumed_from=t.checkpoints.resumed_from, resumed_step=t.global_step)
+        resumed_from=t.checkpoints.resumed_from, resumed_step=t.global_step),
+        **mfu_facts(t.model, t.flops_per_sample, t.peak_flops, names,
+                    t.precision.compute_dtype, env.world_size * len(names))}
 
 
 def start_facts(*, backend: str, layout: Any, world_size: int, local_size: int, num_nodes: int,
@@ -96,5 +100,6 @@ def format_facts(f: dict[str, Any]) -> str:
         ("model", f"{f['model']}, {params}"),
         ("data", f"{f['samples']:,} samples, {f['steps_per_epoch']} steps per epoch"),
         ("checkpoints", ckpt),
+        *([("mfu", f["mfu_words"])] if "mfu_words" in f else []),
     ]
     return "\n".join(f"{name:<12}{value}" for name, value in rows)

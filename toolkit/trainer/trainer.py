@@ -29,7 +29,8 @@ from toolkit.trainer.checkpoints import RunCheckpoints
 from toolkit.trainer.evaluation import check_metrics, evaluate
 from toolkit.trainer.guard import DivergenceGuard
 from toolkit.trainer.history import History, MetricsLog, ProgressLine, epoch_line
-from toolkit.trainer.losses import StepLosses
+from toolkit.trainer.losses import StepLosses, report
+from toolkit.trainer.metrics import IntervalMeter, interval_line, native_lr, tokens_per_sample
 from toolkit.trainer.preemption import (
     PREEMPTED_EXIT_CODE,
     StopAgreement,
@@ -39,6 +40,7 @@ from toolkit.trainer.preemption import (
 )
 from toolkit.trainer.stopping import StopsTogether
 from toolkit.trainer.summary import format_facts, run_facts
+from toolkit.trainer.tensorboard import TensorBoardLog, check_tensorboard_dir
 
 __all__ = ["PREEMPTED_EXIT_CODE", "History", "Trainer", "TrainingPreempted"]
 
@@ -90,9 +92,12 @@ class Trainer(StopsTogether):
         allow_changes: resume even when the settings that define the trajectory (model,
             optimizer and schedule, global batch, seed, shuffling, lr scaling) differ from the
             checkpoint's (printed and recorded); without it such a resume stops with the list.
-        metrics_log: a JSON-lines file rank 0 appends step and epoch records to.
+        metrics_log: a JSON-lines file rank 0 appends step, interval, eval and epoch records to
+            (docs/metrics.md). tensorboard_dir: rank 0 writes TensorBoard event files there.
         log_every: also print a line every this many steps (0: once per epoch).
-        progress: show a progress line on rank 0 when stderr is a terminal.
+        peak_flops, flops_per_sample: the MFU's peak FLOP/s of one device (default: the table
+            of known GPUs) and training FLOPs of one sample (default: the spec model's).
+        progress: show a progress bar on rank 0 when stderr is a terminal.
         stop_signals: with a checkpoint directory, these signals (Slurm's ``--signal``, a time
             limit, Ctrl-C) make every rank finish its step, write a checkpoint and raise
             :class:`TrainingPreempted`. Pass ``()`` to install none.
@@ -147,7 +152,10 @@ class Trainer(StopsTogether):
         async_checkpoint: bool = False,
         allow_changes: bool = False,
         metrics_log: str | os.PathLike | None = None,
+        tensorboard_dir: str | os.PathLike | None = None,
         log_every: int = 0,
+        peak_flops: float | None = None,
+        flops_per_sample: float | None = None,
         progress: bool = True,
         stop_signals: tuple[str, ...] = ("SIGUSR1", "SIGTERM", "SIGINT"),
         stop_check_every: int = 10,
@@ -183,6 +191,8 @@ class Trainer(StopsTogether):
         self.activation_checkpointing = bool(activation_checkpointing)
         self.metrics_log = Path(metrics_log) if metrics_log else None
         self.log_every, self.progress = log_every, progress
+        self.peak_flops, self.flops_per_sample = peak_flops, flops_per_sample
+        self.tensorboard_dir = check_tensorboard_dir(tensorboard_dir)
         check_signals(stop_signals)
         at_least_one("stop_check_every", stop_check_every, "use 1 to agree after every step")
         at_least_one("eval_batch_size", eval_batch_size,
@@ -196,6 +206,7 @@ class Trainer(StopsTogether):
         self._train_data: Dataset | None = None  # its fingerprint, if any, is checkpointed
         self.env = env or current_env()
         self._log = MetricsLog(self.metrics_log, self.env.rank)
+        self._tb = TensorBoardLog(self.tensorboard_dir, self.env.rank)
         self.stall_timeout = check_timeout(stall_timeout)
         self._watch = StallWatch(self.env.rank, self.env.world_size, 0)  # (until set-up)
         lr_scale(lr_scaling, 1)  # validates the name before any process group exists
@@ -255,7 +266,7 @@ class Trainer(StopsTogether):
 
     def _say_what_runs(self, samples: int) -> None:
         """The start-up block on rank 0, and the metrics log's first record."""
-        facts = run_facts(self, samples)
+        facts = self._facts = run_facts(self, samples)
         print0(format_facts(facts), env=self.env)
         self._log.write([{"event": "start", **facts}])
 
@@ -283,8 +294,12 @@ class Trainer(StopsTogether):
         env, sampler = self.env, self.sampler
         total = self.max_steps if self.max_steps is not None else self.epochs * len(sampler)
         self._history = History(first_step=self.global_step, world_size=env.world_size)
-        self._losses = StepLosses(self._history, self._guard, self._log)
-        self._progress = ProgressLine(self.progress and env.rank == 0, self.max_steps)
+        self._losses = StepLosses(self._history, self._guard, self._log, IntervalMeter(
+            env.world_size, self.global_batch_size, tokens_per_sample(self.model, train),
+            self._facts["flops_per_sample"], self._facts["peak_flops"]), self._tb,
+            (lambda: native_lr(self.optimizer)) if _is_native(self.optimizer) else None)
+        self._progress = ProgressLine(self.progress and env.rank == 0, self.max_steps,
+                                      self.global_batch_size)
         place = self.adapter.device_batch if isinstance(self.adapter, PlacesBatches) else None
         loader = BatchPrefetcher(train, sampler, max(0, total - self.global_step),
                                  prefetch=prefetches(train, self.prefetch), place=place)
@@ -327,18 +342,17 @@ class Trainer(StopsTogether):
                 lr = learning_rate(self.optimizer, self.global_step) * scale \
                     if not _is_native(self.optimizer) else None
                 self._watch.at("input", self.global_step + 1)
-                batch = loader.get(idx)
+                batch = self._losses.meter.load(loader, idx)
                 self._watch.at("step", self.global_step + 1)
                 step = StepResult.of(self.adapter.train_step(*batch, lr))
-                self._losses.add(step, self.skip_nonfinite)  # (norm: the same on every rank)
+                self._losses.add(step, self.skip_nonfinite, lr)  # (norm: the same everywhere)
                 self.global_step += 1
                 done = sampler.step if sampler.epoch == epoch else len(sampler)  # at its end
                 progress.update(self.global_step, epoch, done, len(sampler), step.loss)
                 if self.log_every and self.global_step % self.log_every == 0:
                     self._flush()
-                    print0(f"step {self.global_step}  loss {history.losses[-1]:.4f}"
-                           + (f"  grad_norm {history.grad_norms[-1]:.4f}"
-                              if history.grad_norms else ""), env=env)
+                    print0(interval_line(self._losses.last_interval or {
+                        "step": self.global_step}, history.losses[-1]), env=env)
                 elif self.global_step % self._stop.check_every == 0:
                     self._flush()  # the guard sees every loss within stop_check_every steps
                 if self.checkpoints.due(self.global_step) and self._loss_settled():
@@ -376,9 +390,11 @@ class Trainer(StopsTogether):
         """Loss (and accuracy for classification) over all of ``data`` (``x`` with labels
         ``y``, or a data set), exactly as one process evaluating everything would."""
         with self._watch.during("evaluation", self.global_step):
-            return evaluate(self.adapter, self.env, self.layout, as_dataset(
+            result = evaluate(self.adapter, self.env, self.layout, as_dataset(
                 data, y, what="the evaluation data"), self.eval_batch_size, self.metrics,
                 with_accuracy=self.loss == "cross_entropy")
+        report(self._log, self._tb, [{"event": "eval", "step": self.global_step, **result}])
+        return result
 
 
 def _is_native(optimizer: Any) -> bool:
