@@ -29,7 +29,6 @@ import argparse
 import statistics
 
 import numpy as np
-from _flops import flops_per_token, peak_flops
 from _paired import trainer_against_hand
 
 import adapters
@@ -37,6 +36,7 @@ import toolkit
 from adapters._common import float32_matmuls
 from toolkit.equivalence import stdlib_bytes
 from toolkit.launch.devices import count_gpus
+from toolkit.models.flops import gpt_flops_per_token, peak_flops
 
 
 def windows(count: int, context: int):
@@ -219,9 +219,13 @@ def main() -> None:
     mfu = ""
     if gpu:  # every rank's GPU: the world's tokens over the world's peak
         precision = "bfloat16" if bf16 else args.matmul
-        peak = (args.peak_tflops * 1e12 if args.peak_tflops else
-                peak_flops(gpu_name(name), precision)) * env.world_size
-        per_token = flops_per_token(spec)
+        peak = args.peak_tflops * 1e12 if args.peak_tflops else peak_flops(gpu_name(name),
+                                                                           precision)
+        if peak is None:
+            raise SystemExit(f"no peak FLOP/s known for the GPU {gpu_name(name)!r} in "
+                             f"{precision}: pass --peak-tflops (the data sheet's dense figure)")
+        peak *= env.world_size
+        per_token = gpt_flops_per_token(spec)
         mfu = "  MFU " + " / ".join(f"{r * per_token / peak:.1%}" for r in rates) + (
             f" (peak {peak / env.world_size / 1e12:.0f} TFLOP/s {precision} per GPU)"
             f"  peak memory {peak_memory(name) / 2**30:.2f} GiB (both sides, rank 0's GPU)")

@@ -6,6 +6,7 @@ import dataclasses
 import json
 import math
 import os
+import shutil
 import sys
 import time
 from collections.abc import Iterable
@@ -96,8 +97,12 @@ class ProgressLine:
             if self._bar is None:
                 from tqdm import tqdm
 
+                # (a terminal that reports no size, as a fresh pty does, is taken as 80 x 24:
+                # tqdm would draw nothing in it)
+                size = shutil.get_terminal_size()
                 self._bar = tqdm(
                     total=total, initial=count, desc=text, file=sys.stderr, leave=False,
+                    ncols=size.columns, nrows=size.lines,
                     mininterval=0, miniters=1, unit=" samples", unit_scale=self.global_batch,
                     bar_format="  {desc}  {bar:20}  {rate_fmt}  ETA {remaining}")
             else:

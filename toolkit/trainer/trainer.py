@@ -21,6 +21,7 @@ from toolkit.launch.devices import DEVICES
 from toolkit.launch.env import LaunchEnv
 from toolkit.launch.rank0 import current_env, print0
 from toolkit.launch.stall import DEFAULT_STALL_TIMEOUT, StallWatch, check_timeout, open_watch
+from toolkit.models.flops import check_flops
 from toolkit.models.reference import check_clip
 from toolkit.models.specs import LOSSES, OptimizerSpec, check_choice, learning_rate, lr_scale
 from toolkit.parallel.layouts import DataShare, resolve_layout
@@ -191,7 +192,8 @@ class Trainer(StopsTogether):
         self.activation_checkpointing = bool(activation_checkpointing)
         self.metrics_log = Path(metrics_log) if metrics_log else None
         self.log_every, self.progress = log_every, progress
-        self.peak_flops, self.flops_per_sample = peak_flops, flops_per_sample
+        self.peak_flops, self.flops_per_sample = (check_flops(k, v) for k, v in (
+            ("peak_flops", peak_flops), ("flops_per_sample", flops_per_sample)))
         self.tensorboard_dir = check_tensorboard_dir(tensorboard_dir)
         check_signals(stop_signals)
         at_least_one("stop_check_every", stop_check_every, "use 1 to agree after every step")
