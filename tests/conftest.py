@@ -193,6 +193,24 @@ def read_metrics():
 
 
 @pytest.fixture
+def tensorboard_events():
+    """``tensorboard_events(directory)``: TensorBoard's own reader (an ``EventAccumulator``)
+    of the event files there, loaded. TensorBoard's stub of TensorFlow's file API stands in
+    for TensorFlow (its "no TensorFlow" mode), which would take seconds to import."""
+    import types
+
+    sys.modules.setdefault("tensorboard.compat.notf", types.ModuleType("notf"))
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    def read(directory: Path) -> EventAccumulator:
+        events = EventAccumulator(str(directory))
+        events.Reload()
+        return events
+
+    return read
+
+
+@pytest.fixture
 def start():
     """``start(launcher, nproc, argv, env=...) -> Popen``: a job left running (killed after)."""
     procs = []

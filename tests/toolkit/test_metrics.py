@@ -18,7 +18,7 @@ from toolkit.models.flops import (
     peak_flops,
     training_flops_per_sample,
 )
-from toolkit.trainer.metrics import IntervalMeter, interval_line, native_lr
+from toolkit.trainer.metrics import IntervalMeter, native_lr
 
 GPT = toolkit.GPT(vocab=256, context=16, width=32, layers=2, heads=2)
 
@@ -229,12 +229,9 @@ def test_native_model_leaves_mfu_out_saying_why():
     assert given["peak_flops"] == 2e12 and given["flops_per_sample"] == 10.0
 
 
-def test_tensorboard_events_read_back_equal_the_metrics_log(tmp_path):
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
+def test_tensorboard_events_read_back_equal_the_metrics_log(tmp_path, tensorboard_events):
     _, records = gpt_run(tmp_path, peak_flops=1e9)
-    events = EventAccumulator(str(tmp_path / "tb"))
-    events.Reload()
+    events = tensorboard_events(tmp_path / "tb")
 
     def scalars(tag):
         return [(e.step, e.value) for e in events.Scalars(tag)]
