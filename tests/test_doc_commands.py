@@ -127,7 +127,8 @@ SMOKE: dict[str, Smoke] = {
         outputs=("--png", "--out-dir"), world_sizes="--world-sizes"),
     "examples/train_digits.py": Smoke((r"^done: world_size \d+ ",), options={"--steps": "2"},
                                       first_of={"--backend": "horovod-torch"},
-                                      outputs=("--checkpoint-dir", "--metrics-log")),
+                                      outputs=("--checkpoint-dir", "--metrics-log",
+                                               "--tensorboard")),
 }
 
 # Programs the docs run that are no figure's command here, and why.
