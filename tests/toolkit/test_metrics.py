@@ -9,6 +9,7 @@ import time
 
 import numpy as np
 import pytest
+from test_trainer import LrRecorder
 
 import toolkit
 from toolkit.errors import ToolkitError
@@ -23,51 +24,27 @@ from toolkit.trainer.metrics import IntervalMeter, native_lr
 GPT = toolkit.GPT(vocab=256, context=16, width=32, layers=2, heads=2)
 
 
-class SteadyBackend:
+class SteadyBackend(LrRecorder):
     """A numpy stand-in for one rank of any world: each step takes ``seconds`` and returns a
     loss, a gradient norm and (with ``scale``) a loss scale."""
 
     name = "steady"
 
     def __init__(self, seconds=0.003, scale=None):
-        self.seconds, self.scale, self.steps = seconds, scale, 0
+        super().__init__()
+        self.seconds, self.scale = seconds, scale
 
-    def setup(self, env, layout=None):
-        self.env = env
-
-    def build(self, model, optimizer, loss, *, seed=0, accumulation_steps=1,
-              sync_batchnorm=False, metrics=None, clip_grad_norm=None):
-        self.params = model.init(seed)
+    def build(self, model, optimizer, loss, *, seed=0, clip_grad_norm=None, **options):
+        super().build(model, optimizer, loss, seed=seed, **options)
 
     def train_step(self, x, y, lr):
         time.sleep(self.seconds)
-        self.steps += 1
-        return toolkit.StepResult(1.0 / self.steps, grad_norm=float(self.steps),
+        super().train_step(x, y, lr)
+        return toolkit.StepResult(1.0 / len(self.lrs), grad_norm=float(len(self.lrs)),
                                   loss_scale=self.scale or 1.0)
 
     def evaluate(self, x, y):
         return {"loss_sum": 0.5 * len(x), "correct": 0.0, "count": float(len(x))}
-
-    def allreduce(self, values, op="mean"):
-        return np.asarray(values, np.float64)
-
-    def broadcast(self, values, root=0):
-        return np.asarray(values)
-
-    def barrier(self):
-        pass
-
-    def sync_state(self):
-        pass
-
-    def state_dict(self):
-        return {f"params/{k}": v for k, v in self.params.items()}
-
-    def load_state_dict(self, state):
-        self.params = {k[7:]: v for k, v in state.items()}
-
-    def shutdown(self):
-        pass
 
 
 def tokens():
