@@ -106,8 +106,8 @@ def device_peak(device_names: Iterable[str], compute_dtype: str,
     there is none). The node's GPUs must all be one model the table knows."""
     names = list(device_names)
     if not any(re.search(r"cuda|gpu", n, re.IGNORECASE) for n in names):
-        return None, f"the devices are {', '.join(names) or 'unknown'}, not GPUs: pass " \
-                     "--peak-flops (per device) for an MFU"
+        return None, (f"no GPU among this process's devices ({', '.join(names) or 'none named'})"
+                      ": pass --peak-flops (per device) for an MFU")
     models = gpu_models() if models is None else models
     if len(set(models)) != 1:
         return None, ("the GPUs' model is unknown" if not models else

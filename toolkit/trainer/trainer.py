@@ -353,8 +353,8 @@ class Trainer(StopsTogether):
                 progress.update(self.global_step, epoch, done, len(sampler), step.loss)
                 if self.log_every and self.global_step % self.log_every == 0:
                     self._flush()
-                    print0(interval_line(self._losses.last_interval or {
-                        "step": self.global_step}, history.losses[-1]), env=env)
+                    progress.clear()  # (the line is not printed over the bar)
+                    print0(interval_line(self._losses.last_interval, history.losses[-1]), env=env)
                 elif self.global_step % self._stop.check_every == 0:
                     self._flush()  # the guard sees every loss within stop_check_every steps
                 if self.checkpoints.due(self.global_step) and self._loss_settled():
