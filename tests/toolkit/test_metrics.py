@@ -197,6 +197,14 @@ def test_a_tensorboard_dir_that_is_a_file(tmp_path):
     assert "HINT" in str(err.value) or "--tensorboard" in str(err.value)
 
 
+def test_a_missing_tensorboard_package_is_named_with_its_install(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "tensorboard", None)
+    with pytest.raises(ToolkitError, match="needs the tensorboard package") as err:
+        toolkit.Trainer(SteadyBackend(), GPT, toolkit.SGD(lr=0.1), global_batch_size=8,
+                        env=toolkit.LaunchEnv(), tensorboard_dir=tmp_path / "tb")
+    assert "pip install tensorboard" in str(err.value)
+
+
 def test_native_model_leaves_mfu_out_saying_why():
     from toolkit.trainer.metrics import mfu_facts
 

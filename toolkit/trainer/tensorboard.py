@@ -9,6 +9,7 @@ into every backend's process when it is installed.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import socket
 import time
@@ -47,15 +48,20 @@ class TensorBoardLog:
     def __init__(self, directory: str | os.PathLike | None, rank: int):
         self.directory = check_tensorboard_dir(directory) if rank == 0 else None
         self._file = self._writer = None
+        if self.directory is not None and importlib.util.find_spec("tensorboard") is None:
+            self._missing(ImportError("No module named 'tensorboard'"))
+
+    def _missing(self, err: ImportError):
+        raise ToolkitError(f"--tensorboard {self.directory} needs the tensorboard package "
+                           f"({err})", ".venv/bin/pip install tensorboard (tools/install.sh "
+                           "installs it)") from err
 
     def _open(self) -> None:
         try:
             from tensorboard.compat.proto import event_pb2, summary_pb2
             from tensorboard.summary.writer.record_writer import RecordWriter
         except ImportError as err:
-            raise ToolkitError(f"--tensorboard {self.directory} needs the tensorboard package "
-                               f"({err})", ".venv/bin/pip install tensorboard (tools/install.sh "
-                               "installs it)") from err
+            self._missing(err)
         self._event, self._summary = event_pb2.Event, summary_pb2.Summary
         self.directory.mkdir(parents=True, exist_ok=True)
         # TensorBoard's own naming: it reads every file matching *tfevents* in the directory.
