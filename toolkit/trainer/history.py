@@ -1,4 +1,4 @@
-"""What a run reports: the History that ``Trainer.fit`` returns and rank 0's progress line."""
+"""What a run reports: the History that ``Trainer.fit`` returns and rank 0's progress bar."""
 
 from __future__ import annotations
 
