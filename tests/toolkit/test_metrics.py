@@ -269,3 +269,37 @@ def test_the_progress_bar_on_a_terminal_shows_and_ends_cleanly():
     text = out.decode()
     assert "step 3/3  loss 0.3333" in text and " samples/s" in text and "ETA" in text, text
     assert text.rstrip().endswith("after"), text  # the bar removed itself before the print
+
+
+def test_a_step_in_flight_is_timed_when_it_is_seen_finished(monkeypatch):
+    """Asynchronous dispatch: a step's time is when its loss was seen ready (polled after
+    each step) or, at the latest, when the flush's float() returned it."""
+    from toolkit.trainer.guard import DivergenceGuard
+    from toolkit.trainer.history import History, MetricsLog
+    from toolkit.trainer.losses import StepLosses
+
+    class InFlight:
+        def __init__(self, value):
+            self.value, self.ready = value, False
+
+        def is_ready(self):
+            return self.ready
+
+        def __float__(self):
+            self.ready = True
+            return self.value
+
+    clock = iter(range(100, 200))
+    monkeypatch.setattr("toolkit.trainer.losses.time.time", lambda: float(next(clock)))
+    losses = StepLosses(History(), DivergenceGuard(None, 20, 5), MetricsLog(None, 0))
+    first, second = InFlight(1.0), InFlight(2.0)
+    losses.add(toolkit.StepResult(first))  # t=100: in flight
+    first.ready = True
+    losses.add(toolkit.StepResult(second))  # t=101: the first is seen finished
+    losses.add(toolkit.StepResult(3.0))  # t=102: a plain value, behind the second
+    assert losses.times == [101.0, None, None]
+    written = []
+    losses.log.write = lambda records: written.extend(records)
+    losses.flush(3, None)
+    assert [r["time"] for r in written] == [101.0, 103.0, 104.0]  # float() waited for them
+    assert losses.history.losses == [1.0, 2.0, 3.0]

@@ -27,7 +27,7 @@ class StepLosses:
                  read_lr: Callable[[], float | None] | None = None):
         self.history, self.guard, self.log = history, guard, log
         self.meter, self.tensorboard, self.read_lr = meter, tensorboard, read_lr
-        self.times: list[float] = []  # when each step returned (wall clock, seconds)
+        self.times: list[float | None] = []  # when each step was seen finished (wall clock)
         self.lrs: list[float | None] = []  # each step's learning rate, if known
         self.last_interval: dict[str, Any] | None = None  # the latest interval record
         self.pending: list[Any] = []  # local step losses not yet averaged across ranks
@@ -39,7 +39,7 @@ class StepLosses:
         """A step's result; ``guard_skips``: its skips are the divergence guard's to count
         (``on_nonfinite="skip"``), a loss scaler's overflows never are; ``lr``: its learning
         rate (a spec optimizer's)."""
-        self.times.append(round(time.time(), 3))
+        self.times.append(None)
         self.lrs.append(lr if lr is not None or self.read_lr is None else self.read_lr())
         self.pending.append(step.loss)
         self.skipped.append(guard_skips and bool(step.skipped) and not step.overflow)
@@ -47,6 +47,25 @@ class StepLosses:
             self.norms.append(step.grad_norm)
         if step.loss_scale != 1.0 or step.overflow:
             self.scales.append((float(step.loss_scale), bool(step.overflow)))
+        self._see_finished()
+
+    def _see_finished(self) -> None:
+        """Notes the time of the steps now seen finished, without waiting: a plain value's step
+        finished when it returned; a JAX value in flight (asynchronous dispatch) says when it
+        is ready, and steps finish in order."""
+        now = round(time.time(), 3)
+        for i in range(len(self.pending)):
+            if self.times[i] is None:
+                ready = getattr(self.pending[i], "is_ready", None)
+                if callable(ready) and not ready():
+                    return
+                self.times[i] = now
+
+    def _wait(self, i: int) -> float:
+        value = float(self.pending[i])
+        if self.times[i] is None:
+            self.times[i] = round(time.time(), 3)
+        return value
 
     def __len__(self) -> int:
         return len(self.pending)
@@ -58,8 +77,9 @@ class StepLosses:
         pending, history = self.pending, self.history
         if not pending:
             return None
-        # float() only here: train_step may return a framework scalar still in flight.
-        local = np.asarray([float(v) for v in pending], np.float64)
+        # float() only here: train_step may return a framework scalar still in flight (the
+        # step finished when float() returns, if it was not seen finished before).
+        local = np.asarray([self._wait(i) for i in range(len(pending))], np.float64)
         # (one process: the mean over one rank is its own; Horovod's allreduce would still wait
         # out a cycle of its background thread, about 1 ms)
         averaged = allreduce(local, "mean") if allreduce is not None else local
