@@ -23,7 +23,6 @@ import numpy as np
 import adapters
 import toolkit
 from toolkit.datasets import load_text, stage_text
-from toolkit.trainer.history import MetricsLog
 
 PROMPT = "def __init__(self"
 
@@ -81,7 +80,6 @@ def main() -> None:
     trainer.fit(train)  # max_steps=0: sets up (and resumes) without training
     loaded = waited = 0.0  # input loading, and how much of it training waited for
     started = time.perf_counter()
-    log = MetricsLog(trainer.metrics_log, trainer.env.rank)  # rank 0 appends, as the Trainer
     while trainer.global_step < args.steps:  # train in intervals, evaluating after each
         interval = trainer.global_step // args.eval_every + 1
         trainer.max_steps = min(args.steps, interval * args.eval_every)
@@ -91,9 +89,9 @@ def main() -> None:
         waited += trainer.prefetch_stats["wait_seconds"]
         steps = trainer.global_step - history.first_step
         tokens = steps * args.batch_size * args.context / (time.perf_counter() - began)
-        v = trainer.evaluate(val_head)["val_loss"]
-        log.write([{"event": "eval", "step": trainer.global_step, "val_loss": v,
-                    "val_windows": len(val_head)}])
+        v = trainer.evaluate(val_head, log=False)["val_loss"]
+        trainer.log_record({"event": "eval", "step": trainer.global_step, "val_loss": v,
+                            "val_windows": len(val_head)})
         toolkit.print0(f"step {trainer.global_step:5d}  loss {history.final_loss:.4f}  "
                        f"val {v:.4f} nats/byte ({v / math.log(2):.3f} bits/byte)  "
                        f"{tokens:,.0f} tokens/s")
@@ -104,8 +102,8 @@ def main() -> None:
         toolkit.print0(done + "final evaluation skipped (--final-eval-windows 0)")
     else:
         final = final_eval(trainer, corpus.val, args.context, windows)
-        log.write([{"event": "eval", "step": trainer.global_step, "val_loss": final,
-                    "val_windows": windows, "final": True}])
+        trainer.log_record({"event": "eval", "step": trainer.global_step, "val_loss": final,
+                            "val_windows": windows, "final": True})
         toolkit.print0(done + f"val_loss {final:.4f} nats/byte = {final / entropy:.2f} x the "
                        f"unigram entropy {entropy:.3f}"
                        + ("" if windows == len(val) else f" ({windows:,} of {len(val):,} "
@@ -130,7 +128,7 @@ def final_eval(trainer, tokens, context: int, windows: int, chunk: int = 2048,
     for first in range(0, windows, chunk):
         n = min(chunk, windows - first)
         part = toolkit.TokenWindows(tokens[first * context:(first + n) * context + 1], context)
-        total += trainer.evaluate(part)["val_loss"] * n  # each window has context tokens
+        total += trainer.evaluate(part, log=False)["val_loss"] * n  # context tokens each
         now = time.perf_counter()
         if now - last >= every_s and first + n < windows:
             toolkit.print0(f"final eval {first + n:,}/{windows:,} windows, {now - began:.0f} s")

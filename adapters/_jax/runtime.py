@@ -109,6 +109,7 @@ class JaxRuntime:
     backend = "jax"
     env: Any = None
     jax: Any = None
+    _first_allreduce = True
 
     def __init__(self, dtype: str = "float32", local_devices: int | None = None):
         check_choice("dtype", dtype, DTYPES)
@@ -155,7 +156,11 @@ class JaxRuntime:
 
         # float64 travels as two float32 halves when x64 is off: gather the exact bytes.
         raw = values.view(np.uint32) if values.size else values
-        gathered = np.asarray(multihost_utils.process_allgather(raw))
+        # (the first one may be the processes' first collective: Gloo's connect line)
+        quiet = gloo_connect_line_silenced() if self._first_allreduce else contextlib.nullcontext()
+        with quiet:
+            gathered = np.asarray(multihost_utils.process_allgather(raw))
+        self._first_allreduce = False
         stacked = gathered.view(np.float64).reshape((self.env.world_size,) + values.shape)
         total = stacked.sum(axis=0)
         return total / self.env.world_size if op == "mean" else total

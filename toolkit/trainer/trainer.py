@@ -24,7 +24,7 @@ from toolkit.launch.stall import DEFAULT_STALL_TIMEOUT, StallWatch, check_timeou
 from toolkit.models.flops import check_flops
 from toolkit.models.reference import check_clip
 from toolkit.models.specs import LOSSES, OptimizerSpec, check_choice, learning_rate, lr_scale
-from toolkit.parallel.layouts import DataShare, resolve_layout
+from toolkit.parallel.layouts import resolve_layout
 from toolkit.precision import use_precision
 from toolkit.trainer.checkpoints import RunCheckpoints
 from toolkit.trainer.evaluation import check_metrics, evaluate
@@ -229,7 +229,9 @@ class Trainer(StopsTogether):
         # The layout says which share of each global batch this process loads: its own under
         # data parallelism, its replica's under a pipeline or a tensor-parallel group that
         # spans processes (those processes compute one replica and must see the same samples).
-        share = self._data_share()
+        drives = isinstance(self.adapter, DrivesDevices)  # (several devices per process)
+        share = self.layout.data_share(env.world_size, env.rank,
+                                       self.adapter.local_device_count() if drives else 1)
         self.sampler = GlobalBatchSampler(
             num_samples, self.global_batch_size, world_size=share.count, rank=share.index,
             shuffle=self.shuffle, seed=self.seed, drop_last=self.drop_last)
@@ -271,13 +273,6 @@ class Trainer(StopsTogether):
         facts = self._facts = run_facts(self, samples)
         print0(format_facts(facts), env=self.env)
         self._log.write([{"event": "start", **facts}])
-
-    def _data_share(self) -> DataShare:
-        """This process's share of each global batch, as the layout places it on the devices
-        (the adapter says how many each process drives; after ``setup``)."""
-        drives = isinstance(self.adapter, DrivesDevices)
-        return self.layout.data_share(self.env.world_size, self.env.rank,
-                                      self.adapter.local_device_count() if drives else 1)
 
     # ------------------------------------------------------------------------ the loop
     def fit(self, data: Dataset | np.ndarray, y: np.ndarray | None = None,
@@ -387,16 +382,24 @@ class Trainer(StopsTogether):
         self._log.write([{"event": "epoch", **record}])
         return record
 
-    def evaluate(self, data: Dataset | np.ndarray,
-                 y: np.ndarray | None = None) -> dict[str, float]:
+    def evaluate(self, data: Dataset | np.ndarray, y: np.ndarray | None = None, *,
+                 log: bool = True) -> dict[str, float]:
         """Loss (and accuracy for classification) over all of ``data`` (``x`` with labels
-        ``y``, or a data set), exactly as one process evaluating everything would."""
+        ``y``, or a data set), exactly as one process evaluating everything would; ``log``:
+        as an eval record in the metrics log and TensorBoard (False: a part of a larger
+        evaluation that :meth:`log_record` records once)."""
         with self._watch.during("evaluation", self.global_step):
             result = evaluate(self.adapter, self.env, self.layout, as_dataset(
                 data, y, what="the evaluation data"), self.eval_batch_size, self.metrics,
                 with_accuracy=self.loss == "cross_entropy")
-        report(self._log, self._tb, [{"event": "eval", "step": self.global_step, **result}])
+        if log:
+            self.log_record({"event": "eval", "step": self.global_step, **result})
         return result
+
+    def log_record(self, record: dict) -> None:
+        """Appends ``record`` (an ``event`` and its fields, ``step`` among them) to the metrics
+        log and its numbers to TensorBoard, from rank 0."""
+        report(self._log, self._tb, [record])
 
 
 def _is_native(optimizer: Any) -> bool:
