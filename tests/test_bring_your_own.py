@@ -54,7 +54,9 @@ def final_state(ckpt):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("script", SCRIPTS)
+@pytest.mark.parametrize("script", [  # (Keras and Flax resumes: also tests/adapters' native
+    # optimizer tests; make test-long runs these two)
+    s if s == "torch_cnn.py" else pytest.param(s, marks=pytest.mark.long) for s in SCRIPTS])
 def test_example_learns_and_resumes_bit_for_bit(script, launch, tmp_path):
     backend, whole, resumed = SCRIPTS[script]
     half = EPOCHS // 2 * STEPS_PER_EPOCH
