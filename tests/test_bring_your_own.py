@@ -31,8 +31,8 @@ TAG = re.compile(r"\[[\d,]+\]<stdout>:")
 ALLOWED = re.compile(r"(epoch \d+  step \d+  loss \d+\.\d+  val_loss \d+\.\d+  "
                      r"\(\d+\.\d+ s\)|done: world_size 2  steps \d+  val_loss \d+\.\d+  "
                      r"val_accuracy \d\.\d{4}|resumed from \S+ \(step \d+, written by \S+ on 2 "
-                     r"ranks\)|(backend|layout|world|placement|batch|model|data|checkpoints) +\S.*"
-                     r"| {12}\S.*)$")  # (the placement table's further lines)
+                     r"ranks\)|(backend|layout|world|placement|batch|model|data|checkpoints|"
+                     r"mfu) +\S.*| {12}\S.*)$")  # (the placement table's further lines)
 
 
 def run(launch, launcher, script, ckpt, epochs, extra=()) -> str:
