@@ -109,7 +109,6 @@ class PipelineExecutor(StrategyBase):
         self.step_index = 0
         self.recorders: dict[int, StageRecorder] = {}
 
-    # ------------------------------------------------------------------ build
     def build(self, model: Any, optimizer: Any, loss: Any, *, seed: int = 0,
               accumulation_steps: int = 1, sync_batchnorm: bool = False,
               metrics: Any = None, clip_grad_norm: float | None = None,

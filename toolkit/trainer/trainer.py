@@ -113,9 +113,8 @@ class Trainer(StopsTogether):
             whole model, the same on every rank) is not finite updates nothing (parameters,
             optimizer state and count, BatchNorm statistics) and the sampler moves on; more
             than ``max_consecutive_skips`` such steps in a row stop the run as above.
-        stall_timeout: seconds a rank may send nothing, or stay in one phase (a step, a
-            checkpoint, an evaluation), before the job ends (status 124) naming the ranks that
-            did not arrive, their nodes and the step (``toolkit.launch.stall``); 0: never.
+        stall_timeout: seconds a rank may be silent or in one phase (step, checkpoint, eval)
+            before the job ends naming it (``toolkit.launch.stall``, status 124); 0: never.
         prefetch: ``True`` loads the next local batch in a background thread during the step,
             ``False`` when its step starts, ``"auto"`` the thread unless the data are numpy
             arrays in memory; ``trainer.prefetch_stats`` says how much loading time it hid.
@@ -215,6 +214,7 @@ class Trainer(StopsTogether):
         self.global_step = 0
         self._setup_done = False
 
+    _spec_optimizer = property(lambda self: isinstance(self.optimizer, OptimizerSpec))
     store = property(lambda self: self.checkpoints.store,
                      doc="The run's :class:`toolkit.CheckpointStore` (None without checkpoints)")
 
@@ -294,7 +294,7 @@ class Trainer(StopsTogether):
         self._losses = StepLosses(self._history, self._guard, self._log, IntervalMeter(
             env.world_size, self.global_batch_size, tokens_per_sample(self.model, train),
             self._facts["flops_per_sample"], self._facts["peak_flops"]), self._tb,
-            (lambda: native_lr(self.optimizer)) if _is_native(self.optimizer) else None)
+            (lambda: native_lr(self.optimizer)) if not self._spec_optimizer else None)
         self._progress = ProgressLine(self.progress and env.rank == 0, self.max_steps,
                                       self.global_batch_size)
         place = self.adapter.device_batch if isinstance(self.adapter, PlacesBatches) else None
@@ -337,7 +337,7 @@ class Trainer(StopsTogether):
             first_in_epoch = len(history.losses) + len(self._losses)
             for idx in sampler:
                 lr = learning_rate(self.optimizer, self.global_step) * scale \
-                    if not _is_native(self.optimizer) else None
+                    if self._spec_optimizer else None
                 self._watch.at("input", self.global_step + 1)
                 batch = self._losses.meter.load(loader, idx)
                 self._watch.at("step", self.global_step + 1)
@@ -385,9 +385,8 @@ class Trainer(StopsTogether):
     def evaluate(self, data: Dataset | np.ndarray, y: np.ndarray | None = None, *,
                  log: bool = True) -> dict[str, float]:
         """Loss (and accuracy for classification) over all of ``data`` (``x`` with labels
-        ``y``, or a data set), exactly as one process evaluating everything would; ``log``:
-        as an eval record in the metrics log and TensorBoard (False: a part of a larger
-        evaluation that :meth:`log_record` records once)."""
+        ``y``, or a data set), exactly as one process evaluating everything would; ``log``: as an
+        eval record (False: a part of a larger evaluation that :meth:`log_record` records)."""
         with self._watch.during("evaluation", self.global_step):
             result = evaluate(self.adapter, self.env, self.layout, as_dataset(
                 data, y, what="the evaluation data"), self.eval_batch_size, self.metrics,
@@ -397,10 +396,5 @@ class Trainer(StopsTogether):
         return result
 
     def log_record(self, record: dict) -> None:
-        """Appends ``record`` (an ``event`` and its fields, ``step`` among them) to the metrics
-        log and its numbers to TensorBoard, from rank 0."""
+        """``record`` (an ``event``, a ``step``, ...) to the metrics log and TensorBoard."""
         report(self._log, self._tb, [record])
-
-
-def _is_native(optimizer: Any) -> bool:
-    return not isinstance(optimizer, OptimizerSpec)
