@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 STOP_TIMEOUT = 30.0  # seconds from the signal until horovodrun must be gone (it takes < 1 s)
-REPEATS = 10
+REPEATS = 4  # the race of the shell's exit with the stop: test_horovod_runner_patch.py
 
 
 def _stop_once(start, tmp: Path, signals: list[signal.Signals], gap: float

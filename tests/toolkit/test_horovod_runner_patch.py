@@ -59,3 +59,35 @@ def test_the_build_check_prints_nothing_and_asks_torch_first():
     assert proc.stdout.splitlines() == ["order ['torch', 'tensorflow', 'mxnet']",
                                         "gloo True mpi True"], proc.stdout
     assert proc.stderr == "", proc.stderr
+
+
+def test_a_rank_that_ends_by_itself_keeps_its_status_however_slowly_its_shell_exits(tmp_path):
+    """horovodrun runs each rank under ``sh -c`` and, when it stops the ranks, passes its signal
+    on to the shell's children. A rank that checkpoints and exits with 130 must make horovodrun
+    exit with 130, even when the shell has not yet exited at the moment its child ended (a
+    loaded machine): it is given the grace time, not a SIGTERM that turns 130 into 143. The
+    shell here waits a second after its child, which makes that moment long."""
+    import io
+
+    from horovod.runner.common.util import safe_shell_exec
+
+    ready = tmp_path / "ready"
+    child = ("import signal, sys, time, pathlib; "
+             "signal.signal(signal.SIGINT, lambda *a: sys.exit(130)); "
+             f"pathlib.Path({str(ready)!r}).touch(); time.sleep(60)")
+    command = f"{sys.executable} -c \"{child}\"; status=$?; sleep 1; exit $status"
+    stop = threading.Event()
+    stop.signum = signal.SIGINT  # as horovodrun's shutdown event carries the signal it received
+
+    def set_when_ready():
+        for _ in range(600):
+            if ready.exists():
+                break
+            threading.Event().wait(0.05)
+        stop.set()
+
+    threading.Thread(target=set_when_ready, daemon=True).start()
+    out, err = io.StringIO(), io.StringIO()
+    status = safe_shell_exec.execute(command, stdout=out, stderr=err, events=[stop])
+    assert ready.exists()
+    assert status == 130, (status, out.getvalue(), err.getvalue())
