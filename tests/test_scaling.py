@@ -1,5 +1,6 @@
 """python -m toolkit.scaling for real: the digits example under mpirun at 1, 2 and 3 ranks (3
-does not divide the global batch 64: that size fails, is reported, and the study goes on)."""
+does not divide the global batch 64: that size fails, is reported, and the study goes on),
+with the one-rank reference run that splits the 2-rank step into compute and the rest."""
 
 from __future__ import annotations
 
@@ -44,9 +45,17 @@ def test_strong_scaling_at_1_and_2_ranks_and_a_failing_size(tmp_path):
     assert float(one[3]) == 1.0 and float(one[4]) == 1.0
     assert float(two[3]) == pytest.approx(t2 / t1, abs=0.01)  # speed-up
     assert float(two[4]) == pytest.approx(t2 / t1 / 2, abs=0.01)  # efficiency = speed-up / 2
-    assert three[1:-1] == ["1", "-", "-", "-", "-", "-"], proc.stdout
+    assert three[1:-1] == ["1"] + ["-"] * 8, proc.stdout
     assert three[-1].startswith("exit ") and "not divisible by the world size 3" in three[-1]
     assert (tmp_path / "runs" / "world2.jsonl").is_file()
+    # the step time split: N=1 is its own compute; N=2's compute is one rank at batch 32
+    step, compute, comm, wait = (float(two[i]) for i in (5, 6, 7, 8))
+    assert float(one[7]) == 0.0 and float(one[6]) == pytest.approx(
+        float(one[5]) - float(one[8]), abs=0.15)
+    assert compute > 0 and comm == pytest.approx(step - wait - compute, abs=0.15)
+    assert "one rank at batch 32 (compute time): ok" in proc.stdout
+    reference = (tmp_path / "runs" / "reference32.jsonl").read_text().splitlines()[0]
+    assert '"world_size": 1' in reference and '"global_batch": 32' in reference
 
     import matplotlib.image
 

@@ -136,3 +136,30 @@ def test_a_checkpoint_written_from_two_nodes_resumes_on_one(launch, two_node_clu
     whole = losses(launch("python", 1, [*worker, "data"]))
     assert (first[0], second[0]) == (0, 10)
     assert max(abs(a - b) for a, b in zip(first[1] + second[1], whole[1], strict=True)) < 1e-12
+
+
+@pytest.mark.slow
+def test_the_scaling_study_marks_where_the_job_spans_the_second_node(two_node_jobs, tmp_path):
+    """slurm/scaling.sbatch in an allocation of two nodes with one rank per node: N=1 on
+    node1, N=2 across the link. The table marks N=2 as spanning another node (the start record
+    of its run says 2 nodes), and the picture draws the boundary."""
+    from test_scaling import rows
+
+    jobs, png = two_node_jobs, tmp_path / "scaling.png"
+    job = jobs.submit("slurm/scaling.sbatch", [
+        "--script", "examples/train_digits.py", "--world-sizes", "1,2", "--ranks-per-node", "1",
+        "--steps", "20", "--warmup", "5", "--out-dir", str(tmp_path / "runs"), "--png",
+        str(png), "--", "--batch-size", "64"], ntasks=2, nodes=2)
+    assert jobs.wait(job, timeout=300) == "COMPLETED", jobs.log()
+    out = jobs.log()
+    table = rows(out)
+    assert [(r[1], r[-1]) for r in table.values()] == [("1", "ok"), ("2 *", "ok")], out
+    assert "* the job spans another node from this size on" in out
+    start = json.loads((tmp_path / "runs" / "world2.jsonl").read_text().splitlines()[0])
+    assert (start["world_size"], start["nodes"]) == (2, 2), start
+
+    import matplotlib.image
+
+    image = matplotlib.image.imread(str(png))[..., :3]
+    red = (image[..., 0] > 0.7) & (image[..., 1] < 0.3) & (image[..., 2] < 0.3)  # C3's line
+    assert red.sum() > 100

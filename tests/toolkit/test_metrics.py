@@ -233,6 +233,23 @@ def test_tensorboard_events_read_back_equal_the_metrics_log(tmp_path, tensorboar
         assert [v for _, v in got] == pytest.approx([v for _, v in want], rel=1e-6), tag
 
 
+def test_a_final_evaluation_has_its_own_tags_and_counts_are_no_scalars(tmp_path,
+                                                                        tensorboard_events):
+    """train_gpt's periodic and final evaluations at one step: the final one's values under
+    ``final/``; how many windows each evaluated is in the metrics log, not a curve."""
+    from toolkit.trainer.tensorboard import TensorBoardLog
+
+    tb = TensorBoardLog(tmp_path / "tb", rank=0)
+    tb.write({"event": "eval", "step": 20, "time": 1.0, "val_loss": 2.5, "val_windows": 256})
+    tb.write({"event": "eval", "step": 20, "time": 2.0, "val_loss": 2.4, "val_windows": 9000,
+              "final": True})
+    tb.close()
+    events = tensorboard_events(tmp_path / "tb")
+    assert sorted(events.Tags()["scalars"]) == ["final/val_loss", "val_loss"]
+    assert [(e.step, e.value) for e in events.Scalars("final/val_loss")] == [
+        (20, pytest.approx(2.4))]
+
+
 def test_no_control_characters_when_stderr_is_a_file(tmp_path):
     with open(tmp_path / "err.txt", "w") as err:
         saved, sys.stderr = sys.stderr, err

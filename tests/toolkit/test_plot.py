@@ -129,6 +129,41 @@ def test_scaling_measures_after_the_warmup_and_computes_efficiency(old_log, new_
     assert "4  2 *" in text and "exit 2: error: batch" in text and "spans another node" in text
 
 
+def test_the_step_time_splits_into_compute_and_the_rest():
+    """Compute is the one-rank reference's step at the same batch per rank, less its input
+    wait; the rest of a size's step (less its own wait) is communication and synchronisation;
+    a size without a reference keeps "-"."""
+    one = scaling.Point(1, 1, step_s=0.200, input_wait_s=0.010, batch_per_rank=32)
+    two = scaling.Point(2, 1, step_s=0.150, input_wait_s=0.005, batch_per_rank=16)
+    four = scaling.Point(4, 2, step_s=0.100, input_wait_s=None, batch_per_rank=8)
+    ref16 = scaling.Point(1, 1, step_s=0.105, input_wait_s=0.005)
+    scaling.study.split_step_time([one, two, four], {32: one, 16: ref16})
+    assert (one.compute_s, one.comm_s) == (pytest.approx(0.19), 0.0)
+    assert (two.compute_s, two.comm_s) == (pytest.approx(0.1), pytest.approx(0.045))
+    assert (four.compute_s, four.comm_s) == (None, None)
+    rows = [line.split() for line in scaling.table([one, two, four]).splitlines()]
+    assert rows[0][5:9] == ["step", "ms", "compute", "ms"] and "comm+sync" in rows[0]
+    assert rows[2][:1] + rows[2][5:9] == ["2", "150.0", "100.0", "45.0", "5.00"]
+    assert rows[3][-5:] == ["100.0", "-", "-", "-", "ok"]  # (its nodes: "2 *")
+
+
+def test_several_backends_are_drawn_on_one_picture(tmp_path):
+    import matplotlib.image
+
+    studies = {}
+    for name, rates in (("a", (100.0, 190.0)), ("b", (100.0, 120.0))):
+        points = [scaling.Point(n, 1, throughput=r) for n, r in zip((1, 2), rates, strict=True)]
+        scaling.fill_ratios(points)
+        studies[name] = points
+    png = tmp_path / "s.png"
+    scaling.draw(studies, str(png), "strong", "two backends")
+    image = matplotlib.image.imread(str(png))[..., :3]
+    blue = (image[..., 2] > 0.6) & (image[..., 0] < 0.3)  # C0
+    orange = (image[..., 0] > 0.9) & (image[..., 1] > 0.4) & (image[..., 1] < 0.6) \
+        & (image[..., 2] < 0.2)  # C1
+    assert blue.sum() > 200 and orange.sum() > 200
+
+
 def test_srun_fills_nodes_in_a_multi_node_allocation():
     env = {"SLURM_JOB_NUM_NODES": "2", "SLURM_JOB_CPUS_PER_NODE": "4(x2)"}
     per_node = scaling.ranks_per_node(None, env)
@@ -144,6 +179,7 @@ def test_scaling_rejects_bad_options(tmp_path, capsys):
     script = write(tmp_path / "s.py", [])
     for argv, message in [(["--world-sizes", "1,two"], "'1,two' is not a list of integers"),
                           (["--mode", "weak"], "weak scaling needs the batch per rank"),
-                          (["--script", "nope.py"], "--script 'nope.py' does not exist")]:
+                          (["--script", "nope.py"], "--script 'nope.py' does not exist"),
+                          (["--backend", "jax-pjit,jax-pjit"], "empty or repeated backend")]:
         assert scaling.main(["--script", str(script), *argv]) == 2
         assert message in capsys.readouterr().err

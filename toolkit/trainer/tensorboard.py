@@ -19,10 +19,12 @@ from toolkit.errors import ToolkitError
 
 # What each kind of metrics-log record gives TensorBoard (one value per tag and step): each
 # step's loss, each interval's learning rate, throughput, times, norm, scale and MFU, and each
-# evaluation's val_* values.
+# evaluation's val_* values (not the count of what it evaluated, ``val_windows``), a final
+# evaluation's under ``final/`` (it may share its step with a periodic one).
 SCALARS = {"step": ("loss",),
            "interval": ("lr", "samples_per_s", "tokens_per_s", "step_time_s", "input_wait_s",
                         "grad_norm", "loss_scale", "mfu")}
+COUNTS = frozenset({"val_windows"})
 
 
 def check_tensorboard_dir(directory: str | os.PathLike | None) -> Path | None:
@@ -82,8 +84,11 @@ class TensorBoardLog:
         if self._file is None:
             self._open()
         kind = record.get("event")
-        values = [self._summary.Value(tag=k, simple_value=float(v)) for k, v in record.items()
-                  if (k in SCALARS.get(kind, ()) or kind == "eval" and k.startswith("val_"))
+        prefix = "final/" if kind == "eval" and record.get("final") else ""
+        values = [self._summary.Value(tag=prefix + k, simple_value=float(v))
+                  for k, v in record.items()
+                  if (k in SCALARS.get(kind, ()) or kind == "eval" and k.startswith("val_")
+                      and k not in COUNTS)
                   and isinstance(v, int | float) and not isinstance(v, bool)]
         if values:
             self._record(self._event(wall_time=record.get("time", time.time()),
