@@ -16,7 +16,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from adapters._backend import StrategyBase
-from adapters._common import check_build, check_spec_optimizer, loss_name
+from adapters._common import check_build, check_recompute, check_spec_optimizer, loss_name
 from adapters._jax.native_optax import StageOptimizer, is_native
 from adapters._jax.programs import LocalComputes, StagePrograms
 from adapters._jax.rounds import RoundPlan
@@ -87,6 +87,7 @@ class PipelineExecutor(StrategyBase):
     clips = True  # build takes clip_grad_norm
     skips = True  # build takes skip_nonfinite; its StepResult then says skipped
     precisions = ("32", "64", "bf16-mixed", "fp16-mixed")  # (StagePrograms' compute)
+    recomputes = True  # every piece's forward runs again in its backward, asked for or not
     position: tuple[int, int] = (0, 0)  # this process's (stage, replica), known at build
 
     @staticmethod
@@ -101,8 +102,7 @@ class PipelineExecutor(StrategyBase):
             raise ToolkitError(f"{describe(layout)} is not a toolkit.Pipeline",
                                "pass toolkit.Pipeline(stages=..., micro_batches=...)")
         super().__init__(runtime, layout)  # (StrategyBase: runtime, env, layout, precision)
-        self.host, self.keep_steps = JaxStrategy(runtime, layout), keep_steps
-        self.samples = samples
+        self.host, self.keep_steps, self.samples = JaxStrategy(runtime, layout), keep_steps, samples
         self.schedule = pipeline_schedule(layout.schedule, layout.stages, layout.micro_batches,
                                           layout.chunks)
         self.plan = RoundPlan(self.schedule)
@@ -112,10 +112,10 @@ class PipelineExecutor(StrategyBase):
     def build(self, model: Any, optimizer: Any, loss: Any, *, seed: int = 0,
               accumulation_steps: int = 1, sync_batchnorm: bool = False,
               metrics: Any = None, clip_grad_norm: float | None = None,
-              skip_nonfinite: bool = False) -> None:
-        a, jax = self.host, self.host.jax
-        name, S = a.name, self.layout.stages
+              skip_nonfinite: bool = False, activation_checkpointing: bool = False) -> None:
+        a, jax, name, S = self.host, self.host.jax, self.host.name, self.layout.stages
         check_build(accumulation_steps, sync_batchnorm)
+        check_recompute(name, model, activation_checkpointing)  # (recomputed either way)
         if not is_native(optimizer):  # (an optax transformation: StageOptimizer checks it)
             check_spec_optimizer(name, "pipeline", optimizer)
         a.precision = self.precision  # (the Backend gave it to this executor)

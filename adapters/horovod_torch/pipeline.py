@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from adapters._common import check_build, step_seed
+from adapters._common import check_build, check_recompute, step_seed
 from adapters._horovod.pipeline import HvdPipeline, check_pipeline
 from adapters._horovod.rounds import NARROW
 from adapters._update import UpdateRule
@@ -90,6 +90,7 @@ class TorchPipeline(HvdPipeline):
     # mixed: each stage's forward under torch autocast (as data parallel), 16-bit activations
     # sent as they are (pack_tensors), fp16's loss scaled on the last stage
     precisions = ("32", "64", "bf16-mixed", "fp16-mixed")
+    recomputes = True  # activation_checkpointing: each piece's blocks (stages.cut_model)
 
     @staticmethod
     def check_layout(layout: Pipeline) -> None:
@@ -103,7 +104,7 @@ class TorchPipeline(HvdPipeline):
     def build(self, model: Any, optimizer: Any, loss: Any, *, seed: int = 0,
               accumulation_steps: int = 1, sync_batchnorm: bool = False,
               metrics: Any = None, clip_grad_norm: float | None = None,
-              skip_nonfinite: bool = False) -> None:
+              skip_nonfinite: bool = False, activation_checkpointing: bool = False) -> None:
         # (torch.optim counts its own steps)
         self.rule = UpdateRule(None, clip_grad_norm, skip_nonfinite, self.precision)
         torch, hvd = self.torch, self.hvd
@@ -114,7 +115,8 @@ class TorchPipeline(HvdPipeline):
         if isinstance(model, torch.nn.Sequential):  # rank 0's initial values, then cut
             hvd.broadcast_parameters(model.state_dict(), root_rank=0)
         self.cut = cut_model(torch, model, self.layout, self.stage, self.dtype,
-                             self.runtime.dev)
+                             self.runtime.dev, check_recompute("horovod-torch", model,
+                                                               activation_checkpointing))
         self.native = self.cut.native
         self.params = self.cut.params()
         if not self.native:

@@ -78,11 +78,14 @@ def _neutral_shape(p, from_torch) -> tuple[int, ...]:
     return tuple(np.shape(from_torch(np.empty(tuple(p.shape), np.float32))))
 
 
-def cut_model(torch, model: Any, layout, stage: int, dtype, device=None) -> CutModel:
+def cut_model(torch, model: Any, layout, stage: int, dtype, device=None,
+              recompute: bool = False) -> CutModel:
     """The pieces of ``model`` that ``stage`` holds under the ``toolkit.Pipeline`` ``layout``,
-    in ``dtype`` on ``device`` (only this stage's pieces move there)."""
+    in ``dtype`` on ``device`` (only this stage's pieces move there); ``recompute``: each GPT
+    block, hidden MLP layer or convolution of a spec model recomputes its activations in the
+    backward pass (``models.spec.recomputing``)."""
     if isinstance(model, ModelSpec):
-        return _on(torch, _cut_spec(torch, model, layout, stage, dtype), device)
+        return _on(torch, _cut_spec(torch, model, layout, stage, dtype, recompute), device)
     if isinstance(model, torch.nn.Sequential):
         return _on(torch, _cut_sequential(torch, model.to(dtype), layout, stage), device)
     if isinstance(model, torch.nn.Module):
@@ -113,8 +116,8 @@ def _on(torch, cut: CutModel, device) -> CutModel:
     return cut
 
 
-def _cut_spec(torch, spec, layout, stage: int, dtype) -> CutModel:
-    from adapters.horovod_torch.models.spec import build_spec_model
+def _cut_spec(torch, spec, layout, stage: int, dtype, recompute: bool) -> CutModel:
+    from adapters.horovod_torch.models.spec import build_spec_model, recomputing
     from toolkit import CNN, GPT, MLP
 
     S, v = layout.stages, layout.chunks
@@ -128,12 +131,13 @@ def _cut_spec(torch, spec, layout, stage: int, dtype) -> CutModel:
     for c in range(v):
         k = c * S + stage
         first, last, layers = k == 0, k == V - 1, part.layers[k]
+        unit = lambda f: recomputing(torch, f, recompute)  # noqa: E731 (a block's call)
         if isinstance(spec, GPT):
-            forward, modules = _gpt_piece(torch, net, layers, first, last)
+            forward, modules = _gpt_piece(torch, net, layers, first, last, unit)
         elif isinstance(spec, MLP):
-            forward, modules = _mlp_piece(torch, spec, net, layers)
+            forward, modules = _mlp_piece(torch, spec, net, layers, unit)
         elif isinstance(spec, CNN):
-            forward, modules = _cnn_piece(torch, net, layers, first, last)
+            forward, modules = _cnn_piece(torch, net, layers, first, last, unit)
         else:  # pragma: no cover - every spec partition_model cuts is handled above
             raise ToolkitError(f"no pipeline pieces for {type(spec).__name__}", SEQUENTIAL_ONLY)
         params = [by_name[n] for n in part.names[k]]
@@ -155,9 +159,10 @@ def _untie_last(torch, pieces: list[Piece], by_name: dict) -> None:
             piece.forward.tok_emb = copy
 
 
-def _gpt_piece(torch, net, layers: range, first: bool, last: bool):
+def _gpt_piece(torch, net, layers: range, first: bool, last: bool, unit):
     F = torch.nn.functional
     blocks = [net.blocks[i] for i in layers]
+    calls = [unit(b) for b in blocks]
     pos_emb = net.pos_emb if first else None
     ln_f = net.ln_f if last else None
     kernel = net.head.kernel if last and net.head is not None else None
@@ -165,8 +170,8 @@ def _gpt_piece(torch, net, layers: range, first: bool, last: bool):
     def forward(h):
         if first:
             h = F.embedding(h, forward.tok_emb) + pos_emb[:h.shape[1]]
-        for block in blocks:
-            h = block(h)
+        for call in calls:
+            h = call(h)
         if last:
             f = ln_f(h)
             return F.linear(f, forward.tok_emb) if kernel is None else f @ kernel
@@ -177,31 +182,33 @@ def _gpt_piece(torch, net, layers: range, first: bool, last: bool):
     return forward, blocks + ([ln_f] if last else [])
 
 
-def _mlp_piece(torch, spec, net, layers: range):
+def _mlp_piece(torch, spec, net, layers: range, unit):
     act = torch.relu if spec.activation == "relu" else torch.tanh
     mine = [(i, net.layers[i]) for i in layers]
     final = len(spec.sizes) - 2  # the model's last layer has no activation
+    # a hidden layer and its activation: the recomputed unit (the last layer is none)
+    calls = [unit(lambda x, layer=layer: act(layer(x))) if i < final else layer
+             for i, layer in mine]
 
     def forward(x):
-        for i, layer in mine:
-            x = layer(x)
-            if i < final:
-                x = act(x)
+        for call in calls:
+            x = call(x)
         return x
 
     return forward, [m for _, m in mine]
 
 
-def _cnn_piece(torch, net, layers: range, first: bool, last: bool):
+def _cnn_piece(torch, net, layers: range, first: bool, last: bool, unit):
     # units_of puts the head into the last conv's unit: the last piece ends with it.
     convs = [net.convs[i] for i in layers]
+    calls = [unit(lambda x, conv=conv: torch.relu(conv(x))) for conv in convs]
     head = net.head if last else None
 
     def forward(x):
         if first:
             x = x.permute(0, 3, 1, 2)  # the spec's NHWC -> torch's NCHW
-        for conv in convs:
-            x = torch.relu(conv(x))
+        for call in calls:
+            x = call(x)
         if last:
             return head(x.permute(0, 2, 3, 1).reshape(len(x), -1))
         return x
