@@ -11,10 +11,13 @@ def table(points: list[Point]) -> str:
     """The study's table, one row per world size.
 
     Example:
-        >>> print(table([Point(1, 1, throughput=10.0, speedup=1.0, efficiency=1.0,
-        ...                    step_s=0.1, input_wait_s=0.001, compute_s=0.099, comm_s=0.0)]))
-        N  nodes  samples/s  speed-up  efficiency  step ms  compute ms  comm+sync ms  input ms  status
-        1  1      10.0       1.00      1.00        100.0    99.0        0.0           1.00      ok
+        >>> head, row = table([Point(1, 1, throughput=10.0, speedup=1.0, efficiency=1.0,
+        ...                          step_s=0.1, input_wait_s=0.001, compute_s=0.099,
+        ...                          comm_s=0.0)]).splitlines()
+        >>> head.split()[5:]
+        ['step', 'ms', 'compute', 'ms', 'comm+sync', 'ms', 'input', 'ms', 'status']
+        >>> row.split()[5:]
+        ['100.0', '99.0', '0.0', '1.00', 'ok']
     """
     unit = next((p.unit for p in points if p.throughput), "samples/s")
     cross = set(boundaries(points))
