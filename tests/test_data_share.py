@@ -12,10 +12,13 @@ from collections import Counter, defaultdict
 import pytest
 
 # (backend, processes, devices per process, layouts with the number of data shares each
-# should have: processes / (processes per replica)).
+# should have: processes / (processes per replica)). The four-process runs of horovod-tf and
+# jax-pjit run with `make test-long` (on this 2-core machine they take 25-30 s each; horovod-tf
+# on two processes and jax-pjit's model axis across processes stay in `make test`).
 CONFIGS = [
     # (Horovod fixes its process sets when it starts: the pipeline runs first)
     ("horovod-torch", 4, None, {"pipeline:2:2": 2, "data": 4, "sharded:2": 4}),
+    ("horovod-tf", 2, None, {"pipeline:2:2": 1, "data": 2, "sharded:3": 2}),
     ("horovod-tf", 4, None, {"pipeline:2:2": 2, "data": 4, "sharded:3": 4}),
     ("jax-pmap", 2, 1, {"data": 2, "sharded:3": 2, "pipeline:2:2": 1}),
     ("jax-pmap", 2, 2, {"data": 2, "sharded:2": 2}),
@@ -25,11 +28,13 @@ CONFIGS = [
     ("jax-pjit", 2, 2, {"data": 2, "sharded:3:tp2": 2, "sharded:3:tp4": 1}),
     ("jax-pjit", 4, 1, {"sharded:3:tp2": 2, "sharded:3:tp4": 1, "pipeline:2:2": 2}),
 ]
+LONG = {("horovod-tf", 4), ("jax-pjit", 4)}
+PARAMS = [pytest.param(*c, id=f"{c[0]}-{c[1]}x{c[2] or 1}",
+                       marks=[pytest.mark.long] if c[:2] in LONG else []) for c in CONFIGS]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("backend", "nproc", "devices", "layouts"), CONFIGS,
-                         ids=[f"{b}-{n}x{d or 1}" for b, n, d, _ in CONFIGS])
+@pytest.mark.parametrize(("backend", "nproc", "devices", "layouts"), PARAMS)
 def test_every_rank_trains_on_the_samples_its_position_calls_for(launch, backend, nproc,
                                                                  devices, layouts):
     argv = ["tests/scripts/data_share_worker.py", backend, ",".join(layouts)]
