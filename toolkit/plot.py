@@ -80,7 +80,10 @@ def draw(runs: list[MetricsFile], png: str, x: str = "step",
     left.set(xlabel=xlabel, ylabel="loss",
              title="training loss (lines); validation (dots; a star: final)")
     left.grid(alpha=0.3)
-    left.legend(handles=runs_lines, labels=labels, fontsize=8)
+    if x == "step" and len(runs) > 1:
+        differences(left, runs, labels)
+    left.legend(handles=runs_lines, labels=labels, fontsize=8,
+                loc="lower left" if x == "step" and len(runs) > 1 else "best")
     right.set(xlabel=xlabel, ylabel=" or ".join(sorted(units)) or "throughput",
               title="throughput")
     right.set_ylim(bottom=0)
@@ -93,6 +96,23 @@ def draw(runs: list[MetricsFile], png: str, x: str = "step",
     fig.tight_layout()
     fig.savefig(png, dpi=100)
     return fig
+
+
+def differences(ax, runs: list[MetricsFile], labels: list[str]):
+    """An inset of ``ax``: each later run's smoothed training loss minus the first run's, at
+    the steps both logged (runs that agree draw on top of each other in the main panel; here
+    their gaps show). Returns the inset Axes."""
+    inset = ax.inset_axes([0.45, 0.5, 0.52, 0.36])
+    first = smooth(runs[0].losses)
+    for i, run in enumerate(runs[1:], start=1):
+        common, a, b = np.intersect1d(runs[0].steps, run.steps, return_indices=True)
+        inset.plot(common, smooth(run.losses)[b] - first[a], color=f"C{i % 10}", lw=1,
+                   label=labels[i])
+    inset.axhline(0.0, color="C0", lw=0.8)
+    inset.set_title(f"smoothed loss minus {labels[0]}'s", fontsize=8)
+    inset.tick_params(labelsize=7)
+    inset.grid(alpha=0.3)
+    return inset
 
 
 def summary(runs: list[MetricsFile], labels: list[str]) -> str:

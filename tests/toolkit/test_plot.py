@@ -85,6 +85,22 @@ def test_the_figure_holds_both_runs_in_both_panels(old_log, new_log, tmp_path):
         assert colored.sum() > 500, "a panel has no coloured lines"
 
 
+def test_runs_against_steps_get_their_differences_from_the_first_in_an_inset(old_log, new_log,
+                                                                            tmp_path):
+    """Runs that agree draw on top of each other: an inset draws each later run's smoothed
+    loss minus the first's, at the steps both logged (none against wall time)."""
+    old, new = read_metrics(old_log), read_metrics(new_log)
+    fig = plot.draw([old, new], str(tmp_path / "c.png"), "step", ["old", "new"])
+    (inset,) = fig.axes[0].child_axes
+    (line,) = [ln for ln in inset.lines if ln.get_label() == "new"]
+    common, a, b = np.intersect1d(old.steps, new.steps, return_indices=True)
+    assert len(common) > 0 and line.get_xdata().tolist() == common.tolist()
+    assert np.allclose(line.get_ydata(), plot.smooth(new.losses)[b] - plot.smooth(old.losses)[a])
+    assert "minus old's" in inset.get_title()
+    timed = plot.draw([old, new], str(tmp_path / "t.png"), "time", ["old", "new"])
+    assert timed.axes[0].child_axes == []
+
+
 def plot_pixels(png):
     import matplotlib.image
 
