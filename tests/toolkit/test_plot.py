@@ -180,6 +180,20 @@ def test_several_backends_are_drawn_on_one_picture(tmp_path):
     assert blue.sum() > 200 and orange.sum() > 200
 
 
+def test_a_step_is_the_intervals_wall_time_per_step_under_asynchronous_dispatch(tmp_path):
+    """JAX returns from a step before the device has done it: the median step time of its
+    interval records is the dispatch time (0.5 ms here); the study's step time is the
+    interval's wall time per step (global batch 32 at 160 samples/s: 0.2 s)."""
+    records = [{**START, "time": 0.0}]
+    for step in (10, 20, 30):
+        records += [{"event": "step", "step": step, "loss": 1.0, "time": step * 0.2},
+                    {"event": "interval", "step": step, "steps": 10, "time": step * 0.2,
+                     "samples_per_s": 160.0, "step_time_s": 0.0005, "input_wait_s": 0.001}]
+    rate, unit, step_s, wait = scaling.measure(read_metrics(write(tmp_path / "j.jsonl",
+                                                                  records)), warmup=10)
+    assert (rate, unit, step_s, wait) == (160.0, "samples/s", pytest.approx(0.2), 0.001)
+
+
 def test_srun_fills_nodes_in_a_multi_node_allocation():
     env = {"SLURM_JOB_NUM_NODES": "2", "SLURM_JOB_CPUS_PER_NODE": "4(x2)"}
     per_node = scaling.ranks_per_node(None, env)

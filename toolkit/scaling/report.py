@@ -59,10 +59,13 @@ def draw(studies: dict[str, list[Point]], png: str, mode: str, title: str):
         top = max([top, *[p.efficiency * 1.1 for p in ok]])
     right.set_ylim(0, top)
     first = next(iter(studies.values()), [])
+    # a boundary's line halfway between the last size within the nodes before and the first
+    # beyond them
+    lines = [(max([s for s in sizes if s < b], default=b - 1) + b) / 2 for b in boundaries(first)]
     for ax in (left, right):
-        for b in boundaries(first):
-            ax.axvline(b - 0.5, color="C3", ls=":", lw=1.5)
-            ax.text(b - 0.5, ax.get_ylim()[1], " next node", color="C3", va="top", fontsize=8)
+        for at in lines:
+            ax.axvline(at, color="C3", ls=":", lw=1.5)
+            ax.text(at, ax.get_ylim()[1], " next node", color="C3", va="top", fontsize=8)
         for p in first:
             if all(q.status != "ok" for points in studies.values() for q in points
                    if q.world_size == p.world_size):

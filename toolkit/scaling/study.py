@@ -81,13 +81,19 @@ def launch_command(launcher: str, world_size: int, nodes: int, argv: list[str]) 
 
 
 def measure(log: MetricsFile, warmup: int) -> tuple[float, str, float, float | None]:
-    """(throughput, unit, seconds per step, input wait per step) after ``warmup`` steps."""
+    """(throughput, unit, seconds per step, input wait per step) after ``warmup`` steps.
+
+    The seconds per step are the intervals' wall time per step (the global batch over the
+    samples/s), not their median step time: under JAX's asynchronous dispatch that is the time
+    to dispatch a step, while the interval's wall time ends when its last step is done."""
     after = [r for r in log.intervals if r.get("step", 0) > warmup]
     if after:
         key = "tokens_per_s" if after[0].get("tokens_per_s") else "samples_per_s"
         weights = np.asarray([r.get("steps", 1) for r in after], dtype=float)
         rate = float(np.average([r[key] for r in after], weights=weights))
-        step = float(np.average([r.get("step_time_s") or np.nan for r in after],
+        batch = log.start.get("global_batch")
+        step = float(np.average([batch / r["samples_per_s"] if batch else
+                                 r.get("step_time_s") or np.nan for r in after],
                                 weights=weights))
         waits = [r.get("input_wait_s") for r in after if r.get("input_wait_s") is not None]
         return rate, key.replace("_per_s", "/s"), step, float(np.mean(waits)) if waits \
