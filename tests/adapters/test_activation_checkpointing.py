@@ -61,6 +61,28 @@ def test_torch_keeps_less_for_the_backward_pass():
     assert saved[True] < saved[False] / 2, saved
 
 
+def test_a_torch_pipeline_stage_keeps_less_for_the_backward_pass():
+    """A stage of the horovod-torch pipeline (its blocks cut from the GPT) with and without
+    recomputation: the pieces' blocks really run under the checkpoint."""
+    import torch
+
+    from adapters.horovod_torch.models.spec import saved_bytes
+    from adapters.horovod_torch.stages import cut_model
+
+    spec = toolkit.GPT(vocab=64, context=32, width=32, layers=4, heads=4)
+    x = torch.randint(0, 64, (4, 32))
+    layout = toolkit.parse_layout("pipeline:2:2")
+
+    def saved(recompute):
+        (piece,) = cut_model(torch, spec, layout, 0, torch.float32, None, recompute).pieces
+        for _, p, _, _ in piece.params:
+            p.data.normal_()  # (built uninitialised)
+        return saved_bytes(torch, lambda: piece.forward(x).sum())
+
+    plain, again = saved(False), saved(True)
+    assert 0 < again < plain / 2, (again, plain)
+
+
 @pytest.mark.parametrize("backend, layout", [("horovod-tf", "pipeline:1:2")])
 def test_a_strategy_that_cannot_recompute_says_so(backend, layout):
     x, y = load_data("mlp", "float32")
