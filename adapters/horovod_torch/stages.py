@@ -127,11 +127,14 @@ def _cut_spec(torch, spec, layout, stage: int, dtype, recompute: bool) -> CutMod
     by_name = {e[0]: e for e in entries}
     shapes = {name: _neutral_shape(p, fr) for name, p, _, fr in entries}
     V = S * v
+
+    def unit(call):  # a block's call: through the checkpoint only when recomputing
+        return recomputing(torch, call, True) if recompute else call
+
     pieces = []
     for c in range(v):
         k = c * S + stage
         first, last, layers = k == 0, k == V - 1, part.layers[k]
-        unit = lambda f: recomputing(torch, f, recompute)  # noqa: E731 (a block's call)
         if isinstance(spec, GPT):
             forward, modules = _gpt_piece(torch, net, layers, first, last, unit)
         elif isinstance(spec, MLP):
