@@ -96,6 +96,22 @@ def test_a_rank_whose_process_died_is_named_after_a_grace(monkeypatch):
         in job.verdicts[0][0]
 
 
+def test_ranks_of_one_node_whose_connections_close_a_moment_apart_are_all_named():
+    """A lost node's ranks die together; the verdict, due when the first one's grace has
+    passed, names each rank whose connection has closed, not only the first."""
+    from toolkit.launch.stall_verdict import Rank, diagnose
+    ranks = {r: Rank(r, "node1" if r < 2 else "node2") for r in range(4)}
+    now = time.monotonic()
+    for r in ranks.values():
+        r.phase, r.step, r.heard = "step", 45, now
+    ranks[3].closed, ranks[2].closed = now, now + 0.5
+    ranks[0].heard = ranks[1].heard = now + 4.9  # their heartbeats go on
+    assert diagnose(ranks, 20.0, now + 4.9, grace=5.0) is None
+    text = diagnose(ranks, 20.0, now + 5.2, grace=5.0)
+    assert "ranks 2-3 on node2 ended (connection closed) in step 45" in text, text
+    assert "ranks 0-1 on node1 wait in step 45" in text, text
+
+
 def test_the_other_ranks_end_when_rank_0_answers_nothing(capfd):
     """Rank 0 stopped: its port accepts (the kernel does) but nothing answers."""
     server = socket.create_server(("127.0.0.1", 0))
