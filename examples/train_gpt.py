@@ -53,6 +53,9 @@ def main() -> None:
                    help="copy the corpus to node-local storage first, once per node: DIR, "
                         "else $SLURM_TMPDIR or $TMPDIR")
     args = p.parse_args()
+    if args.eval_every < 1:
+        p.error(f"--eval-every {args.eval_every}: the steps between evaluations must be at "
+                "least 1 (to evaluate only at the end, give --eval-every the --steps value)")
     if args.final_eval_windows is not None and args.final_eval_windows < 0:
         p.error(f"--final-eval-windows {args.final_eval_windows} must be >= 0 (0 skips the "
                 "final evaluation)")

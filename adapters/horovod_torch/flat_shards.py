@@ -54,6 +54,7 @@ import contextlib
 import numpy as np
 
 from adapters.horovod_torch import torch_optim
+from adapters.horovod_torch.compute_gather import ComputeGather, rounded_names
 from adapters.horovod_torch.models.units import (
     SHARDABLE,
     native_units,
@@ -123,11 +124,13 @@ class ShardedParameters:
         optimizer: ``toolkit.SGD`` or ``toolkit.Adam``, or an elementwise ``torch.optim``
             optimizer over ``net``'s parameters (``torch_optim.check_elementwise``).
         dtype: the torch dtype of every buffer.
+        compute: stage 3 gathers a spec model's units in this dtype (``compute_gather.py``).
         device: the torch device every buffer lives on (the rank's GPU, or the CPU).
     """
 
     def __init__(self, torch, hvd, net, layout, arrays: dict[str, np.ndarray],
-                 units: dict[str, list[str]], stage: int, optimizer, dtype, device=None):
+                 units: dict[str, list[str]], stage: int, optimizer, dtype, device=None,
+                 compute=None):
         self.torch, self.hvd, self.stage, self.spec = torch, hvd, stage, optimizer
         self.rank, self.size = hvd.rank(), hvd.size()
         self.layouts = [FlatLayout.from_shapes({n: np.shape(arrays[n]) for n in names},
@@ -148,6 +151,10 @@ class ShardedParameters:
             self.slots.append({s: torch.zeros(flat_layout.shard_size, dtype=dtype, device=device)
                                for s in self.slot_names})
         self._fn = _unit_function(torch)
+        # stage 3's all-gathers: in the compute dtype for a spec model (compute_gather.py)
+        self._gather = ComputeGather(torch, hvd, self.layouts, self.rank, compute,
+                                     rounded_names(arrays) if compute is not None else (),
+                                     device)
         self._cache: dict[int, tuple] = {}  # unit -> its tensors in the current forward
         self._live: dict[int, _Use] = {}  # storage address -> stage 3's current gathered unit
         if self.native is not None:
@@ -256,9 +263,6 @@ class ShardedParameters:
         return use.regathered.as_strided(saved.size, saved.stride, saved.offset)
 
     # ---------------------------------------------------------------------- collectives
-    def _gather(self, unit: int, shard):
-        return self.hvd.allgather(shard, name=f"zero.gather.{unit}")
-
     def _open(self, use: _Use, source) -> tuple:
         """UnitParams.forward: the unit's parameters as neutral-shaped views."""
         full = self._gather(use.unit, source) if self.stage == 3 else source

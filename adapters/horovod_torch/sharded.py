@@ -48,7 +48,8 @@ class TorchSharded(TorchDataParallel):
             units = spec_units(arrays)
         self.shards = ShardedParameters(self.torch, self.hvd, self.net, self.params, arrays,
                                         units, self.layout.stage, optimizer, self.dtype,
-                                        self.runtime.dev)
+                                        self.runtime.dev,
+                                        None if self.native else self.ops.autocast)
         self.params = []  # the module's parameters are gone: the flat buffers hold them
 
     def _forwarding(self):

@@ -1,0 +1,97 @@
+"""ZeRO-3 under mixed precision gathers each unit's parameters in the compute dtype (FSDP2's
+``param_dtype``) and reduce-scatters gradients in float32 (its ``reduce_dtype``): half the
+gather bytes in bfloat16, the same arithmetic. horovod-torch's gathers are read off the real
+Horovod calls; jax-pmap's off the program it hands XLA."""
+
+from __future__ import annotations
+
+import collections
+
+import numpy as np
+import pytest
+
+import adapters
+import toolkit
+from toolkit.equivalence import load_data, make_model
+
+
+def train(backend, model, layout, precision, steps=3, spy=lambda strategy: None):
+    """The run's losses; ``spy`` sees the strategy once it is built (before the first step)."""
+    x, y = load_data(model, "float32")
+    adapter = adapters.get(backend)
+    trainer = toolkit.Trainer(adapter, make_model(model), toolkit.SGD(lr=0.1, momentum=0.9),
+                              layout=layout, precision=precision, global_batch_size=16,
+                              max_steps=0, seed=0, progress=False)
+    trainer.fit(x, y)
+    spy(adapter.strategy)
+    trainer.max_steps = steps
+    return np.asarray(trainer.fit(x, y).losses)
+
+
+class Gathers:
+    """horovod-torch's Horovod, recording each all-gather's name, dtype and bytes."""
+
+    def __init__(self, hvd):
+        self.hvd, self.calls = hvd, collections.defaultdict(set)
+
+    def __getattr__(self, name):
+        return getattr(self.hvd, name)
+
+    def allgather(self, tensor, name=None):
+        self.calls[name].add((str(tensor.dtype), tensor.numel() * tensor.element_size()))
+        return self.hvd.allgather(tensor, name=name)
+
+    def install(self, strategy):
+        strategy.shards._gather.hvd = self
+
+
+@pytest.mark.parametrize("model", ["mlp", "gpt"])
+def test_horovod_torch_gathers_16_bits_and_computes_as_before(model):
+    gathers = {p: Gathers(__import__("horovod.torch").torch) for p in ("32", "bf16-mixed")}
+    losses = {p: train("horovod-torch", model, "sharded:3", p, spy=gathers[p].install)
+              for p in gathers}
+    f32, bf16 = gathers["32"].calls, gathers["bf16-mixed"].calls
+    units = sorted(n for n in f32 if n.startswith("zero.gather."))
+    assert units and all(len(f32[n]) == 1 for n in units), f32
+    for name in units:
+        ((_, float_bytes),) = f32[name]
+        assert bf16[name] == {("torch.int16", float_bytes // 2)}, (name, bf16[name])
+    # the parameters the arithmetic uses in float32 (embeddings, layer norms) come in float32
+    kept = {n: b for n, calls in bf16.items() if ".float." in n for _, b in calls}
+    params = make_model(model).init(0, "float32")
+    assert sum(kept.values()) == 4 * sum(
+        v.size for k, v in params.items() if not k.endswith(("kernel", "bias"))
+        or ".ln" in k or k.startswith("ln_")), kept
+    # the same losses as data parallelism's (which never gathers): every value exact
+    assert np.array_equal(losses["bf16-mixed"], train("horovod-torch", model, "data",
+                                                      "bf16-mixed")), losses
+
+
+def test_jax_pmap_gathers_16_bits_and_reduces_in_float32():
+    import jax
+
+    from adapters._jax.hlo import collective_bytes
+
+    programs = {}
+
+    def lowered(strategy):  # the step program as the strategy hands it to XLA
+        run = strategy._run_step
+
+        def spy(fn, args, **kw):
+            if not programs.get(strategy.precision.name):
+                shapes = jax.tree_util.tree_map(
+                    lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype) if hasattr(a, "shape")
+                    else a, args)
+                programs[strategy.precision.name] = collective_bytes(
+                    fn.lower(*shapes).as_text(dialect="hlo"))
+            return run(fn, args, **kw)
+
+        strategy._run_step = spy
+
+    for precision in ("32", "bf16-mixed"):
+        train("jax-pmap", "mlp", "sharded:3", precision, steps=1, spy=lowered)
+    f32, bf16 = programs["32"], programs["bf16-mixed"]
+    assert f32[("all-gather", "f32")] > 0 and ("all-gather", "f32") not in bf16, programs
+    assert bf16[("all-gather", "bf16")] * 2 == f32[("all-gather", "f32")], programs
+    assert bf16[("reduce-scatter", "f32")] == f32[("reduce-scatter", "f32")], programs
+    assert ("reduce-scatter", "bf16") not in bf16, programs
