@@ -145,6 +145,9 @@ def test_the_final_evaluation_takes_its_budget(launch, tmp_path):
     refused = launch("python", 1, [GPT, *short, "--final-eval-windows", "-1"])
     assert refused.returncode == 2 and "--final-eval-windows -1 must be >= 0" in \
         refused.stderr, refused
+    refused = launch("python", 1, [GPT, *short, "--eval-every", "0"])
+    assert refused.returncode == 2 and "--eval-every 0: the steps between evaluations must " \
+        "be at least 1" in refused.stderr, refused
 
 
 @pytest.mark.long
