@@ -1,10 +1,14 @@
-"""What the collectives of a compiled XLA program carry, read from its optimised HLO text
-(``jax.jit(f).lower(...).compile().as_text()``): the bytes of each all-gather's result, each
-reduce-scatter's result and each all-reduce's operand, per device, by element type. It reads
-the program XLA runs, so a cast the compiler moved across a gather is counted where it ran."""
+"""What the collectives of an XLA program carry: the bytes of each all-gather's, reduce-scatter's
+and all-reduce's result, per device, by element type, read from HLO text.
+
+:func:`partitioned_collectives` reads the program as the devices will run it once XLA has
+placed its collectives (after SPMD partitioning: jit's all-gathers and reduce-scatters exist
+only from there on), before any backend pass changes their types: XLA's CPU compiler widens
+16-bit collectives to float32 (its ``float-normalization-bf16``), a GPU's keeps them."""
 
 from __future__ import annotations
 
+import pathlib
 import re
 from collections import Counter
 
@@ -34,3 +38,13 @@ def collective_bytes(hlo_text: str) -> dict[tuple[str, str], int]:
                 size *= int(d)
             totals[(kind, dtype)] += size * _BYTES[dtype]
     return dict(totals)
+
+
+def partitioned_collectives(lowered, directory) -> dict[tuple[str, str], int]:
+    """:func:`collective_bytes` of ``lowered`` (a ``jax.jit(f).lower(...)`` or
+    ``jax.pmap(f).lower(...)``) after SPMD partitioning, compiled once with XLA's HLO dump into
+    ``directory``; a pmap program, which has no such pass, as lowered."""
+    lowered.compile(compiler_options={"xla_dump_to": str(directory),
+                                      "xla_dump_hlo_pass_re": "spmd-partitioning"})
+    dumps = sorted(pathlib.Path(directory).glob("*after_spmd-partitioning*.txt"))
+    return collective_bytes(dumps[-1].read_text() if dumps else lowered.as_text(dialect="hlo"))

@@ -135,7 +135,11 @@ class PjitSharded(PjitDataParallel):
         and move the slices across shard boundaries with collective-permutes: 90 collectives
         per step for the 2-block GPT instead of about 10, each a cross-process round trip.
         """
-        whole = {u: self._constrain(b, ()) for u, b in store["units"].items()}
+        held = ("data",) if self.layout.stage == 3 else ()
+        # stage 3: a mixed-precision forward's cast stays on the shards, so the gather
+        # carries the compute dtype (else the compiler gathers float32 and casts after)
+        whole = {u: self._constrain(self._constrain(b, held), ())
+                 for u, b in store["units"].items()}
         named = self.units.named(whole)
         for n, shape in self.views.items():  # each row's padding dropped
             row = math.prod(shape) // self.layout.tensor_parallel

@@ -57,9 +57,9 @@ def diagnose(ranks: dict[int, Rank], timeout: float, now: float, interval: float
     interpreter, its node or link lost), when a rank's connection closed while it trained (its
     process died) ``grace`` seconds ago, or when a rank has been in one phase for
     ``timeout`` seconds. Every rank whose connection has closed by then is named as ended
-    (a node's ranks die together, but their connections close a moment apart). The verdict names first the ranks silent for three heartbeats
-    (``interval`` apart) or gone, else the ranks furthest behind (a collective they never
-    enter), then what the others wait in."""
+    (a node's ranks die together, but their connections close a moment apart). The verdict
+    names first the ranks silent for three heartbeats (``interval`` apart) or gone, else the
+    ranks furthest behind (a collective they never enter), then what the others wait in."""
     live = [r for r in ranks.values() if not r.done]
     gone = [r for r in live if r.closed is not None]
     if not any(now - r.closed > grace for r in gone) and not any(
