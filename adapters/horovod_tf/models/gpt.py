@@ -97,6 +97,22 @@ def _block(tf, spec, v, b: str, h, causal):
     return h + _dense(tf, v, f"{b}.mlp.proj", _gelu(tf, m))
 
 
+def run_block(tf, spec, v, i: int, h, causal, recompute: bool = False):
+    """Block ``i`` on the residual stream ``h``; with ``recompute``, under ``tf.recompute_grad``
+    (``models/spec.checkpointed``, the block's parameters its arguments). The data-parallel
+    forward and the pipeline's and ZeRO's units (``models/units.py``) run their blocks here."""
+    from adapters.horovod_tf.models.spec import checkpointed
+
+    b = f"blocks.{i}"
+
+    def block(p, h):
+        return _block(tf, spec, p, b, h, causal)
+
+    if not recompute:
+        return block(v, h)
+    return checkpointed(tf, block, v, [n for n in v if n.startswith(f"{b}.")])(h)
+
+
 def gpt_forward(tf, spec, variables, x, recompute: bool = False):
     """Logits ``(B, T, vocab)`` of the ``toolkit.GPT`` spec for token ids ``x`` ``(B, T)``.
 
@@ -105,10 +121,8 @@ def gpt_forward(tf, spec, variables, x, recompute: bool = False):
         spec: the ``toolkit.GPT`` spec (its sizes and ``tied``).
         variables: neutral name -> ``tf.Variable`` (or tensor), in the neutral layout.
         x: integer token ids, shape ``(B, T)`` with ``T <= spec.context``.
-        recompute: each block under ``tf.recompute_grad`` (``models/spec.checkpointed``).
+        recompute: each block under ``tf.recompute_grad`` (``run_block``).
     """
-    from adapters.horovod_tf.models.spec import checkpointed
-
     v = variables
     x = tf.convert_to_tensor(x)
     if x.dtype not in (tf.int32, tf.int64):
@@ -117,12 +131,7 @@ def gpt_forward(tf, spec, variables, x, recompute: bool = False):
     h = _lookup(tf, v["tok_emb"], x) + v["pos_emb"][:T]
     causal = tf.linalg.band_part(tf.ones([T, T], tf.bool), -1, 0)  # key j <= query i
     for i in range(spec.layers):
-        b = f"blocks.{i}"
-
-        def block(p, h, b=b):
-            return _block(tf, spec, p, b, h, causal)
-        names = [n for n in v if n.startswith(f"{b}.")]
-        h = checkpointed(tf, block, v, names)(h) if recompute else block(v, h)
+        h = run_block(tf, spec, v, i, h, causal, recompute)
     f = _layer_norm(tf, v, "ln_f", h)
     if spec.tied:  # the same variable as the lookup
         flat = tf.matmul(tf.reshape(f, [-1, spec.width]), v["tok_emb"], transpose_b=True)

@@ -33,16 +33,21 @@ def spec_forward(tf, spec: Any, v: dict[str, Any], x, recompute: bool = False):
             x = tf.nn.relu(tf.nn.conv2d(x, v[f"convs.{i}.kernel"], 1, "SAME")
                            + v[f"convs.{i}.bias"])
         return tf.matmul(tf.reshape(x, [tf.shape(x)[0], -1]), v["head.kernel"]) + v["head.bias"]
-    def layer(i):
-        def fn(p, h):
-            h = tf.matmul(h, p[f"layers.{i}.kernel"]) + p[f"layers.{i}.bias"]
-            if i < spec.num_layers - 1:
-                h = tf.nn.relu(h) if spec.activation == "relu" else tf.tanh(h)
-            return h
-        return fn
-
     for i in range(spec.num_layers):
-        names = [f"layers.{i}.kernel", f"layers.{i}.bias"]
-        hidden = recompute and i < spec.num_layers - 1
-        x = checkpointed(tf, layer(i), v, names)(x) if hidden else layer(i)(v, x)
+        x = mlp_layer(tf, spec, v, i, x, recompute)
     return x
+
+
+def mlp_layer(tf, spec: Any, v: dict[str, Any], i: int, h, recompute: bool = False):
+    """The MLP's layer ``i`` on ``h`` (a hidden layer with its activation); with ``recompute``, a
+    hidden layer under ``tf.recompute_grad`` (``checkpointed``; the last layer never is). The
+    data-parallel forward and the pipeline's and ZeRO's units (``models/units.py``) run it."""
+    def layer(p, h):
+        h = tf.matmul(h, p[f"layers.{i}.kernel"]) + p[f"layers.{i}.bias"]
+        if i < spec.num_layers - 1:
+            h = tf.nn.relu(h) if spec.activation == "relu" else tf.tanh(h)
+        return h
+
+    if not (recompute and i < spec.num_layers - 1):
+        return layer(v, h)
+    return checkpointed(tf, layer, v, [f"layers.{i}.kernel", f"layers.{i}.bias"])(h)
