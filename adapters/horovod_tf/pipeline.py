@@ -12,8 +12,9 @@ its core busy (``Spinner``).
 - each rank holds its stage's pieces (``stages.py``: spec models with the data-parallel
   model's names, initialisation and ops; a Keras ``Sequential`` cut by layer index);
 - a forward runs the piece under a ``tf.GradientTape`` that is **kept** per (micro-batch,
-  chunk) until that micro-batch's backward (no recomputation: the schedule's in-flight
-  activations are really held, as ``peak_activations`` counts). The backward is
+  chunk) until that micro-batch's backward (the schedule's in-flight activations are really
+  held, as ``peak_activations`` counts; ``activation_checkpointing``: a spec's blocks and
+  hidden layers only their inputs, ``stages.py``). The backward is
   ``tape.gradient(out, [input] + variables, output_gradients=grad)``: the input's gradient is
   the message back to the previous stage, the variables' are summed over the micro-batches
   once the message is sent (``_defer``: in the stage's next wait);
@@ -38,14 +39,14 @@ from typing import Any
 
 import numpy as np
 
-from adapters._common import check_build, check_spec_optimizer
+from adapters._common import check_build, check_recompute, check_spec_optimizer
 from adapters._horovod.pipeline import HvdPipeline
 from adapters._horovod.rounds import ALIGNMENT, aligned_empty
 from adapters._update import UpdateRule
 from adapters.horovod_tf.keras_optim import check_elementwise, for_stage
 from adapters.horovod_tf.models.keras_native import assign, is_keras_optimizer
 from adapters.horovod_tf.ops import TFOps, TFState
-from adapters.horovod_tf.stages import cut_model
+from adapters.horovod_tf.stages import compiled_pieces, cut_model
 from adapters.horovod_tf.update import apply_update
 from toolkit.contract import StepResult
 from toolkit.models.reference import optimizer_slots
@@ -109,6 +110,8 @@ class TFPipeline(HvdPipeline):
     of one replica, run by the lockstep rounds of ``adapters/_horovod/pipeline.py``; its
     variables, slots and counters are a ``TFState`` over the stage's variables."""
 
+    recomputes = True  # activation_checkpointing: each piece's blocks (stages.cut_model)
+
     @staticmethod
     def check_layout(layout: Pipeline) -> None:
         """Refused before Horovod starts (the grid needs the world size: at ``__init__``)."""
@@ -131,8 +134,9 @@ class TFPipeline(HvdPipeline):
     def build(self, model: Any, optimizer: Any, loss: Any, *, seed: int = 0,
               accumulation_steps: int = 1, sync_batchnorm: bool = False,
               metrics: Any = None, clip_grad_norm: float | None = None,
-              skip_nonfinite: bool = False) -> None:
+              skip_nonfinite: bool = False, activation_checkpointing: bool = False) -> None:
         check_build(accumulation_steps, sync_batchnorm)
+        recompute = check_recompute("horovod-tf", model, activation_checkpointing)
         if is_keras_optimizer(optimizer):
             import keras
 
@@ -142,7 +146,8 @@ class TFPipeline(HvdPipeline):
             check_spec_optimizer("horovod-tf", "pipeline", optimizer)
         self.ops = TFOps(self.runtime, model, loss, metrics)
         self.metric_names, self.seed = tuple(self.ops.metrics), seed
-        self.cut = cut_model(self.tf, model, self.layout, self.stage, self.runtime, seed)
+        self.cut = cut_model(self.tf, model, self.layout, self.stage, self.runtime, seed,
+                             recompute)
         self.keras_model, self.native = self.cut.keras, self.cut.native
         self.rule = UpdateRule(optimizer, clip_grad_norm, skip_nonfinite)
         state = self.state = TFState(self.tf, self.native, self.rule)
@@ -157,24 +162,11 @@ class TFPipeline(HvdPipeline):
         # without a copy (_tensor) when they are these buffers.
         self.acc = {n: aligned_empty(v.shape.num_elements(), self.np_dtype).reshape(
             tuple(v.shape)) for n, v in state.vars.items()}
-        tf, ops = self.tf, self.ops
-        # Each piece's forward and the update compiled (a tape differentiates a tf.function
-        # call with its compiled gradient). A spec model's pieces go through XLA: TF's own
-        # kernels took 91 ms for the backward of a 2048 x 2048 and a 2048 x 10 layer on 64
-        # samples, XLA 39 ms (one core); a Keras model's keep TF's kernels (their layers may
-        # hold ops XLA does not compile). The last piece's function ends with the loss (eager,
-        # its ops made the last stage's backward 8 ms slower than the first's).
-        M = self.layout.micro_batches
-
-        def with_loss(forward):
-            return lambda h, y, training: tf.cast(tf.reduce_mean(
-                ops.per_sample_loss(forward(h, training), y)), self.dtype) / M
-
-        def compiled(fn):
-            return tf.function(fn, reduce_retracing=True, jit_compile=not self.native)
-        self.forwards = [compiled(p.forward) for p in self.cut.pieces]
-        self.loss_of = {c: compiled(with_loss(p.forward))
-                        for c, p in enumerate(self.cut.pieces) if self._is_last(c)}
+        tf, ops, M = self.tf, self.ops, self.layout.micro_batches
+        # each piece's forward compiled, the last piece's ending with its micro-batch's share of
+        # the loss (stages.compiled_pieces); the update compiled too
+        self.forwards, self.loss_of = compiled_pieces(tf, self.cut, lambda out, y: tf.cast(
+            tf.reduce_mean(ops.per_sample_loss(out, y)), self.dtype) / M, self._is_last)
         if state.keras_opt is not None:
             variables = [state.vars[n] for n in state.names]
             self.update = tf.function(lambda grads, s: state.keras_opt.apply_gradients(

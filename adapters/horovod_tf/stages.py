@@ -1,13 +1,16 @@
-"""A model cut into pipeline pieces for the ``horovod-tf`` backend (``_tf_pipeline.py``).
+"""A model cut into pipeline pieces for the ``horovod-tf`` backend (``pipeline.py``).
 
-Spec models (``toolkit.MLP``, ``CNN``, ``GPT``) are cut by ``toolkit.partition_model`` into runs
-of whole units (an MLP's layers, a CNN's convs, a GPT's blocks with the embeddings on the first
-piece and ``ln_f``/head on the last). A piece runs its units with the same TF ops as the
-data-parallel model (``_tf_units.unit_functions``: ``horovod_tf._forward`` and
-``_gpt_tf.gpt_forward`` unit by unit), on ``tf.Variable``\\ s under the spec's neutral names made
-from the same numpy initialisation, of which a rank creates its stage's only. A tied GPT's last
-stage holds its own ``tok_emb`` variable (the head reads it); the executor sums both stages'
-gradients, so both copies take the same update (Megatron-LM's embedding group).
+Spec models (``toolkit.MLP``, ``CNN``, ``GPT``) are cut by ``toolkit.partition_model`` into runs of
+whole units (an MLP's layers, a CNN's convs, a GPT's blocks with the embeddings on the first piece
+and ``ln_f``/head on the last). A piece runs its units with the same TF ops as the data-parallel
+model (``models/units.unit_functions``: ``models/spec.spec_forward`` unit by unit), on
+``tf.Variable``\\ s under the spec's neutral names made from the same numpy initialisation, of
+which a rank creates its stage's only. With ``recompute`` (activation checkpointing) each GPT block
+and hidden MLP layer of a piece runs under ``tf.recompute_grad`` as in data parallel
+(``models/spec.checkpointed``): the tape a forward keeps until its backward holds their inputs, not
+their insides. A tied GPT's last stage holds its own ``tok_emb`` variable (the head reads it); the
+executor sums both stages' gradients, so both copies take the same update (Megatron-LM's embedding
+group).
 
 A Keras ``Sequential`` is cut by layer index (balanced by trainable parameter count, or at the
 layout's split points), its variables under ``models/keras_native.py``'s stable names; every
@@ -68,12 +71,16 @@ class CutModel:
         return self.keras is not None
 
 
-def cut_model(tf, model: Any, layout, stage: int, runtime, seed: int) -> CutModel:
+def cut_model(tf, model: Any, layout, stage: int, runtime, seed: int,
+              recompute: bool = False) -> CutModel:
     """The pieces of ``model`` that ``stage`` holds under the ``toolkit.Pipeline`` ``layout``
     (``runtime``: the started ``TFRuntime``, for its dtype and rank 0's broadcast; ``seed``
-    initialises a spec)."""
+    initialises a spec; ``recompute``: a spec's blocks and hidden layers recompute their
+    activations in the backward pass, ``adapters._common.check_recompute`` having refused it
+    for any other model)."""
     if isinstance(model, ModelSpec):
-        return _cut_spec(tf, model, layout, stage, model.init(seed, runtime.dtype_name))
+        return _cut_spec(tf, model, layout, stage, model.init(seed, runtime.dtype_name),
+                         recompute)
     try:
         import keras
     except ImportError:  # pragma: no cover - horovod-tf installs Keras with TensorFlow
@@ -88,12 +95,35 @@ def cut_model(tf, model: Any, layout, stage: int, runtime, seed: int) -> CutMode
                        SEQUENTIAL_ONLY)
 
 
-def _cut_spec(tf, spec, layout, stage: int, init: dict[str, np.ndarray]) -> CutModel:
+def compiled_pieces(tf, cut: CutModel, loss: Callable,
+                    last: Callable[[int], bool]) -> tuple[list[Callable], dict[int, Callable]]:
+    """``(forwards, loss_of)``: each of ``cut``'s pieces' ``forward(h, training)`` as a
+    ``tf.function`` by local chunk, and for each chunk ``c`` that ``last(c)`` its forward ending
+    with ``loss(output, y)``: ``loss_of[c](h, y, training)``.
+
+    A tape differentiates a ``tf.function`` call with its compiled gradient. A spec model's
+    pieces go through XLA: TF's own kernels took 91 ms for the backward of a 2048 x 2048 and a
+    2048 x 10 layer on 64 samples, XLA 39 ms (one core); a Keras model's keep TF's kernels
+    (their layers may hold ops XLA does not compile). The loss is inside the last piece's
+    function: run eagerly, its ops made the last stage's backward 8 ms slower than the first's.
+    """
+    def compiled(fn):
+        return tf.function(fn, reduce_retracing=True, jit_compile=not cut.native)
+
+    def with_loss(forward):
+        return lambda h, y, training: loss(forward(h, training), y)
+
+    return ([compiled(p.forward) for p in cut.pieces],
+            {c: compiled(with_loss(p.forward)) for c, p in enumerate(cut.pieces) if last(c)})
+
+
+def _cut_spec(tf, spec, layout, stage: int, init: dict[str, np.ndarray],
+              recompute: bool) -> CutModel:
     from adapters.horovod_tf.models.units import unit_functions
 
     S, v = layout.stages, layout.chunks
     part = partition_model(spec, S, v, layout.splits or None)
-    units = unit_functions(tf, spec, part.layers[-1].stop)
+    units = unit_functions(tf, spec, part.layers[-1].stop, recompute)
     mine = part.names_on(stage)
     variables = {n: tf.Variable(a, name=n.replace(".", "_")) for n, a in init.items()
                  if n in mine}  # a tied tok_emb on the last stage: that stage's own variable

@@ -16,7 +16,7 @@ from toolkit.equivalence import load_data, make_model
 CASES = [("horovod-torch", "data"), ("horovod-torch", "sharded:3"),
          ("horovod-torch", "pipeline:1:4:1f1b"), ("jax-pjit", "pipeline:1:4"), ("jax-pmap", "data"),
          ("jax-pmap", "sharded:1"), ("jax-pjit", "data"), ("jax-pjit", "sharded:3:tp2"),
-         ("horovod-tf", "data"), ("horovod-tf", "sharded:2")]
+         ("horovod-tf", "data"), ("horovod-tf", "sharded:2"), ("horovod-tf", "pipeline:1:4")]
 
 
 def train(backend, layout, model, recompute, steps=4):
@@ -83,24 +83,73 @@ def test_a_torch_pipeline_stage_keeps_less_for_the_backward_pass():
     assert 0 < again < plain / 2, (again, plain)
 
 
-@pytest.mark.parametrize("backend, layout", [("horovod-tf", "pipeline:1:2")])
-def test_a_strategy_that_cannot_recompute_says_so(backend, layout):
+def test_a_tf_pipeline_stage_recomputes_its_blocks(monkeypatch):
+    """A stage of the horovod-tf pipeline (its blocks cut from the GPT), run eagerly forward and
+    backward with and without recomputation: each block runs again in the backward pass
+    (``tf.recompute_grad``), and the gradients are the same."""
+    import tensorflow as tf
+
+    from adapters.horovod_tf.models import gpt
+    from adapters.horovod_tf.stages import cut_model
+
+    spec = toolkit.GPT(vocab=64, context=32, width=32, layers=4, heads=4)
+    x = tf.constant(np.random.default_rng(0).integers(0, 64, (4, 32)))
+    runtime = type("Runtime", (), {"dtype_name": "float32"})()
+    calls, block = [], gpt._block
+    monkeypatch.setattr(gpt, "_block", lambda *a: calls.append(a[3]) or block(*a))
+
+    def run(recompute):
+        cut = cut_model(tf, spec, toolkit.parse_layout("pipeline:2:2"), 0, runtime, 0, recompute)
+        (piece,) = cut.pieces
+        calls.clear()
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(tf.square(piece.forward(x, True)))
+        grads = tape.gradient(loss, list(cut.variables.values()))
+        return list(calls), [np.asarray(g) for g in grads]
+
+    (plain, plain_grads), (again, again_grads) = run(False), run(True)
+    assert plain == ["blocks.0", "blocks.1"], plain  # stage 0 of 2 holds two blocks
+    assert sorted(again) == sorted(plain * 2), again  # each run again in the backward
+    assert all(np.array_equal(a, b) for a, b in zip(again_grads, plain_grads, strict=True))
+
+
+def test_a_strategy_that_cannot_recompute_says_so():
+    """Every built-in strategy recomputes; one of a user's own that does not declare
+    ``recomputes`` (docs/architecture.md) is refused by the backend, naming the layout."""
+    class NoRecompute(adapters._backend.StrategyBase):
+        pass
+
+    backend = adapters.get("jax-pjit")
+    backend.setup(toolkit.current_env())
+    backend.strategy = NoRecompute(backend.runtime, backend.layout)
+    with pytest.raises(ToolkitError) as err:
+        backend.build(toolkit.MLP((4, 2)), toolkit.SGD(lr=0.1), "cross_entropy",
+                      activation_checkpointing=True)
+    assert str(err.value) == (
+        "jax-pjit cannot recompute activations under data_parallel "
+        "(activation_checkpointing=True)\nHINT: drop activation_checkpointing for this layout "
+        "(docs/memory.md says which recompute)")
+
+
+def native_model(backend):
+    if backend == "horovod-torch":
+        import torch
+
+        return torch.nn.Sequential(torch.nn.Linear(64, 10))
+    import keras
+
+    return keras.Sequential([keras.Input((64,)), keras.layers.Dense(10)])
+
+
+@pytest.mark.parametrize("backend, layout, recompute_hint", [
+    ("horovod-torch", "data", "torch.utils.checkpoint"),
+    ("horovod-tf", "pipeline:1:2", "tf.recompute_grad")])
+def test_a_native_model_is_told_to_recompute_itself(backend, layout, recompute_hint):
     x, y = load_data("mlp", "float32")
-    trainer = toolkit.Trainer(adapters.get(backend), make_model("mlp"), toolkit.SGD(lr=0.1),
+    trainer = toolkit.Trainer(adapters.get(backend), native_model(backend), toolkit.SGD(lr=0.1),
                               layout=layout, global_batch_size=8, max_steps=1, progress=False,
                               activation_checkpointing=True)
-    with pytest.raises(ToolkitError, match="cannot recompute activations"):
+    with pytest.raises(ToolkitError, match=f"{backend}: activation_checkpointing applies to the "
+                       "toolkit's spec models; this model is a Sequential") as err:
         trainer.fit(x, y)
-
-
-def test_a_native_model_is_told_to_recompute_itself():
-    import torch
-
-    x, y = load_data("mlp", "float32")
-    net = torch.nn.Sequential(torch.nn.Linear(64, 10))
-    trainer = toolkit.Trainer(adapters.get("horovod-torch"), net, toolkit.SGD(lr=0.1),
-                              global_batch_size=8, max_steps=1, progress=False,
-                              activation_checkpointing=True)
-    with pytest.raises(ToolkitError, match="applies to the toolkit's spec models") as err:
-        trainer.fit(x, y)
-    assert "torch.utils.checkpoint" in err.value.hint
+    assert recompute_hint in err.value.hint and "toolkit.GPT/MLP/CNN" in err.value.hint
