@@ -1,7 +1,8 @@
 """``activation_checkpointing=True``: each GPT block (each hidden MLP layer) keeps only its input
 and recomputes its activations in the backward pass, through each framework's own mechanism
-(``torch.utils.checkpoint``, ``nn.remat`` / ``jax.checkpoint``), as a build option of the spec
-models. The same losses and parameters as without it; less saved for the backward pass."""
+(``torch.utils.checkpoint``, ``nn.remat`` / ``jax.checkpoint``, ``tf.recompute_grad``), as a
+build option of the spec models. The same losses and parameters as without it; less saved for
+the backward pass."""
 
 from __future__ import annotations
 
