@@ -33,23 +33,38 @@ import numpy as np
 ALIGNMENT = 64  # bytes: what TensorFlow requires of a buffer it takes without a copy (DLPack)
 
 
-def packed_size(array: np.ndarray) -> int:
-    """How many elements ``array`` takes in a message: ``[ndim, *shape, values...]``."""
-    return 1 + np.ndim(array) + int(np.size(array))
+NARROW = {"bfloat16": 1, "float16": 2}  # a 16-bit array in a float32 message: its code
+
+
+def _code(array: np.ndarray, dtype) -> int:
+    """``array``'s :data:`NARROW` code in a message of ``dtype`` (0: converted to it)."""
+    return NARROW.get(np.asarray(array).dtype.name, 0) if np.dtype(dtype) == np.float32 else 0
+
+
+def packed_size(array: np.ndarray, dtype=np.float64) -> int:
+    """How many elements of ``dtype`` ``array`` takes in a message: ``[ndim, *shape,
+    values...]``, a 16-bit array's values two to an element of a float32 message."""
+    size = int(np.size(array))
+    return 1 + np.ndim(array) + ((size + 1) // 2 if _code(array, dtype) else size)
 
 
 def pack_into(buf: np.ndarray, offset: int, array: np.ndarray) -> int:
-    """Writes ``array`` as ``[ndim, *shape, values...]`` at ``offset`` of ``buf`` (one copy,
-    converted to ``buf``'s dtype); returns the offset after it."""
+    """Writes ``array`` as ``[ndim + 16 * code, *shape, values...]`` at ``offset`` of ``buf``
+    (one copy, converted to ``buf``'s dtype, or a 16-bit array's bits as they are:
+    :func:`unpack`); returns the offset after it."""
     array = np.asarray(array)
+    code = _code(array, buf.dtype)
     start = offset + 1 + array.ndim
-    buf[offset] = array.ndim
+    buf[offset] = array.ndim + 16 * code
     buf[offset + 1:start] = array.shape
+    if code:
+        words = (array.size + 1) // 2
+        bits = buf[start:start + words].view(np.uint16)
+        bits[:array.size] = array.reshape(-1).view(np.uint16)
+        bits[array.size:] = 0
+        return start + words
     buf[start:start + array.size] = array.reshape(-1)
     return start + array.size
-
-
-NARROW = {"bfloat16": 1, "float16": 2}  # a 16-bit array in a float32 message: its code
 
 
 def unpack(buf: np.ndarray, offset: int, narrow: Any = None) -> tuple[np.ndarray, int]:
@@ -86,7 +101,7 @@ def pack(outgoing: dict[int, list[np.ndarray]], world_size: int,
     Each array is copied once."""
     splits = [0] * world_size
     for r, arrays in outgoing.items():
-        splits[r] = sum(packed_size(a) for a in arrays)
+        splits[r] = sum(packed_size(a, dtype) for a in arrays)
     buf = aligned_empty(sum(splits), dtype)
     offset = 0
     for r in sorted(outgoing):

@@ -32,7 +32,7 @@ from adapters._update import UpdateRule
 from adapters.horovod_tf.models.keras_native import KerasNative
 from adapters.horovod_tf.models.spec import spec_forward
 from adapters.horovod_tf.ops import TFOps, TFState
-from adapters.horovod_tf.update import apply_update, sum_squares, update
+from adapters.horovod_tf.update import apply_update, loss_scale, sum_squares, update
 from toolkit.contract import StepResult
 
 
@@ -42,10 +42,9 @@ class TFDataParallel(StrategyBase):
     clips = True  # build takes clip_grad_norm; the StepResult then has grad_norm
     skips = True  # build takes skip_nonfinite; the StepResult then says skipped
     compresses = True  # the runtime's compression goes to each gradient's allreduce
-    # bf16-mixed: the spec model's forward on its variables and inputs cast to bfloat16
-    # (TFOps.in_compute), the loss in float32. Not fp16-mixed: TensorFlow's float16 matmul on
-    # CPUs without AVX512-FP16 is Eigen's, which rounds otherwise (docs/precision.md)
-    precisions = ("32", "64", "bf16-mixed")
+    # mixed: the spec model's forward on its variables and inputs cast to the compute dtype
+    # (TFOps.in_compute), each product rounded once (models/spec.matmul), the loss in float32
+    precisions = ("32", "64", "bf16-mixed", "fp16-mixed")
     recomputes = True  # activation_checkpointing: tf.recompute_grad in the spec forward
 
     def __init__(self, runtime, layout):
@@ -96,9 +95,10 @@ class TFDataParallel(StrategyBase):
         return spec_forward(self.tf, self.spec, ops.in_compute(self.state.vars),
                             ops.in_compute(x), self.recompute and training)
 
-    def local_grads(self, x, y, variables):
+    def local_grads(self, x, y, variables, scale=None):
         """This rank's gradients w.r.t. ``variables``, summed over the micro-batches, and its
-        mean loss (each micro-batch's mean divided by their number)."""
+        mean loss (each micro-batch's mean divided by their number); under loss scaling the
+        gradients are those of the loss times ``scale``."""
         tf, k = self.tf, self.accumulation_steps
         grads = [tf.zeros_like(v) for v in variables]
         total = tf.constant(0.0, self.dtype)
@@ -106,7 +106,8 @@ class TFDataParallel(StrategyBase):
             with tf.GradientTape() as tape:
                 losses = self.ops.per_sample_loss(self._forward(xc, training=True), yc)
                 loss = tf.cast(tf.reduce_mean(losses), self.dtype) / k
-            new = tape.gradient(loss, variables)
+                target = loss if scale is None else loss * scale
+            new = tape.gradient(target, variables)
             grads = [a if b is None else a + tf.convert_to_tensor(b)
                      for a, b in zip(grads, new, strict=True)]
             total += loss
@@ -122,7 +123,8 @@ class TFDataParallel(StrategyBase):
         variables = [state.vars[n] for n in names]
         kept = ([(b, tf.identity(b)) for b in state.buffers.values()]
                 if self.rule.skip else [])
-        grads, total = self.local_grads(x, y, variables)
+        scale = loss_scale(self.rule, scalars)
+        grads, total = self.local_grads(x, y, variables, scale)
         compression = self.runtime.compressor()
         grads = [hvd.allreduce(g, op=hvd.Average, name=f"grad_{i}", compression=compression)
                  for i, g in enumerate(grads)]
@@ -134,7 +136,7 @@ class TFDataParallel(StrategyBase):
                 apply_update(tf, self.rule.spec, state.vars, state.slots,
                              dict(zip(names, grads, strict=True)), lr, step_size, c2_sqrt)
 
-        _, norm = update(tf, self.rule, grads, lambda g: sum_squares(tf, g), apply, kept)
+        _, norm = update(tf, self.rule, grads, lambda g: sum_squares(tf, g), apply, kept, scale)
         return total, norm
 
     def _eval_fn(self, x, y):

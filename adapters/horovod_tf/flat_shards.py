@@ -55,7 +55,7 @@ from adapters._update import UpdateRule
 from adapters.horovod_tf.keras_optim import named_slots
 from adapters.horovod_tf.models.keras_native import _np_dtype, assign, to_host
 from adapters.horovod_tf.models.units import unit_functions
-from adapters.horovod_tf.update import spec_update, sum_squares, update
+from adapters.horovod_tf.update import loss_scale, spec_update, sum_squares, update
 from toolkit import GPT, Sharded
 from toolkit.models.reference import optimizer_slots
 from toolkit.parallel.shards import FlatLayout, unit_layouts
@@ -73,7 +73,10 @@ class ShardedTF:
         spec: the model spec.
         rule: the build's ``adapters._update.UpdateRule`` (its optimizer spec, clip, skip).
         init: the spec's initial parameters (neutral name -> array, in ``init`` order).
-        local_grads: ``(x, y, variables) -> (gradients, mean loss)`` of this rank's batch.
+        local_grads: ``(x, y, variables, scale) -> (gradients, mean loss)`` of this rank's
+            batch (the gradients of the loss times ``scale`` under loss scaling).
+        keras_opt: the user's Keras optimizer, or None.
+        compute: the compute dtype under mixed precision (stage 3 gathers in it), or None.
 
     Attributes:
         vars: stages 1/2: the full parameters (neutral name -> variable); stage 3: empty.
@@ -81,8 +84,10 @@ class ShardedTF:
     """
 
     def __init__(self, runtime: Any, layout: Sharded, spec: Any, rule: UpdateRule,
-                 init: dict[str, np.ndarray], local_grads: Callable, keras_opt: Any = None):
+                 init: dict[str, np.ndarray], local_grads: Callable, keras_opt: Any = None,
+                 compute: Any = None):
         tf, hvd = runtime.tf, runtime.hvd
+        self.compute = compute
         self.rule, optimizer = rule, rule.spec
         self.tf, self.hvd, self.local_grads = tf, hvd, local_grads
         self.dtype, self.np_dtype = runtime.dtype, runtime.dtype_name
@@ -164,6 +169,17 @@ class ShardedTF:
         return self.tf.reshape(shard, [self.layouts[unit].shard_size])
 
     # ----------------------------------------------------------------------- stage 3
+    def _gather(self, shard: Any) -> Any:
+        """A unit's padded buffer from every rank's shard: under mixed precision in the
+        compute dtype (FSDP2's ``param_dtype``: half the bytes in 16 bits, sent as their bit
+        patterns), the values the arithmetic would cast the float32 parameters to; the
+        gradient's reduce-scatter stays float32 (``_run_unit``)."""
+        tf = self.tf
+        if self.compute is None:
+            return self.hvd.allgather(shard)
+        low = tf.bitcast(tf.cast(shard, self.compute), tf.int16)
+        return tf.bitcast(self.hvd.allgather(low), self.compute)
+
     def forward(self, x: Any) -> Any:
         """The model's output, unit by unit, each gathering its parameters (stage 3)."""
         tf = self.tf
@@ -179,7 +195,7 @@ class ShardedTF:
     def _run_unit(self, fn: Callable, needs: list[str], x: Any, h: Any, first: bool) -> Any:
         """``fn(params, h, x)`` with the gathered parameters of the units ``needs``; the
         first unit reads ``x`` (no gradient) instead of an input activation."""
-        tf, hvd = self.tf, self.hvd
+        tf = self.tf
         shards = [tf.convert_to_tensor(self.params[u]) for u in needs]  # watched reads
 
         def params_of(fulls):
@@ -194,13 +210,13 @@ class ShardedTF:
             if not first:  # gather once the previous unit is done, not all units at once
                 with tf.control_dependencies([h_in]):
                     mine = [tf.identity(s) for s in mine]
-            out = fn(params_of([hvd.allgather(s) for s in mine]), h_in, x)
+            out = fn(params_of([self._gather(s) for s in mine]), h_in, x)
 
             def grad(dout):
                 # Gather again only once the backward pass reaches this unit.
                 with tf.control_dependencies([dout]):
                     again = [tf.identity(s) for s in mine]
-                fulls = [hvd.allgather(s) for s in again]
+                fulls = [self._gather(s) for s in again]
                 with tf.GradientTape() as tape:
                     tape.watch(fulls)
                     if not first:
@@ -210,7 +226,8 @@ class ShardedTF:
                 grads = tape.gradient(redo, sources, output_gradients=dout,
                                       unconnected_gradients=tf.UnconnectedGradients.ZERO)
                 dfull = grads if first else grads[1:]
-                dshards = [self._reduce_scatter(u, g) for u, g in zip(needs, dfull, strict=True)]
+                dshards = [self._reduce_scatter(u, tf.cast(g, self.dtype))  # (float32)
+                           for u, g in zip(needs, dfull, strict=True)]
                 return dshards if first else [grads[0], *dshards]
 
             return out, grad
@@ -224,10 +241,11 @@ class ShardedTF:
         del seeds  # spec models draw no randomness
         lr, step_size, c2_sqrt = scalars[0], scalars[1], scalars[2]
         tf, hvd = self.tf, self.hvd
+        scale = loss_scale(self.rule, scalars)
         if self.stage == 3:
-            grads, total = self.local_grads(x, y, [self.params[u] for u in self.units])
+            grads, total = self.local_grads(x, y, [self.params[u] for u in self.units], scale)
         else:
-            full, total = self.local_grads(x, y, [self.vars[n] for n in self.names])
+            full, total = self.local_grads(x, y, [self.vars[n] for n in self.names], scale)
             full = dict(zip(self.names, full, strict=True))
             grads = [hvd.allreduce(self._flatten(u, full), op=hvd.Average) if self.stage == 1
                      else self._reduce_scatter(u, self._flatten(u, full)) for u in self.units]
@@ -255,7 +273,7 @@ class ShardedTF:
                 for n, t in self._unflatten(u, hvd.allgather(new)).items():
                     self.vars[n].assign(t)
 
-        grads, norm = update(tf, self.rule, grads, squares, apply)
+        grads, norm = update(tf, self.rule, grads, squares, apply, scale=scale)
         for u, g in zip(self.units, grads, strict=True):  # a skipped step's too
             self.grads[u].assign(g)
         return total, norm

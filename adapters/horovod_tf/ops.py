@@ -164,12 +164,14 @@ class TFState:
 
     def scalars(self, lr: float | None, dtype) -> Any:
         """Counts the step and returns its ``[lr, step_size, c2_sqrt]`` as one tensor (one host
-        copy per step); ``lr`` is ignored with a Keras optimizer (its own rate or schedule)."""
+        copy per step), the loss scale after them under loss scaling (``update.loss_scale``);
+        ``lr`` is ignored with a Keras optimizer (its own rate or schedule)."""
         if lr is None and self.rule.spec is not None:
             raise ToolkitError("horovod-tf needs the learning rate of each step",
                                "pass an optimizer spec (toolkit.SGD/Adam) to the Trainer, which "
                                "evaluates its schedule, or a Keras optimizer")
-        return self.tf.constant(self.rule.scalars(0.0 if lr is None else lr), dtype)
+        scale = [] if self.rule.scaler is None else [self.rule.scaler.scale]
+        return self.tf.constant([*self.rule.scalars(0.0 if lr is None else lr), *scale], dtype)
 
     def counters(self) -> dict[str, np.ndarray]:
         """``opt/count`` (Adam) and ``rng/step`` (native models), as the checkpoint names them."""

@@ -33,16 +33,15 @@ step, rank) as in data parallel.
 
 from __future__ import annotations
 
-import os
-import threading
 from typing import Any
 
 import numpy as np
 
 from adapters._common import check_build, check_recompute, check_spec_optimizer
 from adapters._horovod.pipeline import HvdPipeline
-from adapters._horovod.rounds import ALIGNMENT, aligned_empty
+from adapters._horovod.rounds import ALIGNMENT, NARROW, aligned_empty
 from adapters._update import UpdateRule
+from adapters.horovod_tf.in_order import InOrderRounds, Spinner, Submitted
 from adapters.horovod_tf.keras_optim import check_elementwise, for_stage
 from adapters.horovod_tf.models.keras_native import assign, is_keras_optimizer
 from adapters.horovod_tf.ops import TFOps, TFState
@@ -55,62 +54,16 @@ from toolkit.parallel.pipeline.partition import micro_batch_size
 from toolkit.parallel.pipeline.schedules import Action
 
 
-class InOrderRounds:
-    """Submits each message round's alltoall (``submit(buf, splits, name)``, which enqueues it
-    on an asynchronous TensorFlow executor and returns its output tensors at once) in the
-    order ``order`` (the message rounds of a step, repeated every step), whatever order the
-    stage posts them in: a round posted early waits here until every round before it has been
-    posted. :meth:`post` returns the round's ``Submitted``."""
-
-    def __init__(self, submit, order: list[int]):
-        self.submit, self.order = submit, order
-        self.posted: dict[int, tuple] = {}
-        self.next = 0  # the position in ``order`` of the next round to submit
-
-    def post(self, index: int, buf: np.ndarray, splits: list[int], name: str) -> Submitted:
-        submitted = Submitted(index)
-        self.posted[index] = (buf, splits, name, submitted)
-        while self.order[self.next] in self.posted:
-            buf, splits, name, ready = self.posted.pop(self.order[self.next])
-            ready.outputs = self.submit(buf, splits, name)
-            self.next = (self.next + 1) % len(self.order)
-        return submitted
-
-
-class Spinner:
-    """A daemon thread that keeps this process's core busy (``os.sched_yield`` in a loop)
-    while the context is entered, so that a blocked wait does not leave the core idle."""
-
-    def __init__(self):
-        self.on = threading.Event()
-        threading.Thread(target=self._run, daemon=True, name="toolkit-pipeline-spin").start()
-
-    def _run(self) -> None:
-        while True:
-            self.on.wait()
-            while self.on.is_set():
-                os.sched_yield()
-
-    def __enter__(self) -> None:
-        self.on.set()
-
-    def __exit__(self, *exc) -> None:
-        self.on.clear()
-
-
-class Submitted:
-    """A round posted to ``InOrderRounds``: its alltoall's output tensors once submitted."""
-
-    def __init__(self, index: int):
-        self.index, self.outputs = index, None
-
-
 class TFPipeline(HvdPipeline):
     """``toolkit.Pipeline`` for ``horovod-tf`` (see :class:`toolkit.Adapter`): this rank's stage
     of one replica, run by the lockstep rounds of ``adapters/_horovod/pipeline.py``; its
     variables, slots and counters are a ``TFState`` over the stage's variables."""
 
     recomputes = True  # activation_checkpointing: each piece's blocks (stages.cut_model)
+    # mixed: each spec piece on its variables and input cast to the compute dtype (as data
+    # parallel), 16-bit activations sent as they are (rounds.pack), fp16's loss scaled on the
+    # last stage
+    precisions = ("32", "64", "bf16-mixed", "fp16-mixed")
 
     @staticmethod
     def check_layout(layout: Pipeline) -> None:
@@ -144,12 +97,12 @@ class TFPipeline(HvdPipeline):
             optimizer = for_stage(optimizer)
         else:
             check_spec_optimizer("horovod-tf", "pipeline", optimizer)
-        self.ops = TFOps(self.runtime, model, loss, metrics)
+        self.ops = TFOps(self.runtime, model, loss, metrics, self.precision)
         self.metric_names, self.seed = tuple(self.ops.metrics), seed
         self.cut = cut_model(self.tf, model, self.layout, self.stage, self.runtime, seed,
-                             recompute)
+                             recompute, self.ops.in_compute)
         self.keras_model, self.native = self.cut.keras, self.cut.native
-        self.rule = UpdateRule(optimizer, clip_grad_norm, skip_nonfinite)
+        self.rule = UpdateRule(optimizer, clip_grad_norm, skip_nonfinite, self.precision)
         state = self.state = TFState(self.tf, self.native, self.rule)
         state.vars, state.buffers = self.cut.variables, dict(self.cut.buffers)
         # zero slots over this stage's variables (a spec's), or the Keras optimizer's
@@ -219,10 +172,14 @@ class TFPipeline(HvdPipeline):
     def _tensor(self, buf: np.ndarray):
         """``buf`` as a tensor: without a copy (DLPack) when it is aligned, as ``pack``'s
         buffers are (``tf.constant`` took 0.5-0.7 ms per 1 MB message, S = 2, M = 8)."""
+        tf = self.tf
         if (buf.size and buf.flags.c_contiguous and buf.flags.writeable
                 and buf.ctypes.data % ALIGNMENT == 0):
-            return self.tf.experimental.dlpack.from_dlpack(buf.__dlpack__())
-        return self.tf.constant(buf)
+            if buf.dtype.name == "bfloat16":  # (DLPack has no bfloat16 of numpy's: its bits)
+                return tf.bitcast(tf.experimental.dlpack.from_dlpack(
+                    buf.view(np.uint16).__dlpack__()), tf.bfloat16)
+            return tf.experimental.dlpack.from_dlpack(buf.__dlpack__())
+        return tf.constant(buf)
 
     def _alltoall_wait(self, started: Any) -> tuple[np.ndarray, list[int]]:
         if not isinstance(started, Submitted):
@@ -256,6 +213,11 @@ class TFPipeline(HvdPipeline):
     def _host(self, tensor) -> np.ndarray:
         return np.asarray(tensor)  # a tensor's: a read-only view, no copy
 
+    def _narrow(self, words: np.ndarray, code: int) -> np.ndarray:
+        """A message's 16-bit values (``rounds.unpack``): a view of the float32 words."""
+        return np.asarray(words).view(self.tf.bfloat16.as_numpy_dtype
+                                      if code == NARROW["bfloat16"] else np.float16)
+
     def _activation(self, array: np.ndarray, grad: bool):
         """A received message (a read-only view) as a tensor of its own: numpy copies it into
         an aligned buffer that TensorFlow takes as it is, 0.27-0.28 ms per 1 MB message in the
@@ -282,13 +244,17 @@ class TFPipeline(HvdPipeline):
         first, last = piece.index == 0, self._is_last(c)
         if action.kind == "F":
             inp = self.xs[m] if first else self.inbox_f.pop(key)
+            scale = self.rule.loss_scale  # (fp16: the last stage's loss scaled)
             with tf.GradientTape() as tape:
                 if not first:
                     tape.watch(inp)
                 out = (self.loss_of[c](inp, self.ys[m], True) if last else
                        self.forwards[c](inp, True))
+                loss = out
+                if last and scale is not None:
+                    out = out * tf.constant(scale, out.dtype)
             if last:
-                self.loss += float(out)
+                self.loss += float(loss)
             else:
                 self.outbox[("SEND_F", m, c)] = out
             self.inputs[key], self.outputs[key] = (tape, inp), out

@@ -9,7 +9,6 @@ from typing import Any
 
 import numpy as np
 
-from adapters._backend import PLAIN
 from adapters.horovod_tf.data_parallel import TFDataParallel
 from adapters.horovod_tf.flat_shards import ShardedTF
 from adapters.horovod_tf.keras_optim import check_elementwise, for_stage
@@ -42,14 +41,6 @@ class TFSharded(TFDataParallel):
     shards: ShardedTF
     compresses = False  # (its reductions are the flat shards')
 
-    @property
-    def precisions(self) -> tuple[str, ...]:
-        """Stages 1 and 2 run data parallelism's forward; stage 3's per-unit forward (a
-        custom gradient around gathered shards) computes its bfloat16 dense layers with the
-        bias added after the product was rounded (measured: 7e-5 from the contract's
-        arithmetic), so it runs the plain policies."""
-        return PLAIN if self.layout.stage == 3 else super().precisions
-
     @staticmethod
     def check_layout(layout: Sharded) -> None:
         if layout.tensor_parallel > 1:
@@ -67,13 +58,13 @@ class TFSharded(TFDataParallel):
         keras_opt = for_stage(optimizer) if is_keras_optimizer(optimizer) else None
         self.shards = ShardedTF(self.runtime, self.layout, model, self.rule,
                                 model.init(seed, self.runtime.dtype_name), self.local_grads,
-                                keras_opt)
+                                keras_opt, self.ops.compute)
         self.state.vars = self.shards.vars  # stages 1/2: the full parameters; 3: none
         self.state.keras_opt = keras_opt
 
     def _forward(self, x, training: bool):
         if self.shards.stage == 3:  # parameters gathered unit by unit
-            return self.shards.forward(x)
+            return self.shards.forward(self.ops.in_compute(x))
         return super()._forward(x, training)
 
     def _step_fn(self, x, y, scalars, seeds):

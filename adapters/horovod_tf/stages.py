@@ -72,15 +72,16 @@ class CutModel:
 
 
 def cut_model(tf, model: Any, layout, stage: int, runtime, seed: int,
-              recompute: bool = False) -> CutModel:
+              recompute: bool = False, cast: Callable = lambda tree: tree) -> CutModel:
     """The pieces of ``model`` that ``stage`` holds under the ``toolkit.Pipeline`` ``layout``
     (``runtime``: the started ``TFRuntime``, for its dtype and rank 0's broadcast; ``seed``
     initialises a spec; ``recompute``: a spec's blocks and hidden layers recompute their
     activations in the backward pass, ``adapters._common.check_recompute`` having refused it
-    for any other model)."""
+    for any other model; ``cast``: a spec piece's variables and input in the compute dtype,
+    ``ops.TFOps.in_compute``, under mixed precision)."""
     if isinstance(model, ModelSpec):
         return _cut_spec(tf, model, layout, stage, model.init(seed, runtime.dtype_name),
-                         recompute)
+                         recompute, cast)
     try:
         import keras
     except ImportError:  # pragma: no cover - horovod-tf installs Keras with TensorFlow
@@ -118,7 +119,7 @@ def compiled_pieces(tf, cut: CutModel, loss: Callable,
 
 
 def _cut_spec(tf, spec, layout, stage: int, init: dict[str, np.ndarray],
-              recompute: bool) -> CutModel:
+              recompute: bool, cast: Callable) -> CutModel:
     from adapters.horovod_tf.models.units import unit_functions
 
     S, v = layout.stages, layout.chunks
@@ -131,21 +132,23 @@ def _cut_spec(tf, spec, layout, stage: int, init: dict[str, np.ndarray],
     for c in range(v):
         k = c * S + stage
         pieces.append(Piece(k, _spec_forward([units[i][0] for i in part.layers[k]], variables,
-                                             first=k == 0), part.names[k]))
+                                             k == 0, cast), part.names[k]))
     return CutModel(pieces, variables, [part.names_on(s) for s in range(S)],
                     {n: tuple(a.shape) for n, a in init.items()}, [], {})
 
 
-def _spec_forward(fns: list[Callable], variables: dict, first: bool) -> Callable:
+def _spec_forward(fns: list[Callable], variables: dict, first: bool,
+                  cast: Callable) -> Callable:
     """The units ``fns`` (``fn(params, h, x)``, the first unit of the model reading ``x``) one
     after the other; a later piece's input is its ``h`` (and its ``x``: a GPT block reads the
-    batch and sequence sizes from it)."""
+    batch and sequence sizes from it). The variables and the input go through ``cast``."""
 
     def forward(h, training: bool = True):
         del training  # the spec models have no dropout or batch statistics
+        h, params = cast(h), cast(variables)
         x, out = h, None if first else h
         for fn in fns:
-            out = fn(variables, out, x)
+            out = fn(params, out, x)
         return out
 
     return forward

@@ -3,8 +3,10 @@
 The layout supplies the reduced gradient and how to add up its squares (an allreduce across
 ranks where each holds a shard); :func:`update` does the rest, once:
 
-    norm -> clip (``clip / max(norm, clip)``) -> apply -> the old state kept where the norm is
-    not finite (``skip_nonfinite``: a skipped step changes no parameter, slot or statistic).
+    unscale (fp16-mixed: the gradient of the scaled loss divided by the scale, exactly: a
+    power of two) -> norm -> clip (``clip / max(norm, clip)``) -> apply -> the old state kept
+    where the norm is not finite (``skip_nonfinite``, and always under a loss scaler: a skipped
+    step changes no parameter, slot or statistic).
 
 ``apply`` is the layout's: a Keras optimizer's ``apply_gradients``, or the spec optimizers'
 arithmetic (:func:`spec_update`, ``toolkit.models.reference.apply_update`` in TF ops, the same
@@ -23,8 +25,15 @@ from toolkit import SGD
 from toolkit.models.reference import optimizer_slots
 
 
+def loss_scale(rule, scalars):
+    """(in a compiled step) The loss scale among the step's ``scalars`` (``TFState.scalars``);
+    None without loss scaling."""
+    return None if rule.scaler is None else scalars[3]
+
+
 def update(tf, rule, grads: list, sum_squares: Callable[[list], Any],
-           apply: Callable[[list], None], keep: list | tuple = ()) -> tuple[list, Any]:
+           apply: Callable[[list], None], keep: list | tuple = (),
+           scale: Any = None) -> tuple[list, Any]:
     """Inside a compiled step: ``apply(grads)`` with the gradient clipped under ``rule``
     (``adapters._update.UpdateRule``: its ``clip`` and ``skip``). Under ``rule.skip`` a step
     whose norm is not finite applies nothing and assigns back each ``(variable, value)`` of
@@ -38,11 +47,14 @@ def update(tf, rule, grads: list, sum_squares: Callable[[list], Any],
             layout adds up its ranks' shares); called only when ``rule.needs_norm``.
         apply: the optimizer's update of what this rank holds, given the clipped ``grads``.
         keep: what a skipped step assigns back.
+        scale: the loss scale (``loss_scale``) the gradients were computed with, or None.
 
     Returns:
         ``(clipped grads, norm)``: the norm before clipping (a zero unless
         ``rule.needs_norm``).
     """
+    if scale is not None:
+        grads = [g * tf.cast(1.0 / scale, g.dtype) for g in grads]
     grads, norm = clip_by_norm(tf, grads, sum_squares, rule.clip, rule.skip)
     if rule.skip:
         update_if_finite(tf, norm, lambda: apply(grads), keep)

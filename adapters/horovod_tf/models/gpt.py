@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import math
 
+from adapters.horovod_tf.models.spec import matmul
+
 
 def _lookup(tf, table, ids):
     """``table[ids]`` whose gradient w.r.t. ``table`` is a dense tensor, not IndexedSlices."""
@@ -75,9 +77,8 @@ def _dense(tf, v, name, z):
     """z @ kernel + bias as one 2-D matmul (TF's batched matmul of (B, T, in) by a 2-D kernel
     runs at about half the speed of the flattened one on CPU)."""
     kernel = v[f"{name}.kernel"]
-    flat = tf.matmul(tf.reshape(z, [-1, tf.shape(kernel)[0]]), kernel)
-    if f"{name}.bias" in v:
-        flat = flat + v[f"{name}.bias"]
+    flat = matmul(tf, tf.reshape(z, [-1, tf.shape(kernel)[0]]), kernel,
+                  bias=v.get(f"{name}.bias"))
     return tf.reshape(flat, tf.concat([tf.shape(z)[:-1], tf.shape(kernel)[1:]], 0))
 
 
@@ -89,9 +90,9 @@ def _block(tf, spec, v, b: str, h, causal):
     # columns [q | k | v], head h at h*dh:(h+1)*dh of each -> 3 x (B, H, T, dh)
     q, k, val = tf.unstack(tf.transpose(tf.reshape(qkv, [B, T, 3, heads, dh]),
                                         [2, 0, 3, 1, 4]))
-    s = tf.matmul(q, k, transpose_b=True) / tf.constant(math.sqrt(dh), h.dtype)
+    s = matmul(tf, q, k, transpose_b=True) / tf.constant(math.sqrt(dh), h.dtype)
     p = causal_softmax(tf, s, causal)
-    o = tf.reshape(tf.transpose(tf.matmul(p, val), [0, 2, 1, 3]), [B, T, spec.width])
+    o = tf.reshape(tf.transpose(matmul(tf, p, val), [0, 2, 1, 3]), [B, T, spec.width])
     h = h + _dense(tf, v, f"{b}.attn.proj", o)
     m = _dense(tf, v, f"{b}.mlp.fc", _layer_norm(tf, v, f"{b}.ln2", h))
     return h + _dense(tf, v, f"{b}.mlp.proj", _gelu(tf, m))
@@ -134,6 +135,6 @@ def gpt_forward(tf, spec, variables, x, recompute: bool = False):
         h = run_block(tf, spec, v, i, h, causal, recompute)
     f = _layer_norm(tf, v, "ln_f", h)
     if spec.tied:  # the same variable as the lookup
-        flat = tf.matmul(tf.reshape(f, [-1, spec.width]), v["tok_emb"], transpose_b=True)
+        flat = matmul(tf, tf.reshape(f, [-1, spec.width]), v["tok_emb"], transpose_b=True)
         return tf.reshape(flat, [B, T, spec.vocab])
     return _dense(tf, v, "head", f)

@@ -10,6 +10,40 @@ from typing import Any
 from toolkit import CNN, GPT
 
 
+def matmul(tf, a, b, transpose_b: bool = False, bias=None):
+    """``a @ b (+ bias)`` rounded once to ``a``'s dtype, the mixed-precision contract's product
+    (docs/precision.md): for 16-bit operands the products and their sum with the bias in
+    float32 (a product of two 16-bit values is exact in float32), then one rounding, whatever
+    kernel TensorFlow would pick for 16-bit operands (its bfloat16 MatMul rounds before a
+    separate bias add unless the graph optimizer fuses the two; its float16 one is Eigen's,
+    which rounds differently). For float32 and float64, TensorFlow's own."""
+    if a.dtype.size >= 4:
+        out = tf.matmul(a, b, transpose_b=transpose_b)
+        return out if bias is None else out + bias
+    wide = tf.matmul(tf.cast(a, tf.float32), tf.cast(b, tf.float32), transpose_b=transpose_b)
+    return tf.cast(wide if bias is None else wide + tf.cast(bias, tf.float32), a.dtype)
+
+
+def conv(tf, h, kernel, bias):
+    """``conv2d(h, kernel) + bias`` ("SAME", stride 1), rounded once as :func:`matmul`."""
+    if h.dtype.size >= 4:
+        return tf.nn.conv2d(h, kernel, 1, "SAME") + bias
+    f32 = tf.float32
+    return tf.cast(tf.nn.conv2d(tf.cast(h, f32), tf.cast(kernel, f32), 1, "SAME")
+                   + tf.cast(bias, f32), h.dtype)
+
+
+def cnn_conv(tf, v: dict[str, Any], i: int, h):
+    """The CNN's convolution ``i`` and its ReLU."""
+    return tf.nn.relu(conv(tf, h, v[f"convs.{i}.kernel"], v[f"convs.{i}.bias"]))
+
+
+def cnn_head(tf, v: dict[str, Any], h):
+    """The CNN's head on its last convolution's output."""
+    return matmul(tf, tf.reshape(h, [tf.shape(h)[0], -1]), v["head.kernel"],
+                  bias=v["head.bias"])
+
+
 def checkpointed(tf, fn, v: dict[str, Any], names: list[str]):
     """``h -> fn(params, h)`` whose activations are recomputed in the backward pass
     (``tf.recompute_grad``); the parameters ``names`` of ``v`` are its arguments, so their
@@ -30,9 +64,8 @@ def spec_forward(tf, spec: Any, v: dict[str, Any], x, recompute: bool = False):
         return gpt_forward(tf, spec, v, x, recompute)
     if isinstance(spec, CNN):
         for i in range(len(spec.channels)):
-            x = tf.nn.relu(tf.nn.conv2d(x, v[f"convs.{i}.kernel"], 1, "SAME")
-                           + v[f"convs.{i}.bias"])
-        return tf.matmul(tf.reshape(x, [tf.shape(x)[0], -1]), v["head.kernel"]) + v["head.bias"]
+            x = cnn_conv(tf, v, i, x)
+        return cnn_head(tf, v, x)
     for i in range(spec.num_layers):
         x = mlp_layer(tf, spec, v, i, x, recompute)
     return x
@@ -43,7 +76,7 @@ def mlp_layer(tf, spec: Any, v: dict[str, Any], i: int, h, recompute: bool = Fal
     hidden layer under ``tf.recompute_grad`` (``checkpointed``; the last layer never is). The
     data-parallel forward and the pipeline's and ZeRO's units (``models/units.py``) run it."""
     def layer(p, h):
-        h = tf.matmul(h, p[f"layers.{i}.kernel"]) + p[f"layers.{i}.bias"]
+        h = matmul(tf, h, p[f"layers.{i}.kernel"], bias=p[f"layers.{i}.bias"])
         if i < spec.num_layers - 1:
             h = tf.nn.relu(h) if spec.activation == "relu" else tf.tanh(h)
         return h

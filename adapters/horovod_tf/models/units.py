@@ -36,15 +36,13 @@ def _mlp_unit(tf, spec: MLP, i: int, recompute: bool) -> Callable:
 
 
 def _cnn_unit(tf, spec: CNN, i: int, last: bool) -> Callable:
+    from adapters.horovod_tf.models.spec import cnn_conv, cnn_head
+
     def fn(v, h, x):  # the data-parallel forward's conv i (and the head in the last unit)
         h = x if h is None else h
         if i < len(spec.channels):
-            h = tf.nn.relu(tf.nn.conv2d(h, v[f"convs.{i}.kernel"], 1, "SAME")
-                           + v[f"convs.{i}.bias"])
-        if last:
-            h = tf.matmul(tf.reshape(h, [tf.shape(h)[0], -1]), v["head.kernel"]) \
-                + v["head.bias"]
-        return h
+            h = cnn_conv(tf, v, i, h)
+        return cnn_head(tf, v, h) if last else h
 
     return fn
 
@@ -53,6 +51,7 @@ def _gpt_unit(tf, spec: GPT, i: int, recompute: bool) -> Callable:
     """Block ``i`` of ``models/gpt.gpt_forward`` (the same ops in the same order), with the
     embeddings before block 0 and ``ln_f``/``head`` after the last block."""
     from adapters.horovod_tf.models.gpt import _dense, _layer_norm, _lookup, run_block
+    from adapters.horovod_tf.models.spec import matmul
 
     first, last = i == 0, i == spec.layers - 1
 
@@ -66,7 +65,7 @@ def _gpt_unit(tf, spec: GPT, i: int, recompute: bool) -> Callable:
             return h
         f = _layer_norm(tf, v, "ln_f", h)
         if spec.tied:
-            flat = tf.matmul(tf.reshape(f, [-1, spec.width]), v["tok_emb"], transpose_b=True)
+            flat = matmul(tf, tf.reshape(f, [-1, spec.width]), v["tok_emb"], transpose_b=True)
             return tf.reshape(flat, [B, T, spec.vocab])
         return _dense(tf, v, "head", f)
 
