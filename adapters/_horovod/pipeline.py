@@ -314,7 +314,8 @@ class HvdPipeline(RoundMessages, StrategyBase):
                 out = {grid.rank(dst, self.replica): [self._host(h)]} if self.stage == src else {}
                 got = self._exchange(out, self.np_dtype, "pipeline.eval_through")
                 if self.stage == dst:
-                    h = self._activation(unpack(got[grid.rank(src, self.replica)], 0)[0],
+                    h = self._activation(unpack(got[grid.rank(src, self.replica)], 0,
+                                                self._narrow)[0],
                                          grad=False)
         return h
 

@@ -121,16 +121,19 @@ def test_measured_bubble_and_peak_activations(launch, tmp_path):
 
 
 @pytest.mark.slow
-def test_bf16_activations_travel_in_half_the_bytes(launch):
+@pytest.mark.parametrize("backend", ["horovod-torch", "horovod-tf"])
+def test_bf16_activations_travel_in_half_the_bytes(launch, backend):
     """The digits MLP (64-128-10) under Pipeline(2, 4): each micro-batch's hidden activation
-    (16 x 128, bfloat16 under autocast) and its gradient go as their 16-bit values, two to a
-    float32 element of the round's buffer; in float32 each value takes a whole element. Per
-    rank and step: 4 messages, each a 3-element header and its values."""
-    job = launch("any", 2, [WORKER, "message_bytes"], timeout=400)
+    (16 x 128, bfloat16 under autocast or TensorFlow's casts) and its gradient go as their
+    16-bit values, two to a float32 element of the round's buffer; in float32 each value takes
+    a whole element. Per rank and step: 4 messages, each a 3-element header and its values.
+    An evaluation hands its 16-bit activations on the same way."""
+    job = launch("any", 2, [WORKER, "message_bytes", backend], timeout=400)
     values = 16 * 128
     for row in results(job, 2):
         assert row["32"] == 4 * (3 + values) * 4, row
         assert row["bf16-mixed"] == 4 * (3 + values // 2) * 4, row
+        assert row["eval bf16-mixed"] == pytest.approx(row["eval 32"], rel=1e-2), row
 
 
 # ------------------------------------------------------------------------ bad input (1 rank)

@@ -14,7 +14,8 @@ the backend ``horovod-tf`` as a third argument the same checks run on that backe
 with the timeline recorded into DIR; the measured idle fraction and peak in-flight activations.
 ``crash [BACKEND]`` (with ``CRASH_RANK``): that rank is killed in the middle of its second step.
 ``keras``: horovod-tf, a Keras Sequential cut into 2 stages against data parallel.
-``message_bytes``: the bytes of each rank's round messages in float32 and in bf16-mixed.
+``message_bytes [BACKEND]``: the bytes of each rank's round messages in float32 and in
+bf16-mixed, and an evaluation's loss in each (its activations handed on as 16-bit values).
 ``process_sets BACKEND STAGES``: a tied GPT in float64 under ``Pipeline(STAGES, 4)`` on every
 launched rank, against the numpy reference, with the Horovod process sets its gradients were
 averaged in; then (``STAGES`` = 2 on 4 ranks) a second Trainer in the same processes whose
@@ -198,20 +199,22 @@ def bubble(folder: str, batch: str = "512", steps: str = "4") -> None:
     emit(result)
 
 
-def message_bytes() -> None:
+def message_bytes(backend: str = "horovod-torch") -> None:
     """The digits MLP (64-128-10) under Pipeline(2, 4) in float32 and in bf16-mixed: the bytes
-    each rank's round messages took in the last step."""
+    each rank's round messages took in the last step, and the loss of an evaluation after."""
     import adapters
     from toolkit.datasets import load_digits
 
     (x, y), _ = load_digits()
     result = {"rank": toolkit.current_env().rank}
     for precision in ("32", "bf16-mixed"):
-        adapter = adapters.get("horovod-torch", precision=precision)
-        toolkit.Trainer(adapter, toolkit.MLP((64, 128, 10)), toolkit.SGD(lr=0.05),
-                        layout="pipeline:2:4", global_batch_size=64, max_steps=2,
-                        progress=False).fit(x, y)
+        adapter = adapters.get(backend, precision=precision)
+        trainer = toolkit.Trainer(adapter, toolkit.MLP((64, 128, 10)), toolkit.SGD(lr=0.05),
+                                  layout="pipeline:2:4", global_batch_size=64, max_steps=2,
+                                  progress=False)
+        trainer.fit(x, y)
         result[precision] = executor_of(adapter).message_bytes
+        result[f"eval {precision}"] = trainer.evaluate(x[:64], y[:64])["val_loss"]
     emit(result)
 
 
