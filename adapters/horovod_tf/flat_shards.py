@@ -54,6 +54,7 @@ import numpy as np
 from adapters._update import UpdateRule
 from adapters.horovod_tf.keras_optim import named_slots
 from adapters.horovod_tf.models.keras_native import _np_dtype, assign, to_host
+from adapters.horovod_tf.models.spec import float32_products
 from adapters.horovod_tf.models.units import unit_functions
 from adapters.horovod_tf.update import loss_scale, spec_update, sum_squares, update
 from toolkit import GPT, Sharded
@@ -210,7 +211,8 @@ class ShardedTF:
             if not first:  # gather once the previous unit is done, not all units at once
                 with tf.control_dependencies([h_in]):
                     mine = [tf.identity(s) for s in mine]
-            out = fn(params_of([self._gather(s) for s in mine]), h_in, x)
+            with float32_products():  # (a custom gradient: no fused bias, models/spec.py)
+                out = fn(params_of([self._gather(s) for s in mine]), h_in, x)
 
             def grad(dout):
                 # Gather again only once the backward pass reaches this unit.
@@ -221,7 +223,8 @@ class ShardedTF:
                     tape.watch(fulls)
                     if not first:
                         tape.watch(h_in)
-                    redo = fn(params_of(fulls), h_in, x)
+                    with float32_products():
+                        redo = fn(params_of(fulls), h_in, x)
                 sources = fulls if first else [h_in, *fulls]
                 grads = tape.gradient(redo, sources, output_gradients=dout,
                                       unconnected_gradients=tf.UnconnectedGradients.ZERO)

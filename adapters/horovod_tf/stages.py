@@ -26,6 +26,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from adapters.horovod_tf.models.spec import float32_products
 from toolkit import ToolkitError
 from toolkit.models.specs import ModelSpec
 from toolkit.parallel.pipeline.partition import partition_layers, partition_model
@@ -147,8 +148,9 @@ def _spec_forward(fns: list[Callable], variables: dict, first: bool,
         del training  # the spec models have no dropout or batch statistics
         h, params = cast(h), cast(variables)
         x, out = h, None if first else h
-        for fn in fns:
-            out = fn(params, out, x)
+        with float32_products():  # (an XLA cluster: no fused bias, models/spec.py)
+            for fn in fns:
+                out = fn(params, out, x)
         return out
 
     return forward

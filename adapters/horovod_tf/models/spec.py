@@ -5,19 +5,41 @@ keeps its input and recomputes its insides in the backward pass)."""
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 from typing import Any
 
 from toolkit import CNN, GPT
 
+_FLOAT32_PRODUCTS = contextvars.ContextVar("float32_products", default=False)
+
+
+@contextlib.contextmanager
+def float32_products():
+    """Within it, :func:`matmul` and :func:`conv` build bfloat16 products in float32 too: for
+    forwards TensorFlow's graph optimizer cannot fuse (a custom gradient, an XLA cluster)."""
+    token = _FLOAT32_PRODUCTS.set(True)
+    try:
+        yield
+    finally:
+        _FLOAT32_PRODUCTS.reset(token)
+
+
+def _native(tf, dtype) -> bool:
+    """Whether TensorFlow's own kernel computes a product of ``dtype`` as the contract does:
+    float32 and float64; bfloat16 where the graph optimizer fuses the bias into the product
+    (a ``tf.function``'s data-parallel forward on a CPU: one oneDNN kernel, one rounding), not
+    inside :func:`float32_products`; never float16 (Eigen's kernel on a CPU rounds otherwise)."""
+    return dtype.size >= 4 or dtype == tf.bfloat16 and not _FLOAT32_PRODUCTS.get()
+
 
 def matmul(tf, a, b, transpose_b: bool = False, bias=None):
     """``a @ b (+ bias)`` rounded once to ``a``'s dtype, the mixed-precision contract's product
-    (docs/precision.md): for 16-bit operands the products and their sum with the bias in
-    float32 (a product of two 16-bit values is exact in float32), then one rounding, whatever
-    kernel TensorFlow would pick for 16-bit operands (its bfloat16 MatMul rounds before a
-    separate bias add unless the graph optimizer fuses the two; its float16 one is Eigen's,
-    which rounds differently). For float32 and float64, TensorFlow's own."""
-    if a.dtype.size >= 4:
+    (docs/precision.md). For 16-bit operands TensorFlow's own kernel where it rounds once
+    (:func:`_native`), else the products and their sum with the bias in float32 (a product of
+    two 16-bit values is exact in float32) and one rounding: 1.5x the time of TensorFlow's
+    fused bfloat16 kernel on an AVX512-BF16 CPU, so only where needed."""
+    if _native(tf, a.dtype):
         out = tf.matmul(a, b, transpose_b=transpose_b)
         return out if bias is None else out + bias
     wide = tf.matmul(tf.cast(a, tf.float32), tf.cast(b, tf.float32), transpose_b=transpose_b)
@@ -26,7 +48,7 @@ def matmul(tf, a, b, transpose_b: bool = False, bias=None):
 
 def conv(tf, h, kernel, bias):
     """``conv2d(h, kernel) + bias`` ("SAME", stride 1), rounded once as :func:`matmul`."""
-    if h.dtype.size >= 4:
+    if _native(tf, h.dtype):
         return tf.nn.conv2d(h, kernel, 1, "SAME") + bias
     f32 = tf.float32
     return tf.cast(tf.nn.conv2d(tf.cast(h, f32), tf.cast(kernel, f32), 1, "SAME")
