@@ -67,6 +67,42 @@ def test_horovod_torch_gathers_16_bits_and_computes_as_before(model):
                                                       "bf16-mixed")), losses
 
 
+def test_horovod_tf_gathers_16_bits_and_reduces_in_float32():
+    """horovod-tf's ZeRO-3 step as TensorFlow traces it: each all-gather's and reduce-scatter's
+    operand (a unit's shard in and its gradient out), in float32 and in bf16-mixed."""
+    import horovod.tensorflow as hvd
+
+    class Collectives:
+        def __init__(self):
+            self.calls = []
+
+        def __getattr__(self, name):
+            return getattr(hvd, name)
+
+        def allgather(self, tensor, **kw):
+            self.calls.append(("allgather", tensor.dtype.name, tensor.shape.num_elements()
+                               * tensor.dtype.size))
+            return hvd.allgather(tensor, **kw)
+
+        def reducescatter(self, tensor, **kw):  # (its traced shape may be unknown)
+            self.calls.append(("reducescatter", tensor.dtype.name, None))
+            return hvd.reducescatter(tensor, **kw)
+
+        def install(self, strategy):
+            strategy.shards.hvd = self
+
+    seen = {p: Collectives() for p in ("32", "bf16-mixed")}
+    losses = {p: train("horovod-tf", "mlp", "sharded:3", p, spy=seen[p].install) for p in seen}
+    f32, bf16 = seen["32"].calls, seen["bf16-mixed"].calls
+    assert len(f32) == len(bf16) and {c[:2] for c in f32} == {
+        ("allgather", "float32"), ("reducescatter", "float32")}, f32
+    for (kind, _, size), got in zip(f32, bf16, strict=True):
+        assert got == ((kind, "int16", size // 2) if kind == "allgather" else
+                       (kind, "float32", None)), (f32, bf16)
+    assert np.array_equal(losses["bf16-mixed"], train("horovod-tf", "mlp", "data",
+                                                      "bf16-mixed")), losses
+
+
 @pytest.mark.parametrize("backend", ["jax-pmap", "jax-pjit"])
 def test_jax_gathers_16_bits_and_reduces_in_float32(backend, tmp_path):
     """The step program once XLA has placed its collectives (jax-pjit's exist only after its
