@@ -11,9 +11,10 @@ hold consecutive shards) keeps shard ``axis_index`` of each unit's flat buffer
   ``N`` for the data-parallel mean): each device only ever holds its gradient shard.
 - stage 3 (FSDP): only shards are held. Each unit's forward runs inside ``jax.checkpoint`` as
   "all-gather the unit's shard, then the unit's forward": the gathered parameters are freed
-  after the unit's forward, and the backward recomputes the gather and the forward (per-unit
-  activation checkpointing) before the transpose of the all-gather, a ``psum_scatter``,
-  reduce-scatters the unit's gradient. Gradient accumulation reduce-scatters every
+  after the unit's forward, and the backward gathers them again before the transpose of the
+  all-gather, a ``psum_scatter``, reduce-scatters the unit's gradient. The unit's matrix
+  products are kept for the backward (``dots_saveable``: only the elementwise operations
+  between them run again), or, with ``activation_checkpointing``, recomputed too. Gradient accumulation reduce-scatters every
   micro-batch's gradient (accumulating unsharded gradients would need full-size buffers).
   Stage 3 needs the spec models' per-unit forward (``adapters._jax.flat_units.unit_forward``);
   a native Flax module is sharded at stages 1 and 2. Under mixed precision a shard is cast to
@@ -143,6 +144,10 @@ class PmapSharded(PmapDataParallel):
 
         gather = compute_gather(jax, AXIS, self.compute_dtype, self.dtype)
 
+        # the backward gathers each unit again; without activation checkpointing it keeps the
+        # unit's matrix products and recomputes only the elementwise operations between them
+        policy = None if self.recompute else jax.checkpoint_policies.dots_saveable
+
         def unit_call(unit: str, with_embedding: bool):
             def run(shard, h, embedding_shard):
                 # gathered here and freed after; jax.checkpoint gathers again for the backward
@@ -152,7 +157,7 @@ class PmapSharded(PmapDataParallel):
                                                   gather(embedding_shard))["tok_emb"]
                 return unit_forward(self.spec, unit, self._in_compute(named), h)
 
-            return jax.checkpoint(run)
+            return jax.checkpoint(run, policy=policy)
 
         h = xb
         for i, unit in enumerate(names):

@@ -114,6 +114,38 @@ def test_a_tf_pipeline_stage_recomputes_its_blocks(monkeypatch):
     assert all(np.array_equal(a, b) for a, b in zip(again_grads, plain_grads, strict=True))
 
 
+def test_jax_pmap_zero3_recomputes_its_products_only_when_asked():
+    """jax-pmap's ZeRO-3 gathers each unit again in the backward either way; without the option
+    it keeps the unit's matrix products (fewer in the step program, as lowered), with it it
+    computes them again. The same losses."""
+    import jax
+
+    def run(recompute):
+        x, y = load_data("gpt", "float32")
+        adapter = adapters.get("jax-pmap")
+        trainer = toolkit.Trainer(adapter, make_model("gpt"), toolkit.SGD(lr=0.1, momentum=0.9),
+                                  layout="sharded:3", global_batch_size=8, max_steps=0, seed=0,
+                                  progress=False, activation_checkpointing=recompute)
+        trainer.fit(x, y)
+        strategy, program = adapter.strategy, []
+        step = strategy._run_step
+
+        def spy(fn, args, **kw):
+            if not program:
+                program.append(fn.lower(*jax.tree_util.tree_map(
+                    lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), args)).as_text())
+            return step(fn, args, **kw)
+
+        strategy._run_step = spy
+        trainer.max_steps = 3
+        losses = np.asarray(trainer.fit(x, y).losses)
+        return program[0].count("dot_general"), losses
+
+    (kept, plain), (again, recomputed) = run(False), run(True)
+    assert 0 < kept < again, (kept, again)
+    assert np.allclose(plain, recomputed, rtol=1e-6, atol=0), (plain, recomputed)
+
+
 def test_a_strategy_that_cannot_recompute_says_so():
     """Every built-in strategy recomputes; one of a user's own that does not declare
     ``recomputes`` (docs/architecture.md) is refused by the backend, naming the layout."""
