@@ -25,15 +25,15 @@ A unit's tensors are made, once per forward pass, by ``UnitParams``, a
 Stage 3 frees a unit's gathered parameters once the forward moves on to the next unit, and
 gathers them again for its backward with *saved-tensor hooks*
 (``torch.autograd.graph.saved_tensors_hooks``), not activation checkpointing: when an operation
-saves a view of the gathered buffer for its backward (a matmul saves its weight), the pack hook
-stores (unit, offset, size, stride) instead of the tensor; the first unpack in the backward
-all-gathers the unit again, and ``UnitParams.backward`` (which runs after every use of the unit
-has had its backward) drops that copy. So no unit's forward is recomputed, a unit whose saved
-tensors hold none of its parameters is not gathered again, and between steps a rank holds only
-shards. A unit used twice in one forward (a tied embedding at the head) is gathered twice and
-reduce-scatters twice; both contributions add up in its gradient shard. As in any FSDP, every
-rank must touch the units in the same order (a native module's forward must not branch on its
-rank's data), since each first touch is a collective.
+saves a view of a gathered buffer for its backward (a matmul saves its weight), the pack hook
+stores (unit, buffer, offset, size, stride) instead; the first unpack in the backward
+all-gathers the unit again, and ``UnitParams.backward`` (after every use of the unit has had
+its backward) drops that copy. So no unit's forward is recomputed, a unit whose saved tensors
+hold none of its parameters is not gathered again, and between steps a rank holds only shards.
+Under mixed precision the buffers are 16-bit and float32 (``compute_gather.py``). A unit used
+twice in one forward (a tied embedding at the head) is gathered twice and reduce-scatters
+twice; both contributions add up in its gradient shard. As in any FSDP, every rank must touch
+the units in the same order (a native module's forward must not branch on its rank's data).
 
 The optimizer is ``toolkit/models/reference.py``'s arithmetic on flat shards (Adam's bias
 corrections computed on the host in float64, as the data-parallel path's ``torch.optim`` does;
@@ -91,20 +91,20 @@ def _unit_function(torch):
 class _Use:
     """One materialisation of one unit's parameters in one forward pass."""
 
-    __slots__ = ("owner", "unit", "ptr", "regathered")
+    __slots__ = ("owner", "unit", "ptrs", "regathered")
 
     def __init__(self, owner, unit: int):
-        self.owner, self.unit, self.ptr, self.regathered = owner, unit, None, None
+        self.owner, self.unit, self.ptrs, self.regathered = owner, unit, (), None
 
 
 class _SavedView:
     """What stage 3's pack hook saves instead of a view of a gathered buffer."""
 
-    __slots__ = ("use", "offset", "size", "stride")
+    __slots__ = ("use", "buffer", "offset", "size", "stride")
 
-    def __init__(self, use: _Use, t):
-        self.use, self.offset, self.size, self.stride = use, t.storage_offset(), t.size(), \
-            t.stride()
+    def __init__(self, use: _Use, buffer: int, t):
+        self.use, self.buffer = use, buffer
+        self.offset, self.size, self.stride = t.storage_offset(), t.size(), t.stride()
 
 
 class ShardedParameters:
@@ -123,9 +123,8 @@ class ShardedParameters:
         stage: 1, 2 or 3.
         optimizer: ``toolkit.SGD`` or ``toolkit.Adam``, or an elementwise ``torch.optim``
             optimizer over ``net``'s parameters (``torch_optim.check_elementwise``).
-        dtype: the torch dtype of every buffer.
+        dtype, device: the torch dtype and device (the rank's GPU, or the CPU) of every buffer.
         compute: stage 3 gathers a spec model's units in this dtype (``compute_gather.py``).
-        device: the torch device every buffer lives on (the rank's GPU, or the CPU).
     """
 
     def __init__(self, torch, hvd, net, layout, arrays: dict[str, np.ndarray],
@@ -152,6 +151,7 @@ class ShardedParameters:
                                for s in self.slot_names})
         self._fn = _unit_function(torch)
         # stage 3's all-gathers: in the compute dtype for a spec model (compute_gather.py)
+        compute = compute if stage == 3 else None
         self._gather = ComputeGather(torch, hvd, self.layouts, self.rank, compute,
                                      rounded_names(arrays) if compute is not None else (),
                                      device)
@@ -230,7 +230,7 @@ class ShardedParameters:
             tensors = self._fn.apply(self.sources[unit], use)
             self._cache[unit] = tensors
             if self.stage == 3:
-                self._live[use.ptr] = use
+                self._live.update({ptr: (use, i) for i, ptr in enumerate(use.ptrs)})
         t = tensors[index]
         return t if perm is None else t.permute(perm)
 
@@ -249,10 +249,10 @@ class ShardedParameters:
 
     def _pack(self, t):
         try:
-            use = self._live.get(t.untyped_storage().data_ptr())
+            found = self._live.get(t.untyped_storage().data_ptr())
         except RuntimeError:  # a tensor without storage: never one of ours
             return t
-        return t if use is None else _SavedView(use, t)
+        return t if found is None else _SavedView(*found, t)
 
     def _unpack(self, saved):
         if type(saved) is not _SavedView:
@@ -260,16 +260,17 @@ class ShardedParameters:
         use = saved.use
         if use.regathered is None:  # the unit's backward begins: gather it again
             use.regathered = self._gather(use.unit, self.sources[use.unit].detach())
-        return use.regathered.as_strided(saved.size, saved.stride, saved.offset)
+        return use.regathered[saved.buffer].as_strided(saved.size, saved.stride, saved.offset)
 
     # ---------------------------------------------------------------------- collectives
     def _open(self, use: _Use, source) -> tuple:
-        """UnitParams.forward: the unit's parameters as neutral-shaped views."""
-        full = self._gather(use.unit, source) if self.stage == 3 else source
-        use.ptr = full.untyped_storage().data_ptr()
+        """UnitParams.forward: the unit's parameters as neutral-shaped views of its gathered
+        buffers (stage 3: ``compute_gather.py``; else the full buffer itself)."""
+        buffers = self._gather(use.unit, source) if self.stage == 3 else (source,)
+        use.ptrs = tuple(b.untyped_storage().data_ptr() for b in buffers)
         fl = self.layouts[use.unit]
-        return tuple(full[o:o + n].view(s)
-                     for o, n, s in zip(fl.offsets, fl.sizes, fl.shapes, strict=True))
+        return tuple(buffers[b][o:o + n].view(s) for (b, o), n, s
+                     in zip(self._gather.places[use.unit], fl.sizes, fl.shapes, strict=True))
 
     def _close(self, use: _Use, grads) -> None:
         """UnitParams.backward: the unit's gradients, reduced into its gradient buffer."""

@@ -14,8 +14,9 @@ hold consecutive shards) keeps shard ``axis_index`` of each unit's flat buffer
   after the unit's forward, and the backward gathers them again before the transpose of the
   all-gather, a ``psum_scatter``, reduce-scatters the unit's gradient. The unit's matrix
   products are kept for the backward (``dots_saveable``: only the elementwise operations
-  between them run again), or, with ``activation_checkpointing``, recomputed too. Gradient accumulation reduce-scatters every
-  micro-batch's gradient (accumulating unsharded gradients would need full-size buffers).
+  between them run again), or, with ``activation_checkpointing``, recomputed too. Gradient
+  accumulation reduce-scatters every micro-batch's gradient (accumulating unsharded
+  gradients would need full-size buffers).
   Stage 3 needs the spec models' per-unit forward (``adapters._jax.flat_units.unit_forward``);
   a native Flax module is sharded at stages 1 and 2. Under mixed precision a shard is cast to
   the compute dtype before its all-gather (half the bytes in bfloat16, FSDP2's

@@ -33,12 +33,14 @@ class Gathers:
 
     def __init__(self, hvd):
         self.hvd, self.calls = hvd, collections.defaultdict(set)
+        self.counts = collections.Counter()
 
     def __getattr__(self, name):
         return getattr(self.hvd, name)
 
     def allgather(self, tensor, name=None):
         self.calls[name].add((str(tensor.dtype), tensor.numel() * tensor.element_size()))
+        self.counts[name] += 1
         return self.hvd.allgather(tensor, name=name)
 
     def install(self, strategy):
@@ -56,6 +58,13 @@ def test_horovod_torch_gathers_16_bits_and_computes_as_before(model):
     for name in units:
         ((_, float_bytes),) = f32[name]
         assert bf16[name] == {("torch.int16", float_bytes // 2)}, (name, bf16[name])
+    # the module computes on views of the 16-bit buffer, so what its operations save for the
+    # backward are views too: freed after the forward and gathered again, as in float32 (but
+    # the GPT's first unit: its tied tok_emb is read in float32 by the lookup, and the head's
+    # product makes autocast's own 16-bit copy of it, kept for the backward)
+    again = [n for n in units if model == "mlp" or n != "zero.gather.0"]
+    assert {n: gathers["bf16-mixed"].counts[n] for n in again} == {
+        n: gathers["32"].counts[n] for n in again}, gathers["bf16-mixed"].counts
     # the parameters the arithmetic uses in float32 (embeddings, layer norms) come in float32
     kept = {n: b for n, calls in bf16.items() if ".float." in n for _, b in calls}
     params = make_model(model).init(0, "float32")
