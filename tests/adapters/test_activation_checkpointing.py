@@ -146,24 +146,6 @@ def test_jax_pmap_zero3_recomputes_its_products_only_when_asked():
     assert np.allclose(plain, recomputed, rtol=1e-6, atol=0), (plain, recomputed)
 
 
-def test_a_strategy_that_cannot_recompute_says_so():
-    """Every built-in strategy recomputes; one of a user's own that does not declare
-    ``recomputes`` (docs/architecture.md) is refused by the backend, naming the layout."""
-    class NoRecompute(adapters._backend.StrategyBase):
-        pass
-
-    backend = adapters.get("jax-pjit")
-    backend.setup(toolkit.current_env())
-    backend.strategy = NoRecompute(backend.runtime, backend.layout)
-    with pytest.raises(ToolkitError) as err:
-        backend.build(toolkit.MLP((4, 2)), toolkit.SGD(lr=0.1), "cross_entropy",
-                      activation_checkpointing=True)
-    assert str(err.value) == (
-        "jax-pjit cannot recompute activations under data_parallel "
-        "(activation_checkpointing=True)\nHINT: drop activation_checkpointing for this layout "
-        "(docs/memory.md says which recompute)")
-
-
 def native_model(backend):
     if backend == "horovod-torch":
         import torch

@@ -153,23 +153,6 @@ def test_the_reference_rounds_only_under_mixed_precision():
     assert one[0] == pytest.approx(rounded[0], rel=1e-12)
 
 
-def test_a_strategy_without_the_precision_says_so_before_building():
-    """Every built-in strategy runs every policy; one of a user's own that declares none
-    (``precisions``: the plain policies, docs/architecture.md) is refused before its model
-    is built, naming the policy and what it runs."""
-    class PlainOnly(adapters._backend.StrategyBase):
-        def build(self, *args, **kwargs):
-            raise AssertionError("built")
-
-    backend = adapters.get("jax-pjit", precision="bf16-mixed")
-    backend.setup(toolkit.current_env())
-    backend.strategy = PlainOnly(backend.runtime, backend.layout)
-    with pytest.raises(ToolkitError, match="does not run precision 'bf16-mixed' under "
-                                           "data_parallel") as err:
-        backend.build(MODEL, optimizer(), "cross_entropy")
-    assert err.value.hint == "this strategy runs: 32, 64"
-
-
 @pytest.mark.parametrize("backend, layout", [
     ("horovod-torch", "data"), ("horovod-torch", "sharded:3"), ("jax-pmap", "data"),
     ("jax-pmap", "sharded:2"), ("jax-pjit", "data"), ("jax-pjit", "sharded:3:tp2"),

@@ -72,22 +72,6 @@ def test_a_nan_step_updates_nothing_and_the_next_one_trains(backend, layout, mod
     assert all(np.isfinite(v).all() for v in after.values() if v.dtype.kind == "f")
 
 
-def test_the_strategies_that_cannot_skip_say_so():
-    class NoSkip(adapters._backend.StrategyBase):
-        pass
-
-    backend = adapters.get("jax-pjit")
-    backend.setup(toolkit.current_env())
-    backend.strategy = NoSkip(backend.runtime, backend.layout)
-    with pytest.raises(toolkit.ToolkitError) as err:
-        backend.build(toolkit.MLP((4, 2)), toolkit.SGD(lr=0.1), "cross_entropy",
-                      skip_nonfinite=True)
-    assert str(err.value) == (
-        "jax-pjit cannot skip a step under data_parallel (on_nonfinite='skip')\nHINT: use "
-        "on_nonfinite='stop', or give this strategy a skip_nonfinite build option "
-        "(docs/architecture.md)")
-
-
 def test_on_nonfinite_must_be_stop_or_skip():
     with pytest.raises(toolkit.ToolkitError) as err:
         toolkit.Trainer(adapters.get("jax-pjit"), toolkit.MLP((4, 2)), toolkit.SGD(lr=0.1),
