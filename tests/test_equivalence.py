@@ -186,13 +186,15 @@ def test_clipping_every_backend_data_parallel_and_sharded_at_1_and_2(launch, tmp
                                       for layout in layouts], LOSS_TOLERANCE[dtype])
 
 
+# (one replica with make test-long; in make test the fp16-mixed pipelines below clip one)
 @pytest.mark.slow
-def test_clipping_every_backend_in_pipelines_of_one_and_two_replicas(launch, tmp_path):
-    job, report = run_equivalence(launch, tmp_path, "--world-sizes", "2,4", "--steps", "10",
-                                  "--dtype", "float64", "--optimizer", "adamw",
+@pytest.mark.parametrize("world", [pytest.param(2, marks=pytest.mark.long), 4])
+def test_clipping_every_backend_in_pipelines_of_one_and_two_replicas(launch, tmp_path, world):
+    job, report = run_equivalence(launch, tmp_path, "--world-sizes", str(world), "--steps",
+                                  "10", "--dtype", "float64", "--optimizer", "adamw",
                                   "--layout", "pipeline:2:4:1f1b", "--clip-grad-norm", "0.4")
-    check_clipped(job, report, 0.4, [(b, w, "pipeline:2:4:1f1b") for b in BACKENDS
-                                      for w in (2, 4)], LOSS_TOLERANCE["float64"])
+    check_clipped(job, report, 0.4, [(b, world, "pipeline:2:4:1f1b") for b in BACKENDS],
+                  LOSS_TOLERANCE["float64"])
 
 
 def test_a_clip_bound_that_is_not_positive_is_refused():
@@ -201,17 +203,17 @@ def test_a_clip_bound_that_is_not_positive_is_refused():
             parse_args(["--clip-grad-norm", bad])
 
 
-# (fp16-mixed with make test-long: in make test it runs against the rounded reference in
-# every backend's process, tests/adapters/test_mixed_precision.py, and across processes in the
-# pipelines below)
-@pytest.mark.parametrize("precision", ["bf16-mixed",
-                                       pytest.param("fp16-mixed", marks=pytest.mark.long)])
-def test_mixed_precision_equals_its_rounded_reference_at_world_sizes_1_and_2(launch, tmp_path,
-                                                                              precision):
+# (fp16-mixed, and world size 1, with make test-long: in make test both run against the
+# rounded reference in every backend's process, tests/adapters/test_mixed_precision.py, and
+# fp16 across processes in the pipelines below)
+@pytest.mark.parametrize("precision, worlds", [
+    ("bf16-mixed", "2"), pytest.param("fp16-mixed", "1,2", marks=pytest.mark.long)])
+def test_mixed_precision_equals_its_rounded_reference_across_processes(launch, tmp_path,
+                                                                       precision, worlds):
     """``--precision bf16-mixed|fp16-mixed``: every backend passes against the reference that
     rounds as it does (the first steps within 1e-6, or 1.5e-6 in float16), never a skip."""
     job, report = run_equivalence(launch, tmp_path, "--precision", precision,
-                                  "--world-sizes", "1,2", "--steps", "20",
+                                  "--world-sizes", worlds, "--steps", "20",
                                   "--layout", "data,sharded:1")
     assert job.returncode == 0, job
     assert f"{precision[:4]} arithmetic rounded as the runs round" in job.stdout
@@ -223,16 +225,17 @@ def test_mixed_precision_equals_its_rounded_reference_at_world_sizes_1_and_2(lau
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("precision, clip", [
-    pytest.param("bf16-mixed", None, marks=pytest.mark.long), ("fp16-mixed", "0.5")])
+@pytest.mark.parametrize("precision, clip, worlds", [
+    pytest.param("bf16-mixed", None, "2,4", marks=pytest.mark.long),
+    ("fp16-mixed", "0.5", "2")])
 def test_mixed_precision_in_pipelines_equals_its_rounded_reference(launch, tmp_path, precision,
-                                                                   clip):
-    """The pipelines in mixed precision, 2 stages x 4 micro-batches on 2 and 4 ranks: each
+                                                                   clip, worlds):
+    """The pipelines in mixed precision, 2 stages x 4 micro-batches on 2 (and 4) ranks: each
     micro-batch's gradient rounded apart (``data_split`` (replicas, 4)), so the reference splits
     the batch so, each part's loss weighted as the run weights it (``part_weight``: float16
     overflows where the run's does); fp16 with clipping (the gradients unscaled before their
     norm)."""
-    args = ["--precision", precision, "--world-sizes", "2,4", "--steps", "20",
+    args = ["--precision", precision, "--world-sizes", worlds, "--steps", "20",
             "--layout", "pipeline:2:4:1f1b"] + (["--clip-grad-norm", clip] if clip else [])
     job, report = run_equivalence(launch, tmp_path, *args)
     assert job.returncode == 0, job

@@ -154,8 +154,10 @@ def test_the_reference_rounds_only_under_mixed_precision():
 
 
 @pytest.mark.parametrize("backend, layout", [
-    ("horovod-torch", "data"), ("horovod-torch", "sharded:3"), ("jax-pmap", "data"),
-    ("jax-pmap", "sharded:2"), ("jax-pjit", "data"), ("jax-pjit", "sharded:3:tp2"),
+    ("horovod-torch", "data"), ("horovod-torch", "sharded:3"),
+    pytest.param("jax-pmap", "data", marks=pytest.mark.long),  # (jax-pmap: sharded:3 below)
+    pytest.param("jax-pmap", "sharded:2", marks=pytest.mark.long),
+    ("jax-pjit", "data"), ("jax-pjit", "sharded:3:tp2"),
     ("horovod-torch", "pipeline:1:2"), ("jax-pjit", "pipeline:1:2"), ("horovod-tf", "data"),
     ("horovod-tf", "sharded:2"), ("jax-pmap", "sharded:3")])
 def test_a_gpt_trains_in_bf16_mixed_as_in_float32(backend, layout):
