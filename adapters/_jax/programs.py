@@ -43,8 +43,10 @@ class StagePrograms:
         rule: the update rule (``adapters._update.UpdateRule``: ``clip_grad_norm`` and
             ``skip_nonfinite``).
         compute: a mixed-precision policy's compute dtype (None: the parameters'): each piece
-            runs in it (``stages.computing``), the loss in ``dtype``; a 16-bit activation is
-            held in the box exactly (a float32 box holds every bfloat16 value).
+            runs in it (``stages.computing``), the loss in ``dtype``. The box (:attr:`box_dtype`)
+            is in the compute dtype when every activation between pieces is: the exchanges then
+            move 16-bit values, half the bytes; else in ``dtype``, which holds a 16-bit value
+            exactly.
     """
 
     def __init__(self, jax, staged, loss_fn, tx, coll, micro_batches: int, mb: int,
@@ -66,6 +68,9 @@ class StagePrograms:
             h = jax.eval_shape(self.fns[k], p, h)
             self.shapes.append(h)
         self.width = max([int(np.prod(s.shape[1:])) for s in self.shapes[:-1]] or [1])
+        cuts = {np.dtype(s.dtype) for s in self.shapes[:-1]}
+        self.box_dtype = cuts.pop() if compute is not None and cuts == {np.dtype(compute)} \
+            else np.dtype(dtype)
         K = staged.pieces
         # Branch 0 is idle (nothing runs); 1 + 2k and 2 + 2k are piece k's forward, backward.
         self.branches = [None] + [f for k in range(K)

@@ -86,9 +86,10 @@ class PjitPipeline(PipelineExecutor):
     def _per_stage(self, host: np.ndarray):
         return self._place(host, ("stage",))
 
-    def _zeros(self, shape: tuple[int, ...]):
+    def _zeros(self, shape: tuple[int, ...], dtype=None):
         S, D = self.layout.stages, self.D
-        return self._place(np.zeros((S, D) + tuple(shape), self.host.dtype_name), ("stage", "data"))
+        return self._place(np.zeros((S, D) + tuple(shape), dtype or self.host.dtype_name),
+                           ("stage", "data"))
 
     def _batch(self, local: np.ndarray):
         """``(S, D, b, ...)``: each local device's slice of the local batch, in the devices'
@@ -136,7 +137,7 @@ class PjitPipeline(PipelineExecutor):
         upd = jax.jit(smap(update, in_specs=(st, opt_specs, sd, sd, spec()),
                            out_specs=(st, opt_specs, sd, spec(), spec())),
                       donate_argnums=(0, 1, 2))
-        self.box = self._zeros(progs.box_shape(self.plan.slots))
+        self.box = self._zeros(progs.box_shape(self.plan.slots), progs.box_dtype)
         self.losses = self._zeros((self.layout.micro_batches, progs.mb))
         # Compile everything now (the first round's arguments stand for every round's).
         cells = (self.layout.stages, self.D, n // (self.layout.stages * self.D))

@@ -113,8 +113,9 @@ class PmapPipeline(PipelineExecutor):
     def _per_stage(self, host: np.ndarray):
         return self._stacked(np.stack([host[self.grid.stage_of(i)] for i in self.where]))
 
-    def _zeros(self, shape: tuple[int, ...]):
-        return self._stacked(np.zeros((len(self.where),) + tuple(shape), self.host.dtype_name))
+    def _zeros(self, shape: tuple[int, ...], dtype=None):
+        return self._stacked(np.zeros((len(self.where),) + tuple(shape),
+                                      dtype or self.host.dtype_name))
 
     def _batch(self, local: np.ndarray):
         return self._stacked(local.reshape((len(self.where), -1) + local.shape[1:]))
@@ -141,5 +142,5 @@ class PmapPipeline(PipelineExecutor):
                           for f in (False, True) for b in (False, True) if f or b}
         self._update = _FirstCallBarrier(pmap(progs.update, in_axes=(0, 0, 0, 0, None),
                                               donate_argnums=(0, 1, 2)), barrier)
-        self.box = self._zeros(progs.box_shape(self.plan.slots))
+        self.box = self._zeros(progs.box_shape(self.plan.slots), progs.box_dtype)
         self.losses = self._zeros((self.layout.micro_batches, progs.mb))

@@ -89,6 +89,23 @@ def test_1f1b_holds_fewer_activations_than_gpipe(backend):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_bf16_activations_are_held_and_exchanged_in_16_bits(backend):
+    """Under bf16-mixed every activation between the MLP's pieces is bfloat16, so the box the
+    stages exchange it in is too: half the bytes held (and moved) of a float32 run's."""
+    held = {}
+    for precision in ("32", "bf16-mixed"):
+        adapter = adapters.get(backend, precision=precision)
+        adapter.setup(toolkit.current_env())
+        pipe = attach(adapter, toolkit.parse_layout("pipeline:2:4"), samples="process")
+        x, y = load_data("mlp", "float32")
+        toolkit.Trainer(adapter, make_model("mlp"), toolkit.SGD(lr=0.05), global_batch_size=BATCH,
+                        max_steps=2, seed=0, progress=False).fit(x, y)
+        held[precision] = (pipe.box.dtype.name, pipe.memory_bytes()["activations"])
+    assert held["32"][0] == "float32" and held["bf16-mixed"][0] == "bfloat16", held
+    assert held["bf16-mixed"][1] * 2 == held["32"][1], held
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_memory_counts_the_parameters_sliced_for_the_next_step(backend):
     """Between steps a stage holds its flat vector and, queued behind the update, its
     parameters by name for the next step: memory_bytes counts both."""

@@ -35,6 +35,7 @@ def attach(adapter, layout, samples="replica"):
     adapter.setup(adapter.env, layout)
     if samples != "replica":
         adapter.strategy = type(adapter.strategy)(adapter.runtime, layout, samples=samples)
+        adapter.strategy.precision = adapter.precision  # (as setup hands it on)
     executor, setup = adapter.strategy, adapter.setup
 
     def keep(env, given=None):  # the runtime stays set up; the executor stays the strategy
