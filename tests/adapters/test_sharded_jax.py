@@ -173,7 +173,9 @@ def tensor_parallel_equivalence(launch, tmp_path, world_sizes, local_devices, dt
 
 # make test runs each dtype and each optimizer once; make test-long the other two pairs (and
 # float32 with SGD at one device per process: the two-device processes run it).
-DTYPE_OPTIMIZER = [("float32", "sgd"), pytest.param("float32", "adamw", marks=pytest.mark.long),
+# (make test: float64 with AdamW; the other three with make test-long)
+DTYPE_OPTIMIZER = [pytest.param("float32", "sgd", marks=pytest.mark.long),
+                   pytest.param("float32", "adamw", marks=pytest.mark.long),
                    pytest.param("float64", "sgd", marks=pytest.mark.long), ("float64", "adamw")]
 # (at one device per process make test runs 2 ranks; 4 ranks, two replicas of two, with
 # make test-long)
