@@ -91,3 +91,29 @@ def test_a_rank_that_ends_by_itself_keeps_its_status_however_slowly_its_shell_ex
     status = safe_shell_exec.execute(command, stdout=out, stderr=err, events=[stop])
     assert ready.exists()
     assert status == 130, (status, out.getvalue(), err.getvalue())
+
+
+@pytest.mark.parametrize("gone_at", [1, 2])
+def test_a_shell_that_ends_while_its_children_are_listed_is_left_alone(monkeypatch, gone_at):
+    """horovodrun stops the other ranks when one exits (a usage error: every rank exits 2 at
+    once): a shell that ends between being found and its children being listed, at the
+    first listing or at the wait's, is gone, not a traceback in horovodrun's thread."""
+    import psutil
+    from horovod.runner.common.util import safe_shell_exec
+
+    shell = subprocess.Popen(["sleep", "30"])
+    calls, children = [], psutil.Process.children
+
+    def vanishing(self, *args, **kwargs):
+        calls.append(self.pid)
+        if len(calls) == gone_at:
+            raise psutil.NoSuchProcess(self.pid)
+        return children(self, *args, **kwargs)
+
+    monkeypatch.setattr(psutil.Process, "children", vanishing)
+    try:
+        safe_shell_exec.terminate_executor_shell_and_children(shell.pid)
+        assert calls[:gone_at] == [shell.pid] * gone_at
+    finally:
+        shell.kill()
+        shell.wait()
