@@ -41,7 +41,7 @@ def _code(array: np.ndarray, dtype) -> int:
     return NARROW.get(np.asarray(array).dtype.name, 0) if np.dtype(dtype) == np.float32 else 0
 
 
-def packed_size(array: np.ndarray, dtype=np.float64) -> int:
+def packed_size(array: np.ndarray, dtype) -> int:
     """How many elements of ``dtype`` ``array`` takes in a message: ``[ndim, *shape,
     values...]``, a 16-bit array's values two to an element of a float32 message."""
     size = int(np.size(array))

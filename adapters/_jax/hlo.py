@@ -19,7 +19,7 @@ _BYTES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2, 
 # "%name = TYPE all-gather(" or, for an asynchronous one, "%name = (...) all-gather-start(";
 # TYPE is one array ("bf16[4,128]{1,0}") or a tuple of them ("(f32[8]{0}, f32[2]{0})").
 _OP = re.compile(r"=\s+(\([^=]*?\)|\w+\[[\d,]*\](?:\{[^}]*\})?)\s+"
-                 r"(all-gather|reduce-scatter|all-reduce)(-start)?\(")
+                 rf"({'|'.join(KINDS)})(-start)?\(")
 _ARRAY = re.compile(r"(\w+)\[([\d,]*)\]")
 
 

@@ -48,7 +48,7 @@ from toolkit.models.reference import optimizer_slots
 AXIS = "batch"
 
 
-def compute_gather(jax, axis: str, dtype, shard_dtype=None):
+def compute_gather(jax, axis: str, dtype, shard_dtype):
     """``shard -> the whole flat buffer`` over ``axis``; with a compute ``dtype``, the shard
     (of ``shard_dtype``) is cast before the all-gather, which then carries ``dtype``'s bytes,
     and the backward reduce-scatters the gradient in ``shard_dtype``. Bit for bit what a
