@@ -130,6 +130,9 @@ def test_pipeline_schedules_at_two_stages(launch, tmp_path):
         assert r["max_rel_loss_dev"] <= LOSS_TOLERANCE["float32"], r
 
 
+# (make test-long: in make test the world-4 clipped pipelines below run S = 2, D = 2 in every
+# backend, and test_resume_pipeline places a stage's replicas within a node)
+@pytest.mark.long
 @pytest.mark.slow
 def test_pipeline_with_two_replicas_per_stage(launch, tmp_path):
     """S = 2, D = 2 on 4 ranks, every backend: each stage's gradients averaged over its two
