@@ -126,10 +126,10 @@ def unwrapped_toolkit_errors():
         raise
 
 
-def check_recompute(backend: str, model: object, enabled: bool) -> bool:
-    """``enabled``, once it is known the model can recompute: activation checkpointing is a
-    build option of the toolkit's spec models (each GPT block, each hidden MLP layer), so a
-    native model is refused with what to do instead."""
+def check_recompute(backend: str, model: object, enabled: bool | None) -> bool | None:
+    """``enabled`` (None: the layout's choice), once it is known the model can recompute:
+    activation checkpointing is a build option of the toolkit's spec models (each GPT block,
+    each hidden MLP layer), so a native model is refused with what to do instead."""
     from toolkit.models.specs import ModelSpec
 
     if enabled and not isinstance(model, ModelSpec):
@@ -138,4 +138,4 @@ def check_recompute(backend: str, model: object, enabled: bool) -> bool:
             f"model is a {type(model).__name__}", "recompute inside your own model "
             "(torch.utils.checkpoint, jax.checkpoint / nn.remat, tf.recompute_grad), or train "
             "a toolkit.GPT/MLP/CNN")
-    return bool(enabled)
+    return None if enabled is None else bool(enabled)

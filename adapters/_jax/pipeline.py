@@ -112,7 +112,7 @@ class PipelineExecutor(StrategyBase):
     def build(self, model: Any, optimizer: Any, loss: Any, *, seed: int = 0,
               accumulation_steps: int = 1, sync_batchnorm: bool = False,
               metrics: Any = None, clip_grad_norm: float | None = None,
-              skip_nonfinite: bool = False, activation_checkpointing: bool = False) -> None:
+              skip_nonfinite: bool = False, activation_checkpointing: bool | None = None) -> None:
         a, jax, name, S = self.host, self.host.jax, self.host.name, self.layout.stages
         check_build(accumulation_steps, sync_batchnorm)
         check_recompute(name, model, activation_checkpointing)  # (recomputed either way)

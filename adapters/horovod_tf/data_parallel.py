@@ -55,7 +55,7 @@ class TFDataParallel(StrategyBase):
     def build(self, model: Any, optimizer: Any, loss: Any, *, seed: int = 0,
               accumulation_steps: int = 1, sync_batchnorm: bool = False,
               metrics: Any = None, clip_grad_norm: float | None = None,
-              skip_nonfinite: bool = False, activation_checkpointing: bool = False) -> None:
+              skip_nonfinite: bool = False, activation_checkpointing: bool | None = None) -> None:
         tf = self.tf
         self.recompute = check_recompute("horovod-tf", model, activation_checkpointing)
         self.rule = UpdateRule(optimizer, clip_grad_norm, skip_nonfinite, self.precision)

@@ -87,7 +87,7 @@ class TFPipeline(HvdPipeline):
     def build(self, model: Any, optimizer: Any, loss: Any, *, seed: int = 0,
               accumulation_steps: int = 1, sync_batchnorm: bool = False,
               metrics: Any = None, clip_grad_norm: float | None = None,
-              skip_nonfinite: bool = False, activation_checkpointing: bool = False) -> None:
+              skip_nonfinite: bool = False, activation_checkpointing: bool | None = None) -> None:
         check_build(accumulation_steps, sync_batchnorm)
         recompute = check_recompute("horovod-tf", model, activation_checkpointing)
         if is_keras_optimizer(optimizer):

@@ -69,7 +69,7 @@ class TorchDataParallel(StrategyBase):
     def build(self, model: Any, optimizer: Any, loss: Any, *, seed: int = 0,
               accumulation_steps: int = 1, sync_batchnorm: bool = False,
               metrics: Any = None, clip_grad_norm: float | None = None,
-              skip_nonfinite: bool = False, activation_checkpointing: bool = False) -> None:
+              skip_nonfinite: bool = False, activation_checkpointing: bool | None = None) -> None:
         torch = self.torch
         self.ops = TorchOps(self.runtime, loss, metrics, self.precision)
         self.accumulation_steps, self.seed = accumulation_steps, seed

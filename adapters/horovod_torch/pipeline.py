@@ -104,7 +104,7 @@ class TorchPipeline(HvdPipeline):
     def build(self, model: Any, optimizer: Any, loss: Any, *, seed: int = 0,
               accumulation_steps: int = 1, sync_batchnorm: bool = False,
               metrics: Any = None, clip_grad_norm: float | None = None,
-              skip_nonfinite: bool = False, activation_checkpointing: bool = False) -> None:
+              skip_nonfinite: bool = False, activation_checkpointing: bool | None = None) -> None:
         # (torch.optim counts its own steps)
         self.rule = UpdateRule(None, clip_grad_norm, skip_nonfinite, self.precision)
         torch, hvd = self.torch, self.hvd

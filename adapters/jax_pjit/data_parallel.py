@@ -32,7 +32,7 @@ class PjitDataParallel(JaxStrategy):
     def build(self, model: Any, optimizer: Any, loss: Any, *, seed: int = 0,
               accumulation_steps: int = 1, sync_batchnorm: bool = False,
               metrics: Any = None, clip_grad_norm: float | None = None,
-              skip_nonfinite: bool = False, activation_checkpointing: bool = False) -> None:
+              skip_nonfinite: bool = False, activation_checkpointing: bool | None = None) -> None:
         self._compiled_for = None  # the step compiles anew for this model
         self.rule = UpdateRule(optimizer, clip_grad_norm, skip_nonfinite, self.precision)
         self.recompute = check_recompute(self.name, model, activation_checkpointing)

@@ -45,8 +45,9 @@ OPTIONS: dict[str, tuple[str, dict[str, Any]]] = {
         choices=("32", "64", "bf16-mixed", "fp16-mixed"), default=None,
         help="the arithmetic's precision (docs/precision.md); default: the backend's dtype")),
     "--activation-checkpointing": ("activation_checkpointing", dict(
-        action="store_true", help="recompute each block's activations in the backward pass "
-                                  "(less memory, more compute)")),
+        action=argparse.BooleanOptionalAction, default=None, help="recompute each block's "
+        "activations in the backward pass (less memory, more compute), or with --no- never; "
+        "default: the layout's choice (docs/memory.md)")),
     "--device": ("device", dict(choices=("auto", "cpu", "gpu"), default="auto",
                                 help="auto: the rank's GPU when the framework sees one, else "
                                      "the CPU")),

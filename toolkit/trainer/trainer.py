@@ -68,8 +68,7 @@ class Trainer(StopsTogether):
             averages them every step); without it each rank normalises with its own samples'
             and rank 0's running statistics are evaluated and checkpointed.
         global_batch_size: samples per step over all ranks; the world size must divide it.
-        epochs: passes over the training data (ignored when ``max_steps`` is given).
-        max_steps: stop after this many global steps instead.
+        epochs, max_steps: passes over the training data, or this many global steps instead.
         seed: seeds the model initialisation and the sampler's shuffling.
         shuffle, drop_last: see :class:`GlobalBatchSampler`.
         lr_scaling: ``none``, ``linear`` or ``sqrt`` multiplies the learning rate by 1, N or
@@ -83,7 +82,8 @@ class Trainer(StopsTogether):
             clipping goes to the metrics log (``grad_norm``) and the interval line.
         precision: a ``toolkit.precision`` policy (``"32"``, ``"bf16-mixed"``, ...); None:
             the adapter's. activation_checkpointing: each block (hidden layer) recomputes its
-            activations in the backward pass instead of keeping them (docs/memory.md).
+            activations in the backward pass (True) or nothing does (False); None: the layout's
+            choice, False but in horovod-tf's ZeRO-3, which recomputes (docs/memory.md).
         checkpoint_dir: where checkpoints go (shared storage for multi-node jobs);
             checkpoint_every: every this many steps (and at the end), checkpoint_every_seconds:
             or seconds of training; keep: how many to keep.
@@ -118,8 +118,7 @@ class Trainer(StopsTogether):
         prefetch: ``True`` loads the next local batch in a background thread during the step,
             ``False`` when its step starts, ``"auto"`` the thread unless the data are numpy
             arrays in memory; ``trainer.prefetch_stats`` says how much loading time it hid.
-        eval_batch_size: samples per ``adapter.evaluate`` call on each rank.
-        env: the launch environment; detected when omitted.
+        eval_batch_size: samples per ``adapter.evaluate`` call per rank. env: detected if None.
     """
 
     def __init__(
@@ -142,7 +141,7 @@ class Trainer(StopsTogether):
         accumulation_steps: int = 1,
         clip_grad_norm: float | None = None,
         precision: str | None = None,
-        activation_checkpointing: bool = False,
+        activation_checkpointing: bool | None = None,
         device: str = "auto",
         checkpoint_dir: str | os.PathLike | None = None,
         checkpoint_every: int | None = None,
@@ -188,7 +187,7 @@ class Trainer(StopsTogether):
         self.lr_scaling, self.accumulation_steps = lr_scaling, accumulation_steps
         self.clip_grad_norm = check_clip(clip_grad_norm)
         self.precision = use_precision(adapter, precision)
-        self.activation_checkpointing = bool(activation_checkpointing)
+        self.activation_checkpointing = activation_checkpointing  # (None: the layout's)
         self.metrics_log = Path(metrics_log) if metrics_log else None
         self.log_every, self.progress = log_every, progress
         self.peak_flops, self.flops_per_sample = (check_flops(k, v) for k, v in (
@@ -238,12 +237,13 @@ class Trainer(StopsTogether):
         self.layout.micro_batch(self.sampler.local_batch_size)  # its error when they do not fit
         self.sampler.check_accumulation(self.accumulation_steps)
         # (options at their defaults are not passed: an adapter of one's own need not know them)
-        options = {"clip_grad_norm": self.clip_grad_norm, "skip_nonfinite": self.skip_nonfinite,
+        options = {"clip_grad_norm": self.clip_grad_norm,
+                   "skip_nonfinite": self.skip_nonfinite or None,
                    "activation_checkpointing": self.activation_checkpointing}
         self.adapter.build(self.model, self.optimizer, self.loss, seed=self.seed,
                            accumulation_steps=self.accumulation_steps,
                            sync_batchnorm=self.sync_batchnorm, metrics=self.metrics,
-                           **{k: v for k, v in options.items() if v not in (None, False)})
+                           **{k: v for k, v in options.items() if v is not None})
         self.checkpoints.open(self.adapter, self.sampler, env, self.layout, self._describe_run)
         ckpt = self.checkpoints.restore(self._log.write)
         if ckpt is not None:
