@@ -101,6 +101,11 @@ SMOKE: dict[str, Smoke] = {
          r"^data parallel: \d+ ms per step"),
         options={"--steps": "2", "--warmup": "1", "--width": "64", "--batch-size": "32",
                  "--micro-batches": "2", "--timeline-dir": "{tmp}/timelines"}),
+    "benchmarks/pipeline_recompute.py": Smoke(
+        (r"^recompute\s+kept for backward \(stage 0\)\s+step ms", r"^no\s+[\d,]+\s+[\d.]+",
+         r"^recomputing takes [\d.]+x"),
+        options={"--steps": "1", "--warmup": "1", "--repeats": "1", "--layers": "2",
+                 "--width": "32", "--heads": "2", "--context": "16", "--batch": "8"}),
     "benchmarks/activation_checkpointing.py": Smoke(
         (r"^recompute\s+saved by autograd\s+estimator", r"^yes\s+[\d,]+\s+[\d,]+"),
         options={"--repeats": "1", "--context": "32", "--batch": "2", "--layers": "2"}),

@@ -2,8 +2,7 @@
 
 ``PipelineExecutor``: checks, the staged state, the step's round loop with its
 ``toolkit.StageRecorder`` timing, evaluation and checkpoints; a subclass places arrays and wraps
-``adapters._jax.programs.StagePrograms`` in its mechanism. The executor is the pipeline
-layout's strategy (``adapters/_backend.py``) in both JAX backends.
+``adapters._jax.programs.StagePrograms`` in its mechanism: the pipeline layout's strategy.
 """
 
 from __future__ import annotations
@@ -87,7 +86,7 @@ class PipelineExecutor(StrategyBase):
     clips = True  # build takes clip_grad_norm
     skips = True  # build takes skip_nonfinite; its StepResult then says skipped
     precisions = ("32", "64", "bf16-mixed", "fp16-mixed")  # (StagePrograms' compute)
-    recomputes = True  # every piece's forward runs again in its backward, asked for or not
+    recomputes = True  # activation_checkpointing: each piece's forward again in its backward
     position: tuple[int, int] = (0, 0)  # this process's (stage, replica), known at build
 
     @staticmethod
@@ -115,7 +114,7 @@ class PipelineExecutor(StrategyBase):
               skip_nonfinite: bool = False, activation_checkpointing: bool | None = None) -> None:
         a, jax, name, S = self.host, self.host.jax, self.host.name, self.layout.stages
         check_build(accumulation_steps, sync_batchnorm)
-        check_recompute(name, model, activation_checkpointing)  # (recomputed either way)
+        self.recompute = bool(check_recompute(name, model, activation_checkpointing))
         if not is_native(optimizer):  # (an optax transformation: StageOptimizer checks it)
             check_spec_optimizer(name, "pipeline", optimizer)
         a.precision = self.precision  # (the Backend gave it to this executor)
@@ -174,7 +173,8 @@ class PipelineExecutor(StrategyBase):
         progs = StagePrograms(jax, self.staged, self.loss_fn, self.tx, self._collectives(), M,
                               mb, 1.0 / n if gather else S / n, gather,
                               jax.ShapeDtypeStruct((mb,) + tuple(x_shape[1:]), x_dtype),
-                              self.host.dtype, self.host.rule, self.host.compute_dtype)
+                              self.host.dtype, self.host.rule, self.host.compute_dtype,
+                              self.recompute)
         self.local = LocalComputes(jax, progs)
         return progs
 
@@ -392,8 +392,8 @@ class PipelineExecutor(StrategyBase):
             sliced is not None and sliced[0] is self.params) else 0
         out = {"params": held(self.params) + copies, "grads": held(self.grads),
                "optimizer": held(*self.host.jax.tree_util.tree_leaves(self.opt_state))}
-        if hasattr(self, "box"):
-            out["activations"] = held(self.box)
+        if hasattr(self, "box"):  # and at most, during a step, what forwards keep for backwards
+            out.update(activations=held(self.box), kept_for_backward=self.local.peak_kept)
         return out
 
     def sync_state(self) -> None:

@@ -27,6 +27,7 @@ from __future__ import annotations
 import numpy as np
 
 from adapters._jax.models.spec import per_sample_loss
+from adapters._jax.residuals import Residuals
 from adapters._jax.stages import computing
 from adapters._jax.update import apply_optimizer, update
 
@@ -47,15 +48,20 @@ class StagePrograms:
             is in the compute dtype when every activation between pieces is: the exchanges then
             move 16-bit values, half the bytes; else in ``dtype``, which holds a 16-bit value
             exactly.
+        recompute: each piece's backward runs its forward again (activation checkpointing);
+            else its forward hands the backward the activations it needs
+            (``adapters._jax.residuals``), held per micro-batch in flight.
     """
 
     def __init__(self, jax, staged, loss_fn, tx, coll, micro_batches: int, mb: int,
-                 inv_b: float, gather: bool, x_struct, dtype, rule, compute=None):
+                 inv_b: float, gather: bool, x_struct, dtype, rule, compute=None,
+                 recompute: bool = True):
         self.jax, self.jnp, self.lax = jax, jax.numpy, jax.lax
         self.staged, self.loss_fn, self.tx, self.coll = staged, loss_fn, tx, coll
         self.M, self.mb, self.inv_b, self.gather = micro_batches, mb, inv_b, gather
         self.rule, self.dtype = rule, dtype
         self.fns = [computing(fn, compute) for fn in staged.fns]
+        self.residuals = Residuals(jax, recompute)
         # The tied parameter counts once in the norm: on the first stage holding it.
         holders = sorted({s for stages in staged.shared.values() for s in stages})
         self.repeats = np.asarray([1.0 if s in holders[1:] else 0.0
@@ -95,36 +101,46 @@ class StagePrograms:
         like = self.shapes[k - 1]
         return row[:, :int(np.prod(like.shape[1:]))].reshape(like.shape).astype(like.dtype)
 
-    def _forward(self, k: int):
-        staged, jnp, last = self.staged, self.jnp, k == self.staged.pieces - 1
+    def _piece(self, k: int):
+        """``(f, rest)``: piece ``k`` as ``f(params, h, *rest)`` (the last piece's output is
+        its per-sample losses, ``rest`` its labels)."""
+        if k < self.staged.pieces - 1:
+            return self.fns[k], lambda y, m: ()
 
-        def run(p, g, bx, ls, x, y, m, a_in, g_in, out, scale_exp):
+        def losses(pp, hh, labels):
+            return per_sample_loss(self.jnp, self.loss_fn, self.fns[k](pp, hh).astype(
+                self.dtype), labels)
+        return losses, lambda y, m: (y[m],)
+
+    def _forward(self, k: int):
+        staged, last = self.staged, k == self.staged.pieces - 1
+        f, rest = self._piece(k)
+
+        def run(p, g, bx, ls, x, y, kept, m, a_in, g_in, out, scale_exp):
             h = x[m] if k == 0 else self._unpack(bx[a_in], k)
-            o = self.fns[k](staged.piece_params(p, k), h)
+            params = staged.piece_params(p, k)
+            o, kept = self.residuals.forward(k, f, params, h, *rest(y, m))
             if last:
-                return g, bx, ls.at[m].set(per_sample_loss(jnp, self.loss_fn,
-                                                           o.astype(self.dtype), y[m]))
-            return g, bx.at[out].set(self._pack(o)), ls
+                return g, bx, ls.at[m].set(o), kept
+            return g, bx.at[out].set(self._pack(o)), ls, kept
         return run
 
     def _backward(self, k: int):
-        staged, jnp, jax, last = self.staged, self.jnp, self.jax, k == self.staged.pieces - 1
+        staged, jnp, last = self.staged, self.jnp, k == self.staged.pieces - 1
+        f, rest = self._piece(k)
 
-        def run(p, g, bx, ls, x, y, m, a_in, g_in, out, scale_exp):
+        def run(p, g, bx, ls, x, y, kept, m, a_in, g_in, out, scale_exp):
             params = staged.piece_params(p, k)
             h = x[m] if k == 0 else self._unpack(bx[a_in], k)
-            if last:
-                def objective(pp, hh):
-                    out = self.fns[k](pp, hh).astype(self.dtype)
-                    mean = jnp.sum(per_sample_loss(jnp, self.loss_fn, out, y[m])) * self.inv_b
-                    # fp16: the loss scaled by 2 ** scale_exp (exactly), the update unscales
-                    return mean if self.rule.scaler is None else jnp.ldexp(mean, scale_exp)
-                gp, gh = jax.grad(objective, argnums=(0, 1), allow_int=True)(params, h)
+            if last:  # d(the mean loss, fp16: scaled by 2 ** scale_exp) / d(each loss)
+                one = jnp.asarray(self.inv_b, self.dtype)
+                ct = jnp.full(ls[m].shape, one if self.rule.scaler is None
+                              else jnp.ldexp(one, scale_exp))  # (exact: a power of two)
             else:
-                _, vjp = jax.vjp(self.fns[k], params, h)
-                gp, gh = vjp(self._unpack(bx[g_in], k + 1).astype(self.shapes[k].dtype))
+                ct = self._unpack(bx[g_in], k + 1).astype(self.shapes[k].dtype)
+            gp, gh = self.residuals.backward(k, f, params, h, rest(y, m), kept, ct)
             g = staged.add_grads(g, k, gp)
-            return g, (bx if k == 0 else bx.at[out].set(self._pack(gh))), ls
+            return g, (bx if k == 0 else bx.at[out].set(self._pack(gh))), ls, []
         return run
 
     def exchange(self, forward: bool, backward: bool):
@@ -182,10 +198,14 @@ class LocalComputes:
     scale is a power of two; else 0); ``blocks[device]`` holds its ``[params (by name,
     :meth:`params`), grads, box, losses, inputs, labels]`` blocks (leading axes of length 1 as
     the global arrays give them); the grads, box and losses are replaced by the results.
-    Returns the devices that ran something."""
+    Returns the devices that ran something. What a forward keeps for its micro-batch's
+    backward (``StagePrograms``' ``recompute``) waits in :attr:`kept` until that backward;
+    :attr:`peak_kept` is the most bytes it held at once on this process's devices."""
 
     def __init__(self, jax, programs: StagePrograms):
         self.jax, self.programs, self.cache, self.slicers = jax, programs, {}, {}
+        self.kept: dict[tuple, list] = {}  # (device, piece, micro-batch) -> the forward's
+        self.peak_kept = 0
 
     def params(self, stage: int, block):
         """The stage's parameters by name from its flat block, sliced once per step: sliced
@@ -196,31 +216,42 @@ class LocalComputes:
         return self.slicers[stage](block)
 
     def compile(self, branch: int, device, blocks: list) -> None:
-        """Compiles the program of ``branch`` on ``device`` ahead, for ``blocks`` like these."""
-        structs = self.jax.tree_util.tree_map(
-            lambda b: self.jax.ShapeDtypeStruct(b.shape, b.dtype, sharding=b.sharding), blocks)
-        self.cache[branch, device] = self._jit(branch).lower(
-            *structs, np.zeros(6, np.int32)).compile()
+        """Compiles the program of ``branch`` on ``device`` ahead, for ``blocks`` like these
+        (a backward, for what its piece's forward keeps)."""
+        jax, ctrl = self.jax, np.zeros(6, np.int32)
+
+        def struct(b):
+            return jax.ShapeDtypeStruct(b.shape, b.dtype, sharding=blocks[1].sharding)
+        blocks = jax.tree_util.tree_map(struct, blocks)
+        kept = [] if branch % 2 else jax.tree_util.tree_map(
+            struct, jax.eval_shape(self._jit(branch - 1), *blocks, [], ctrl)[3])
+        self.cache[branch, device] = self._jit(branch).lower(*blocks, kept, ctrl).compile()
 
     def _jit(self, branch: int):
         body = self.programs.branches[branch]
 
-        def run(p, g, bx, ls, x, y, c):
+        def run(p, g, bx, ls, x, y, kept, c):
             lead = g.ndim - 1  # the flat gradient's leading axes of length 1
 
             def core(a):
                 return a.reshape(a.shape[lead:])
             # The gradient keeps its leading axes: reshaped, it was copied whole by XLA.
-            out = body(p, g, core(bx), core(ls), core(x), core(y), c[1], c[2], c[3], c[4],
-                       c[5])
-            return tuple(o.reshape(i.shape) for o, i in zip(out, (g, bx, ls), strict=True))
+            *out, kept = body(p, g, core(bx), core(ls), core(x), core(y), kept, c[1], c[2],
+                              c[3], c[4], c[5])
+            return (*(o.reshape(i.shape) for o, i in zip(out, (g, bx, ls), strict=True)), kept)
         return self.jax.jit(run, donate_argnums=(1, 2, 3))
 
     def run(self, row_of, blocks: dict) -> list:
         ran = []
         for device, b in blocks.items():
             row = row_of(device)
-            if row[0]:  # 0: idle
-                b[1:4] = self.cache[int(row[0]), device](*b, row)
+            if row[0]:  # 0: idle; odd: a piece's forward, even: its backward
+                key = (device, (int(row[0]) - 1) // 2, int(row[1]))
+                kept = [] if row[0] % 2 else self.kept.pop(key, [])
+                *b[1:4], kept = self.cache[int(row[0]), device](*b, kept, row)
+                if kept:
+                    self.kept[key] = kept
+                    self.peak_kept = max(self.peak_kept, sum(
+                        a.nbytes for held in self.kept.values() for a in held))
                 ran.append(device)
         return ran
