@@ -81,6 +81,46 @@ def from_view(name: str, v: Any, spec: Any, xp: Any) -> Any:
     return v
 
 
+def products(jax, constrain, mixed: bool):
+    """``product(equation, a, kernel, accumulate)``: ``einsum(equation, a, kernel)`` of an
+    activation and a split kernel (its leading axis over ``model``).
+
+    ``accumulate``: the products summed in float32 (the column-split kernels, computed locally:
+    the contract's dense layer, rounded once by the caller after the bias); else in the
+    operands' dtype (the row-split projections: each device's partial sum is rounded and the
+    all-reduce over ``model`` carries 16 bits, as in Megatron).
+
+    Under mixed precision (``mixed``) a custom gradient keeps the collectives as Megatron has
+    them and the kernel gradients in float32 across devices: the activation's gradient is a
+    16-bit product (the column-split input's partial sums all-reduced over ``model`` in 16
+    bits); the kernel's is summed in float32 and pinned to the kernel's sharding (replicated
+    over ``data``) before it is rounded, so its sum over the batch's shards crosses devices in
+    float32 and is rounded once (the compiler would otherwise sum 16-bit partial gradients)."""
+    jnp = jax.numpy
+
+    def product(equation: str, a, kernel, accumulate: bool):
+        acc = jnp.promote_types(a.dtype, jnp.float32) if accumulate else None
+        if not mixed:
+            return jnp.einsum(equation, a, kernel, preferred_element_type=acc)
+        (lhs, rhs), out = equation.split("->")[0].split(","), equation.split("->")[1]
+        dims = ("model",) + (None,) * (kernel.ndim - 1)
+
+        @jax.custom_vjp
+        def run(a, kernel):
+            return jnp.einsum(equation, a, kernel, preferred_element_type=acc)
+
+        def backward(saved, ct):
+            a, kernel = saved
+            ct = ct.astype(a.dtype)  # (exact: the caller rounded the output)
+            dk = jnp.einsum(f"{lhs},{out}->{rhs}", a, ct, preferred_element_type=jnp.float32)
+            return (jnp.einsum(f"{out},{rhs}->{lhs}", ct, kernel),
+                    constrain(dk, dims).astype(kernel.dtype))
+
+        run.defvjp(lambda a, kernel: (run(a, kernel), (a, kernel)), backward)
+        return run(a, kernel)
+    return product
+
+
 def forward(p: dict[str, Any], x: Any, spec: Any, constrain: Any, recompute: bool = False
             ) -> Any:
     """Logits ``(B, T, vocab)`` of token ids ``x`` from parameters ``p`` (neutral names, split
@@ -90,36 +130,44 @@ def forward(p: dict[str, Any], x: Any, spec: Any, constrain: Any, recompute: boo
     import jax
     import jax.numpy as jnp
 
-    from adapters._jax.models.gpt import causal_softmax, layer_norm
+    from adapters._jax.models.gpt import causal_softmax, embed, layer_norm, tied_logits
 
     B, T = x.shape
     dh = spec.width // spec.heads
-    h = jnp.take(p["tok_emb"], x, axis=0) + p["pos_emb"][:T]
+    h = embed(jnp, p["tok_emb"], p["pos_emb"], x)
     causal = jnp.tril(jnp.ones((T, T), bool))
+    acc = jnp.promote_types(h.dtype, jnp.float32)
+    product = products(jax, constrain, h.dtype != acc)
+
+    def dense_out(out, bias):  # a row-split product's sum, plus its bias: rounded once
+        out = constrain(out, ("data", None, None))  # (the 16-bit all-reduce, then the bias)
+        return (out.astype(acc) + bias.astype(acc)).astype(h.dtype)
 
     def block(h, b):  # one block, ``b`` its names' prefix
         a = layer_norm(jnp, h, p[b + "ln1.scale"], p[b + "ln1.bias"])
         # (3, B, H, T, dh): heads sharded over "model", each device's heads computed locally
-        qkv = jnp.einsum("btw,hwcd->cbhtd", a, p[b + "attn.qkv.kernel"])
+        qkv = product("btw,hwcd->cbhtd", a, p[b + "attn.qkv.kernel"], True)
         qkv = qkv + jnp.transpose(p[b + "attn.qkv.bias"], (1, 0, 2))[:, None, :, None, :]
-        qkv = constrain(qkv, (None, "data", "model", None, None))
+        qkv = constrain(qkv.astype(a.dtype), (None, "data", "model", None, None))
         q, k, v = qkv[0], qkv[1], qkv[2]
         s = jnp.einsum("bhqd,bhkd->bhqk", q, k) / math.sqrt(dh)
         att = causal_softmax(jax, s, causal)
         o = jnp.einsum("bhqk,bhkd->bqhd", att, v)
         # row-split projection: partial sums over each device's heads, all-reduced over "model"
-        out = jnp.einsum("bqhd,hdw->bqw", o, p[b + "attn.proj.kernel"])
-        h = constrain(h + out + p[b + "attn.proj.bias"], ("data", None, None))
+        out = product("bqhd,hdw->bqw", o, p[b + "attn.proj.kernel"], False)
+        h = constrain(h + dense_out(out, p[b + "attn.proj.bias"]), ("data", None, None))
         m = layer_norm(jnp, h, p[b + "ln2.scale"], p[b + "ln2.bias"])
-        f = jnp.einsum("btw,fw->btf", m, p[b + "mlp.fc.kernel"]) + p[b + "mlp.fc.bias"]
+        f = product("btw,fw->btf", m, p[b + "mlp.fc.kernel"], True)
+        f = (f + p[b + "mlp.fc.bias"]).astype(m.dtype)
         f = constrain(jax.nn.gelu(f, approximate=True), ("data", None, "model"))
-        out = jnp.einsum("btf,fw->btw", f, p[b + "mlp.proj.kernel"])
-        h = constrain(h + out + p[b + "mlp.proj.bias"], ("data", None, None))
+        out = product("btf,fw->btw", f, p[b + "mlp.proj.kernel"], False)
+        h = constrain(h + dense_out(out, p[b + "mlp.proj.bias"]), ("data", None, None))
         return h
 
     run = jax.checkpoint(block, static_argnums=(1,)) if recompute else block
     for i in range(spec.layers):
         h = run(h, f"blocks.{i}.")
     f = layer_norm(jnp, h, p["ln_f.scale"], p["ln_f.bias"])
-    head = p["tok_emb"].T if spec.tied else p["head.kernel"]
-    return (f.reshape(-1, spec.width) @ head).reshape(B, T, -1)
+    if spec.tied:
+        return tied_logits(jnp, f, p["tok_emb"])
+    return (f.reshape(-1, spec.width) @ p["head.kernel"]).reshape(B, T, -1)

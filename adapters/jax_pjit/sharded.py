@@ -143,7 +143,8 @@ class PjitSharded(PjitDataParallel):
         named = self.units.named(whole)
         for n, shape in self.views.items():  # each row's padding dropped
             row = math.prod(shape) // self.layout.tensor_parallel
-            rows = self._constrain(store["split"][n], ("model", None))
+            rows = self._constrain(self._constrain(store["split"][n], ("model", *held)),
+                                   ("model", None))
             named[n] = rows[:, :row].reshape(shape)
         return named
 

@@ -6,6 +6,7 @@ Horovod calls; jax-pmap's off the program it hands XLA."""
 from __future__ import annotations
 
 import collections
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -13,6 +14,8 @@ import pytest
 import adapters
 import toolkit
 from toolkit.equivalence import load_data, make_model
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def train(backend, model, layout, precision, steps=3, spy=lambda strategy: None):
@@ -145,3 +148,31 @@ def test_jax_gathers_16_bits_and_reduces_in_float32(backend, tmp_path):
     reductions = {k: v for k, v in f32.items() if k[0] != "all-gather"}
     assert reductions and {k: v for k, v in bf16.items() if k[0] != "all-gather"} == \
         reductions, programs
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", ["data", "sharded:3:tp2"])
+def test_jax_pjit_gpt_reduces_gradients_in_float32_and_splits_in_16_bits(launch, layout):
+    """The GPT under jax-pjit on 4 devices (``sharded:3:tp2``: 2 x 2, data x model), its step
+    program as XLA partitions it. Under bf16-mixed every gradient reduction carries what the
+    float32 run's does, in float32: the embeddings' and the tied head's gradients are summed in
+    float32 (``models/gpt.py``: ``embed``, ``tied_logits``), and the split kernels' through
+    their custom gradient (``tensor_parallel.products``). Tensor parallelism's own all-reduces
+    (two per block forward, two backward, each of the local batch's activations) carry
+    bfloat16, as Megatron's: half their float32 bytes. ZeRO-3 gathers every buffer in 16 bits."""
+    import json
+
+    job = launch("python", 1, [str(ROOT / "tests" / "scripts" / "jax_collectives_worker.py"),
+                               "--devices", "4", "--layout", layout])
+    assert job.returncode == 0, job
+    got = json.loads(job.stdout.strip().splitlines()[-1])
+    f32, bf16 = got["32"], got["bf16-mixed"]
+    assert set(f32) <= {"all-reduce f32", "all-gather f32"}, got
+    spec, data = make_model("gpt"), 2 if layout != "data" else 4
+    # (16 samples over the data axis, each block's 4 all-reduces of (B, T, width))
+    split = 0 if layout == "data" else spec.layers * 4 * 16 // data * spec.context * spec.width
+    assert bf16.get("all-reduce bf16", 0) == split * 2, got
+    assert bf16["all-reduce f32"] == f32["all-reduce f32"] - split * 4, got
+    if "all-gather f32" in f32:
+        assert bf16 == {**bf16, "all-gather bf16": f32["all-gather f32"] // 2}, got
+        assert "all-gather f32" not in bf16, got

@@ -98,6 +98,26 @@ def layer_norm(jnp, z, scale, bias):
             + bias.astype(acc)).astype(z.dtype)
 
 
+def embed(jnp, tok_emb, pos_emb, x):
+    """The token and position embeddings of ids ``x``, looked up and added in float32 (or
+    wider), in the tables' dtype: the same values as in the tables' own dtype, but their
+    gradients are gathered (a scatter-add over the batch's tokens) and summed over the batch,
+    and under jax-pjit across devices, in float32 before they are rounded once."""
+    acc = jnp.promote_types(tok_emb.dtype, jnp.float32)
+    return (jnp.take(tok_emb.astype(acc), x, axis=0)
+            + pos_emb[: x.shape[1]].astype(acc)).astype(tok_emb.dtype)
+
+
+def tied_logits(jnp, f, tok_emb):
+    """``f @ tok_emb.T`` over ``f``'s last axis, its products summed in float32 (or wider) and
+    rounded once (the contract's dense layer, as :func:`dense`): the embedding's gradient from
+    the head is then a float32 sum too."""
+    acc = jnp.promote_types(f.dtype, jnp.float32)
+    flat = f.reshape(-1, f.shape[-1])
+    out = jnp.dot(flat, tok_emb.T, preferred_element_type=acc).astype(f.dtype)
+    return out.reshape(*f.shape[:-1], tok_emb.shape[0])
+
+
 def causal_softmax(jax, s, causal):
     """The attention weights of scores ``s``, computed in float32 (or wider), in ``s``'s
     dtype."""
@@ -184,13 +204,12 @@ class FlaxGPT(nn.Module):
         init = nn.initializers.normal(0.02)
         tok_emb = self.param("tok_emb", init, (spec.vocab, spec.width), pd)
         pos_emb = self.param("pos_emb", init, (spec.context, spec.width), pd)
-        h = jnp.take(tok_emb, x, axis=0) + pos_emb[: x.shape[1]]
+        h = embed(jnp, tok_emb, pos_emb, x)
         block = nn.remat(_Block) if self.recompute else _Block
         for i in range(spec.layers):
             h = block(spec.width, spec.heads, pd, name=f"blocks_{i}")(h)
         f = _LayerNorm(pd, name="ln_f")(h)
         if spec.tied:
-            # the same leaf as the lookup: its gradient sums both uses
-            return (f.reshape(-1, spec.width) @ tok_emb.T).reshape(*x.shape, spec.vocab)
+            return tied_logits(jnp, f, tok_emb)  # (the lookup's leaf: its gradient sums both)
         return _Dense(spec.vocab, use_bias=False, name="head", param_dtype=pd)(f)
 
