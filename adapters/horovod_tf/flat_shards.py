@@ -18,16 +18,20 @@ the semantics (units, flat padded shards, checkpoint pieces) are ``toolkit.paral
   keeps only its gradient shard (in a persistent buffer, so its size is real and measured).
 - Stage 3 (FSDP): the parameters live only as shards. Each unit's forward is one
   ``tf.custom_gradient`` function of (its input activation, its shards): it all-gathers the
-  shards (once the previous unit's output exists: no prefetch, so one unit's parameters are
-  gathered at a time), runs the unit and drops them. Its gradient function gathers them
-  again once the backward pass reaches the unit (the gather depends on the incoming gradient,
-  so it cannot run early), recomputes the unit's forward under a ``tf.GradientTape`` and
-  reduce-scatters (average over ranks: the data-parallel mean) the gradient of the gathered
-  buffer into the shard's gradient. This is FSDP with per-unit activation checkpointing: only
-  the units' input activations are kept between forward and backward. (Not
-  ``tf.recompute_grad``: in a graph its recomputation has no data dependency on the backward
-  and may be scheduled during the forward, keeping gathered parameters alive.) Horovod's own
-  ``allgather`` gradient (a full allreduce, then a slice) is never used.
+  shards (once the previous unit's output exists: no prefetch) and runs the unit; its gradient
+  function reduce-scatters (average over ranks: the data-parallel mean) the gradient of the
+  gathered buffer into the shard's gradient. By default (``activation_checkpointing`` None or
+  True) the forward drops the gathered buffer, so one unit's parameters are gathered at a time,
+  and the gradient function gathers it again once the backward pass reaches the unit (the
+  gather depends on the incoming gradient, so it cannot run early) and recomputes the unit's
+  forward under a ``tf.GradientTape``: FSDP with per-unit activation checkpointing, only the
+  units' input activations kept between forward and backward. (Not ``tf.recompute_grad``: in a
+  graph its recomputation has no data dependency on the backward and may be scheduled during
+  the forward, keeping gathered parameters alive.) With ``activation_checkpointing=False`` the
+  forward runs under the tape and the gradient function takes it: no second gather and no
+  recomputation, but the tape keeps the unit's activations and its gathered buffer until the
+  unit's backward (FSDP2's ``reshard_after_forward=False``). Horovod's own ``allgather``
+  gradient (a full allreduce, then a slice) is never used.
 
 Accumulation: stages 1/2 sum the micro-batches' gradients locally and reduce once per step. In
 stage 3 every micro-batch's backward reduce-scatters its gradient (FSDP's default: summing full
@@ -78,6 +82,8 @@ class ShardedTF:
             batch (the gradients of the loss times ``scale`` under loss scaling).
         keras_opt: the user's Keras optimizer, or None.
         compute: the compute dtype under mixed precision (stage 3 gathers in it), or None.
+        recompute: ``activation_checkpointing`` (None: the layout's choice); stage 3 keeps
+            each unit's forward tape for its backward when False (``keep``), else recomputes.
 
     Attributes:
         vars: stages 1/2: the full parameters (neutral name -> variable); stage 3: empty.
@@ -86,9 +92,9 @@ class ShardedTF:
 
     def __init__(self, runtime: Any, layout: Sharded, spec: Any, rule: UpdateRule,
                  init: dict[str, np.ndarray], local_grads: Callable, keras_opt: Any = None,
-                 compute: Any = None):
+                 compute: Any = None, recompute: bool | None = None):
         tf, hvd = runtime.tf, runtime.hvd
-        self.compute = compute
+        self.compute, self.keep = compute, recompute is False
         self.rule, optimizer = rule, rule.spec
         self.tf, self.hvd, self.local_grads = tf, hvd, local_grads
         self.dtype, self.np_dtype = runtime.dtype, runtime.dtype_name
@@ -195,7 +201,8 @@ class ShardedTF:
 
     def _run_unit(self, fn: Callable, needs: list[str], x: Any, h: Any, first: bool) -> Any:
         """``fn(params, h, x)`` with the gathered parameters of the units ``needs``; the
-        first unit reads ``x`` (no gradient) instead of an input activation."""
+        first unit reads ``x`` (no gradient) instead of an input activation. Its backward
+        gathers and runs ``fn`` again under a tape, or (``self.keep``) takes the forward's."""
         tf = self.tf
         shards = [tf.convert_to_tensor(self.params[u]) for u in needs]  # watched reads
 
@@ -205,28 +212,39 @@ class ShardedTF:
                 out.update(self._unflatten(u, full))
             return out
 
+        def taped(mine, h_in):
+            """The gathered buffers, ``fn``'s output and the tape that watched them and ``h_in``."""
+            fulls = [self._gather(s) for s in mine]
+            with tf.GradientTape() as tape:
+                tape.watch(fulls)
+                if not first:
+                    tape.watch(h_in)
+                with float32_products():  # (a custom gradient: no fused bias, models/spec.py)
+                    out = fn(params_of(fulls), h_in, x)
+            return fulls, out, tape
+
         @tf.custom_gradient
         def unit(*args):
             h_in, mine = (None, args) if first else (args[0], args[1:])
             if not first:  # gather once the previous unit is done, not all units at once
                 with tf.control_dependencies([h_in]):
                     mine = [tf.identity(s) for s in mine]
-            with float32_products():  # (a custom gradient: no fused bias, models/spec.py)
-                out = fn(params_of([self._gather(s) for s in mine]), h_in, x)
+            if self.keep:  # the tape keeps the gathered buffers until the backward
+                kept = taped(mine, h_in)
+                out = kept[1]
+            else:
+                with float32_products():
+                    out = fn(params_of([self._gather(s) for s in mine]), h_in, x)
 
             def grad(dout):
-                # Gather again only once the backward pass reaches this unit.
-                with tf.control_dependencies([dout]):
-                    again = [tf.identity(s) for s in mine]
-                fulls = [self._gather(s) for s in again]
-                with tf.GradientTape() as tape:
-                    tape.watch(fulls)
-                    if not first:
-                        tape.watch(h_in)
-                    with float32_products():
-                        redo = fn(params_of(fulls), h_in, x)
+                if self.keep:
+                    fulls, result, tape = kept
+                else:  # gather again only once the backward pass reaches this unit
+                    with tf.control_dependencies([dout]):
+                        again = [tf.identity(s) for s in mine]
+                    fulls, result, tape = taped(again, h_in)
                 sources = fulls if first else [h_in, *fulls]
-                grads = tape.gradient(redo, sources, output_gradients=dout,
+                grads = tape.gradient(result, sources, output_gradients=dout,
                                       unconnected_gradients=tf.UnconnectedGradients.ZERO)
                 dfull = grads if first else grads[1:]
                 dshards = [self._reduce_scatter(u, tf.cast(g, self.dtype))  # (float32)

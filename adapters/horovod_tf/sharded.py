@@ -58,7 +58,7 @@ class TFSharded(TFDataParallel):
         keras_opt = for_stage(optimizer) if is_keras_optimizer(optimizer) else None
         self.shards = ShardedTF(self.runtime, self.layout, model, self.rule,
                                 model.init(seed, self.runtime.dtype_name), self.local_grads,
-                                keras_opt, self.ops.compute)
+                                keras_opt, self.ops.compute, self.recompute)
         self.state.vars = self.shards.vars  # stages 1/2: the full parameters; 3: none
         self.state.keras_opt = keras_opt
 
