@@ -109,6 +109,11 @@ SMOKE: dict[str, Smoke] = {
     "benchmarks/activation_checkpointing.py": Smoke(
         (r"^recompute\s+saved by autograd\s+estimator", r"^yes\s+[\d,]+\s+[\d,]+"),
         options={"--repeats": "1", "--context": "32", "--batch": "2", "--layers": "2"}),
+    "benchmarks/tf_zero3_recompute.py": Smoke(
+        (r"^activation_checkpointing\s+ms/step", r"^False \(keeps the tape\)\s+[\d.]+",
+         r"^recomputing takes [\d.]+x"),
+        options={"--steps": "1", "--windows": "1", "--context": "16", "--batch": "2",
+                 "--layers": "2", "--width": "32", "--heads": "2"}),
     "benchmarks/jax_collectives.py": Smoke(
         (r"^sharded:3\s+jax-pjit\s+[\d.]+ ms/step\s+jax-pmap .*jax-pjit's collectives: "
          r"\{.*all-reduce", r"^gradient all-reduce of 1 matrix"),
