@@ -16,23 +16,18 @@ import statistics
 import time
 
 import torch
+from _gpt import gpt_options, gpt_spec
 
-import toolkit
 from adapters.horovod_torch.models.spec import build_spec_model, saved_bytes
 from toolkit.memory import gpt_activation_bytes
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--width", type=int, default=128)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--context", type=int, default=512)
-    p.add_argument("--batch", type=int, default=4)
+    gpt_options(p, context=512, batch=4)
     p.add_argument("--repeats", type=int, default=5)
     args = p.parse_args()
-    spec = toolkit.GPT(vocab=256, context=args.context, width=args.width, layers=args.layers,
-                       heads=args.heads)
+    spec = gpt_spec(args)
     x = torch.randint(0, 256, (args.batch, args.context))
     nets = {r: build_spec_model(torch, spec, r)[0] for r in (False, True)}
     saved = {r: saved_bytes(torch, lambda net=net: net(x).sum()) for r, net in nets.items()}

@@ -17,6 +17,7 @@ import statistics
 import time
 
 import numpy as np
+from _gpt import gpt_options, gpt_spec
 
 import adapters
 import toolkit
@@ -35,8 +36,7 @@ def run(args, recompute: bool) -> tuple[list[float], int]:
         return loss
 
     adapter.train_step = timed
-    spec = toolkit.GPT(vocab=256, context=args.context, width=args.width, layers=args.layers,
-                       heads=args.heads)
+    spec = gpt_spec(args)
     tokens = np.random.default_rng(0).integers(0, 256, (args.batch * 4, args.context + 1))
     layout = f"pipeline:2:{args.micro_batches}:{args.schedule}"
     toolkit.Trainer(adapter, spec, toolkit.SGD(lr=1e-3), layout=layout, progress=False,
@@ -50,11 +50,7 @@ def main() -> None:
     p.add_argument("--backend", default="jax-pjit", choices=("jax-pjit", "jax-pmap"))
     p.add_argument("--schedule", default="1f1b", choices=("gpipe", "1f1b"))
     p.add_argument("--micro-batches", type=int, default=4)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--width", type=int, default=128)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--context", type=int, default=256)
-    p.add_argument("--batch", type=int, default=16)
+    gpt_options(p, context=256, batch=16)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--repeats", type=int, default=2)

@@ -14,6 +14,7 @@ import statistics
 import time
 
 import numpy as np
+from _gpt import gpt_options, gpt_spec
 from _paired import paired_windows
 
 import adapters
@@ -23,16 +24,11 @@ from toolkit.equivalence import stdlib_bytes
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--width", type=int, default=128)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--context", type=int, default=512)
-    p.add_argument("--batch", type=int, default=4, help="sequences per step")
+    gpt_options(p, context=512, batch=4)
     p.add_argument("--steps", type=int, default=5, help="steps per window")
     p.add_argument("--windows", type=int, default=6)
     args = p.parse_args()
-    spec = toolkit.GPT(vocab=256, context=args.context, width=args.width, layers=args.layers,
-                       heads=args.heads)
+    spec = gpt_spec(args)
     n = args.batch * 8
     tokens = stdlib_bytes(n * spec.context + 1).astype(np.int64)
     x, y = tokens[:-1].reshape(n, spec.context), tokens[1:].reshape(n, spec.context)
