@@ -88,7 +88,8 @@ def test_1f1b_holds_fewer_activations_than_gpipe(backend):
     assert held["1f1b"][0] * 4 == held["gpipe"][0]  # box slots: 2 against 8
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+# (jax-pmap with make test-long: both executors run the same programs, adapters/_jax/programs.py)
+@pytest.mark.parametrize("backend", ["jax-pjit", pytest.param("jax-pmap", marks=pytest.mark.long)])
 def test_without_recomputation_the_forwards_keep_what_the_backwards_need(backend):
     """Without activation checkpointing each piece's forward hands its micro-batch's backward
     the activations it needs (``adapters/_jax/residuals.py``): every backward program then has
