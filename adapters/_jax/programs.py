@@ -218,13 +218,13 @@ class LocalComputes:
     def compile(self, branch: int, device, blocks: list) -> None:
         """Compiles the program of ``branch`` on ``device`` ahead, for ``blocks`` like these
         (a backward, for what its piece's forward keeps)."""
-        jax, ctrl = self.jax, np.zeros(6, np.int32)
+        jax, ctrl, home = self.jax, np.zeros(6, np.int32), blocks[1].sharding  # (the device's)
 
-        def struct(b):
-            return jax.ShapeDtypeStruct(b.shape, b.dtype, sharding=blocks[1].sharding)
+        def struct(b, sharding=None):
+            return jax.ShapeDtypeStruct(b.shape, b.dtype, sharding=sharding or b.sharding)
         blocks = jax.tree_util.tree_map(struct, blocks)
         kept = [] if branch % 2 else jax.tree_util.tree_map(
-            struct, jax.eval_shape(self._jit(branch - 1), *blocks, [], ctrl)[3])
+            lambda b: struct(b, home), jax.eval_shape(self._jit(branch - 1), *blocks, [], ctrl)[3])
         self.cache[branch, device] = self._jit(branch).lower(*blocks, kept, ctrl).compile()
 
     def _jit(self, branch: int):
