@@ -110,7 +110,7 @@ def test_bad_dtype_exits_non_zero(launch):
 @pytest.mark.slow
 def test_gpt_every_backend_at_world_size_2(launch, tmp_path):
     # (one process: each backend's GPT against the reference in tests/adapters/test_conformance)
-    job, report = run_equivalence(launch, tmp_path, "--world-sizes", "2", "--steps", "30",
+    job, report = run_equivalence(launch, tmp_path, "--world-sizes", "2", "--steps", "15",
                                   "--model", "gpt")
     check_all_pass(job, report, [2], LOSS_TOLERANCE["float32"])
     assert {r["launcher"] for r in report["results"]} == {"mpirun"}  # auto's pick
@@ -177,12 +177,14 @@ def check_clipped(job, report, clip, combos, tolerance):
         assert r["max_rel_norm_dev"] <= tolerance and len(r["grad_norms"]) == len(ref_norms), r
 
 
+# (make test: data parallel and ZeRO-3, the two ways a norm is taken, over whole gradients and
+# over shards; make test-long adds ZeRO-1 in float32)
 @pytest.mark.slow
-@pytest.mark.parametrize("dtype, optimizer", [
-    pytest.param("float32", "sgd", marks=pytest.mark.long), ("float64", "adamw")])
+@pytest.mark.parametrize("dtype, optimizer, layouts", [
+    pytest.param("float32", "sgd", ["data_parallel", "sharded:1", "sharded:3"],
+                 marks=pytest.mark.long), ("float64", "adamw", ["data_parallel", "sharded:3"])])
 def test_clipping_every_backend_data_parallel_and_sharded_at_1_and_2(launch, tmp_path, dtype,
-                                                                     optimizer):
-    layouts = ["data_parallel", "sharded:1", "sharded:3"]
+                                                                     optimizer, layouts):
     job, report = run_equivalence(launch, tmp_path, "--world-sizes", "1,2", "--steps", "12",
                                   "--dtype", dtype, "--optimizer", optimizer,
                                   "--layout", ",".join(layouts), "--clip-grad-norm", "0.4")
