@@ -205,7 +205,7 @@ class LocalComputes:
     def __init__(self, jax, programs: StagePrograms):
         self.jax, self.programs, self.cache, self.slicers = jax, programs, {}, {}
         self.kept: dict[tuple, list] = {}  # (device, piece, micro-batch) -> the forward's
-        self.peak_kept = 0
+        self.held = self.peak_kept = 0  # bytes in ``kept`` now, and at most
 
     def params(self, stage: int, block):
         """The stage's parameters by name from its flat block, sliced once per step: sliced
@@ -248,10 +248,11 @@ class LocalComputes:
             if row[0]:  # 0: idle; odd: a piece's forward, even: its backward
                 key = (device, (int(row[0]) - 1) // 2, int(row[1]))
                 kept = [] if row[0] % 2 else self.kept.pop(key, [])
+                self.held -= sum(a.nbytes for a in kept)
                 *b[1:4], kept = self.cache[int(row[0]), device](*b, kept, row)
                 if kept:
                     self.kept[key] = kept
-                    self.peak_kept = max(self.peak_kept, sum(
-                        a.nbytes for held in self.kept.values() for a in held))
+                    self.held += sum(a.nbytes for a in kept)
+                    self.peak_kept = max(self.peak_kept, self.held)
                 ran.append(device)
         return ran

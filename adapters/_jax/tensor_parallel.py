@@ -102,7 +102,8 @@ def products(jax, constrain, mixed: bool):
         acc = jnp.promote_types(a.dtype, jnp.float32) if accumulate else None
         if not mixed:
             return jnp.einsum(equation, a, kernel, preferred_element_type=acc)
-        (lhs, rhs), out = equation.split("->")[0].split(","), equation.split("->")[1]
+        inputs, out = equation.split("->")
+        lhs, rhs = inputs.split(",")
         dims = ("model",) + (None,) * (kernel.ndim - 1)
 
         @jax.custom_vjp
