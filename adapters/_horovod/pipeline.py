@@ -41,7 +41,7 @@ from adapters._update import UpdateRule, update_host
 from toolkit import ToolkitError
 from toolkit.errors import describe
 from toolkit.parallel.layouts import Pipeline
-from toolkit.parallel.pipeline.partition import PipelineGrid
+from toolkit.parallel.pipeline.partition import PipelineGrid, tied_across_stages
 from toolkit.parallel.pipeline.schedules import pipeline_schedule
 from toolkit.parallel.pipeline.simulation import lockstep_rounds
 from toolkit.parallel.pipeline.timeline import TIMELINE_ENV, StageRecorder, append_timeline
@@ -149,15 +149,7 @@ class HvdPipeline(RoundMessages, StrategyBase):
         the timeline's common origin (a barrier)."""
         grid, names = self.grid, self.cut.names_by_stage
         self.mine = list(mine)
-        order = list(self.cut.shapes)
-        # shared[(s, t)]: the names stages s and t both hold, in the model's order
-        self.shared = {(s, t): [n for n in order if n in names[s] and n in names[t]]
-                       for s in range(grid.stages) for t in range(grid.stages) if s != t}
-        ends = {0, grid.stages - 1}
-        if any(v and {s, t} != ends for (s, t), v in self.shared.items()):
-            raise ToolkitError(f"stages {sorted(self.shared)} share parameters",
-                               "only the first and the last stage may (a GPT's tied tok_emb)")
-        tied = {n for (s, _), v in self.shared.items() if s == self.stage for n in v}
+        tied = set(tied_across_stages(names, self.layout))  # (refused unless end stages)
         self.tied = [n for n in self.mine if n in tied]
         self.rest = [n for n in self.mine if n not in tied]
         # Horovod process sets: this stage's replicas, and the end stages for a tied parameter

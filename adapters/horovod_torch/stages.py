@@ -8,7 +8,8 @@ GPT head needs ``tok_emb`` on the last piece too: that piece holds its own copy 
 Parameter when it lives on another rank), whose gradient the executor adds to the first piece's
 before both apply the same update (Megatron-LM's embedding group). A native ``nn.Sequential`` is
 cut by index (balanced by parameter count, or at the layout's split points); any other native
-module cannot be cut soundly and is refused.
+module cannot be cut soundly and is refused. A parameter that two of its layers share keeps one
+name on every stage that holds it, so that the executor keeps the copies equal.
 """
 
 from __future__ import annotations
@@ -231,11 +232,17 @@ def _cut_sequential(torch, net, layout, stage: int) -> CutModel:
     costs = [sum(p.numel() for p in c.parameters()) for c in children]
     S, v = layout.stages, layout.chunks
     ranges = partition_layers(costs, S, v, layout.splits or None)
+    # A parameter object that two layers share (a head tied to the embedding) has one name,
+    # its first, as torch's named_parameters and data parallel's state give it: the stages
+    # that hold it then hold the same name, and the executor sums their gradients as it does a
+    # tied GPT's (or refuses the layout, naming it). Named per layer, each stage's copy would
+    # train apart: a different model, silently.
+    first_name = {id(p): n for n, p in net.named_parameters()}
     keys = list(net._modules)  # the Sequential's own names ("0", "1", ... or given ones)
 
     def entries(r: range):
-        return [(f"{keys[i]}.{n}", p, same, same) for i in r
-                for n, p in children[i].named_parameters()]
+        return [(first_name[id(p)], p, same, same) for i in r
+                for p in children[i].parameters()]
 
     def buffers(r: range):
         return [(f"{keys[i]}.{n}", b) for i in r for n, b in children[i].named_buffers()

@@ -136,6 +136,27 @@ def test_bf16_activations_travel_in_half_the_bytes(launch, backend):
         assert row["eval bf16-mixed"] == pytest.approx(row["eval 32"], rel=1e-2), row
 
 
+@pytest.mark.slow
+def test_a_weight_tied_across_the_end_stages_trains_as_data_parallel(launch):
+    """A float64 nn.Sequential whose head is its embedding (GPT-2's tie: one Parameter in two
+    layers), cut into 2 stages under GPipe, 1F1B and interleaved 1F1B: the end stages sum the
+    tied weight's gradients, so every schedule's losses and final state equal data parallel's,
+    under data parallel's names, and both stages' copies stay equal. Untied, each stage's copy
+    trained apart: the losses left data parallel's from the second step."""
+    rows = results(launch("any", 2, [WORKER, "tied"], timeout=400), 2)
+    schedules = ("pipeline:2:4:gpipe", "pipeline:2:4:1f1b", "pipeline:2:4:interleaved-1f1b:2")
+    for row in rows:
+        # the tie has one name in data parallel's state (torch's first), and the pipeline's
+        assert "params/0.weight" in row["names"] and "params/7.weight" not in row["names"]
+        for layout in schedules:
+            assert row[layout]["same_names"], (layout, row)
+            assert row[layout]["loss_dev"] <= 1e-10, (layout, row)
+            assert row[layout]["param_dev"] <= 1e-10, (layout, row)
+            assert row[f"{layout} tied"] == ["0.weight"], (layout, row)
+    for layout in schedules:  # stage 0's embedding and stage 1's head: the same values
+        assert rows[0][f"{layout} copy"] == rows[1][f"{layout} copy"], layout
+
+
 # ------------------------------------------------------------------------ bad input (1 rank)
 def test_world_size_not_a_multiple_of_the_stages():
     (x, y), _ = load_digits()

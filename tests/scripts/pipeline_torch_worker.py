@@ -16,6 +16,10 @@ with the timeline recorded into DIR; the measured idle fraction and peak in-flig
 ``keras``: horovod-tf, a Keras Sequential cut into 2 stages against data parallel.
 ``message_bytes [BACKEND]``: the bytes of each rank's round messages in float32 and in
 bf16-mixed, and an evaluation's loss in each (its activations handed on as 16-bit values).
+``tied``: horovod-torch, a float64 ``nn.Sequential`` whose head is tied to its embedding (one
+Parameter object in two layers) under data parallel and under every pipeline schedule on 2
+stages: each schedule's losses and final state against data parallel's, and each end stage's
+copy of the tied weight.
 ``process_sets BACKEND STAGES``: a tied GPT in float64 under ``Pipeline(STAGES, 4)`` on every
 launched rank, against the numpy reference, with the Horovod process sets its gradients were
 averaged in; then (``STAGES`` = 2 on 4 ranks) a second Trainer in the same processes whose
@@ -250,6 +254,46 @@ def keras_sequential() -> None:
     emit(result)
 
 
+def tied() -> None:
+    """See the module's docstring."""
+    import torch
+
+    import adapters
+    from toolkit.equivalence import load_data
+
+    x, y = load_data("gpt", "float64")
+    result, runs = {"rank": toolkit.current_env().rank}, {}
+    layouts = ("data", "pipeline:2:4:gpipe", "pipeline:2:4:1f1b",
+               "pipeline:2:4:interleaved-1f1b:2")
+    for layout in layouts:
+        torch.manual_seed(toolkit.current_env().rank)  # rank 0's values are broadcast
+        emb, head = torch.nn.Embedding(256, 16), torch.nn.Linear(16, 256, bias=False)
+        head.weight = emb.weight  # GPT-2's tie: one Parameter in two layers
+        net = torch.nn.Sequential(emb, torch.nn.Linear(16, 16), torch.nn.Tanh(),
+                                  torch.nn.Linear(16, 16), torch.nn.Tanh(),
+                                  torch.nn.Linear(16, 16), torch.nn.Tanh(), head)
+        adapter = adapters.get("horovod-torch", dtype="float64")
+        history = toolkit.Trainer(adapter, net, torch.optim.Adam(net.parameters(), lr=0.01),
+                                  layout=layout, global_batch_size=16, max_steps=6,
+                                  progress=False).fit(x, y)
+        runs[layout] = (np.asarray(history.losses), adapter.state_dict())
+        pipe = executor_of(adapter)
+        if pipe is not None:  # this rank's own copy of the tied weight (both ends hold one)
+            mine = dict(pipe._local())
+            result[f"{layout} copy"] = mine["params/0.weight"].tolist()
+            result[f"{layout} tied"] = list(pipe.tied)
+    data_losses, data_state = runs["data"]
+    result["names"] = sorted(k for k in data_state if k.startswith("params/"))
+    for layout in layouts[1:]:
+        losses, state = runs[layout]
+        result[layout] = {
+            "same_names": sorted(state) == sorted(data_state),
+            "loss_dev": float(np.max(np.abs(losses - data_losses) / np.abs(data_losses))),
+            "param_dev": max(float(np.max(np.abs(state[k] - data_state[k])))
+                             for k in result["names"])}
+    emit(result)
+
+
 def process_sets(backend: str, stages: str) -> None:
     """See the module's docstring."""
     import adapters
@@ -289,6 +333,6 @@ def process_sets(backend: str, stages: str) -> None:
 
 if __name__ == "__main__":
     modes = {"equivalence": equivalence, "bubble": bubble, "crash": crash,
-             "keras": keras_sequential, "process_sets": process_sets,
+             "keras": keras_sequential, "process_sets": process_sets, "tied": tied,
              "message_bytes": message_bytes}
     toolkit.run(lambda: modes[sys.argv[1]](*sys.argv[2:]))

@@ -18,6 +18,7 @@ from toolkit.parallel.pipeline.partition import (
     micro_batch_size,
     partition_layers,
     partition_model,
+    tied_across_stages,
 )
 
 
@@ -285,3 +286,17 @@ def test_partition_model_reads_shapes_without_drawing_arrays():
     gpt = partition_model(_GPTWithoutArrays(vocab=64, context=8, width=16, layers=4, heads=2), 2)
     assert gpt.names == partition_model(GPT(vocab=64, context=8, width=16, layers=4, heads=2),
                                         2).names
+
+
+def test_a_parameter_on_the_end_stages_is_tied_one_on_a_middle_stage_is_refused_by_name():
+    """The end stages keep a shared parameter's copies equal (their gradients summed); a
+    parameter a middle stage shares would train apart, so the layout is refused naming it."""
+    assert tied_across_stages([("emb", "h0"), ("h1",), ("emb", "out")]) == ("emb",)
+    assert tied_across_stages([("emb", "emb", "h0"), ("h1",)]) == ()  # one stage's chunks
+    assert tied_across_stages([("a",), ("a", "b")]) == ("a",)  # S = 2: both are ends
+    with pytest.raises(ToolkitError) as err:
+        tied_across_stages([("emb", "h0"), ("emb", "h1"), ("mid", "out"), ("mid", "emb")],
+                           "pipeline:4:4")
+    text = str(err.value)
+    assert "pipeline:4:4" in text and "emb on stages 0, 1, 3" in text
+    assert "mid on stages 2, 3" in text and "untie" in text

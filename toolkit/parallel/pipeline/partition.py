@@ -335,6 +335,38 @@ class PipelineGrid:
         return tuple(out)
 
 
+def tied_across_stages(names_by_stage: Sequence[Sequence[str]], layout: object = "the layout"
+                       ) -> tuple[str, ...]:
+    """The parameters held by more than one stage (``names_by_stage[s]``: stage ``s``'s
+    names), in first-seen order; a ToolkitError naming each one held elsewhere than exactly
+    the first and the last stage.
+
+    The end stages sum such a parameter's gradients in a group set up before the model is
+    known (Megatron-LM's embedding group, ``PipelineGrid.end_ranks``), so their copies stay
+    equal; a parameter shared with a middle stage has no such group and would train apart.
+
+    Example:
+        >>> tied_across_stages([("emb", "h0"), ("h1",), ("emb", "out")])
+        ('emb',)
+    """
+    stages = len(names_by_stage)
+    held: dict[str, list[int]] = {}
+    for s, names in enumerate(names_by_stage):
+        for n in dict.fromkeys(names):
+            held.setdefault(n, []).append(s)
+    shared = {n: where for n, where in held.items() if len(where) > 1}
+    apart = {n: where for n, where in shared.items() if where != [0, stages - 1]}
+    if apart:
+        which = "; ".join(f"{n} on stages {', '.join(map(str, where))}"
+                          for n, where in apart.items())
+        raise ToolkitError(
+            f"{layout} would cut parameters shared by several layers apart: {which}",
+            "only the first and the last stage may share a parameter (a head tied to the "
+            "embedding, kept equal by summing their gradients); choose split points that keep "
+            "the layers sharing it on one stage, or untie it")
+    return tuple(shared)
+
+
 def check_within_node(value: object) -> str:
     """``value`` when it names a pipeline axis to keep within a node, else a ToolkitError."""
     if value not in WITHIN_NODE:
