@@ -36,7 +36,7 @@ def main() -> None:
     p.add_argument("--width", type=int, default=128)
     p.add_argument("--context", type=int, default=128)
     # steps, batch, layout, checkpoints, resume, clipping, the divergence guard, the device
-    toolkit.add_trainer_options(p, skip=("epochs",), steps=1500, batch_size=32)
+    toolkit.add_trainer_options(p, skip=("epochs", "eval_every"), steps=1500, batch_size=32)
     p.add_argument("--lr", type=float, default=3e-3, help="peak (AdamW, warm-up + cosine)")
     p.add_argument("--dtype", choices=("float32", "float64"), default=None,
                    help="the parameters' dtype (float64: as --precision 64)")

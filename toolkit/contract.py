@@ -30,14 +30,15 @@ class StepResult:
             until ``float()``.
         skipped: with ``skip_nonfinite``, whether the step's norm was not finite and nothing
             was updated (no parameter, optimizer slot, count or statistic).
-        loss_scale: the loss scale the step used (1.0 without fp16 loss scaling).
+        loss_scale: the loss scale the step used under fp16 loss scaling (any power of two,
+            1.0 and below included), None without a loss scaler.
         overflow: under fp16 loss scaling, whether the scaled gradient was not finite: the
             update was skipped (``skipped`` is True too) and the scale lowered. Such skips
             are the scaler's, not the divergence guard's.
 
     Example:
         >>> StepResult.of(0.25)
-        StepResult(loss=0.25, grad_norm=None, skipped=False, loss_scale=1.0, overflow=False)
+        StepResult(loss=0.25, grad_norm=None, skipped=False, loss_scale=None, overflow=False)
         >>> float(StepResult(0.5, grad_norm=2.0))
         0.5
     """
@@ -45,7 +46,7 @@ class StepResult:
     loss: Any
     grad_norm: Any = None
     skipped: Any = False
-    loss_scale: float = 1.0
+    loss_scale: float | None = None
     overflow: bool = False
 
     @classmethod

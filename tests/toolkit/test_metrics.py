@@ -19,6 +19,7 @@ from toolkit.models.flops import (
     peak_flops,
     training_flops_per_sample,
 )
+from toolkit.precision import LossScaler
 from toolkit.trainer.metrics import IntervalMeter, native_lr
 
 GPT = toolkit.GPT(vocab=256, context=16, width=32, layers=2, heads=2)
@@ -41,7 +42,7 @@ class SteadyBackend(LrRecorder):
         time.sleep(self.seconds)
         super().train_step(x, y, lr)
         return toolkit.StepResult(1.0 / len(self.lrs), grad_norm=float(len(self.lrs)),
-                                  loss_scale=self.scale or 1.0)
+                                  loss_scale=self.scale)
 
     def evaluate(self, x, y):
         return {"loss_sum": 0.5 * len(x), "correct": 0.0, "count": float(len(x))}
@@ -109,7 +110,9 @@ def test_intervals_at_every_flush_and_the_printed_line(tmp_path, capsys):
     # log_every 5, the stop check every 3, the epoch's end at 8, the run's at 14
     assert intervals == [(3, 3), (5, 2), (6, 1), (8, 2), (9, 1), (10, 1), (12, 2), (14, 2)]
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("step ")]
-    assert len(lines) == 2 and lines[0].startswith("step 5  loss ")
+    # log_every's two lines, then the validation at the last step (between epochs' ends)
+    assert len(lines) == 3 and lines[0].startswith("step 5  loss ")
+    assert lines[2] == "step 14  loss 0.0714  val_loss 0.5000  val_accuracy 0.0000"
     for word in ("lr ", " samples/s (", " tokens/s)", "  step ", " ms  input ", "grad_norm ",
                  "loss_scale 1024", "mfu n/a"):
         assert word in lines[0], lines[0]
@@ -177,6 +180,7 @@ def test_native_optimizers_lr_where_it_can_be_read():
 
     assert native_lr(Torchish()) == 0.25 and native_lr(Kerasish()) == 0.5
     assert native_lr((lambda p: p, lambda g, s, p: (g, s))) is None  # optax: a pair
+    assert native_lr((Torchish(), object())) == 0.25  # torch's (optimizer, scheduler) pair
 
 
 @pytest.mark.parametrize("kwargs, match", [
@@ -320,3 +324,49 @@ def test_a_step_in_flight_is_timed_when_it_is_seen_finished(monkeypatch):
     losses.flush(3, None)
     assert [r["time"] for r in written] == [101.0, 103.0, 104.0]  # float() waited for them
     assert losses.history.losses == [1.0, 2.0, 3.0]
+
+
+class OverflowingBackend(LrRecorder):
+    """Every step's scaled gradient overflows: the loss scaler (the toolkit's, as every
+    backend's update path keeps it) skips the step and halves its scale, from 4 to 1 and on
+    below 1; the loss stays finite."""
+
+    name = "overflowing"
+
+    def build(self, model, optimizer, loss, *, seed=0, clip_grad_norm=None, **options):
+        super().build(model, optimizer, loss, seed=seed, **options)
+        self.scaler = LossScaler(init_scale=4.0)
+
+    def train_step(self, x, y, lr):
+        used = self.scaler.scale
+        self.scaler.update(finite=False)
+        return toolkit.StepResult(0.5, grad_norm=float("inf"), skipped=True, loss_scale=used,
+                                  overflow=True)
+
+
+def test_a_loss_scale_of_one_and_below_is_still_the_scalers(tmp_path):
+    """A scale of exactly 1.0 (and 0.5, 0.25) is a scaler's: its overflow skips are the
+    scaler's, logged as such, and the divergence guard does not stop the run for their
+    non-finite gradient norms."""
+    trainer = toolkit.Trainer(OverflowingBackend(), toolkit.MLP((4, 2)), toolkit.SGD(lr=0.1),
+                              global_batch_size=4, max_steps=5, progress=False,
+                              env=toolkit.LaunchEnv(), metrics_log=tmp_path / "m.jsonl",
+                              clip_grad_norm=1.0)
+    x = np.zeros((16, 4), np.float32)
+    history = trainer.fit(x, np.zeros(16, np.int64))
+    assert history.loss_scales == [4.0, 2.0, 1.0, 0.5, 0.25]
+    assert history.overflow_steps == [1, 2, 3, 4, 5]
+    steps = [r for r in records_of(tmp_path / "m.jsonl") if r["event"] == "step"]
+    assert [(r["loss_scale"], r.get("overflow")) for r in steps] == [
+        (4.0, True), (2.0, True), (1.0, True), (0.5, True), (0.25, True)]
+
+
+def test_without_a_scaler_no_loss_scale_is_logged(tmp_path):
+    trainer, records = gpt_run(tmp_path, max_steps=3)
+    assert all("loss_scale" in r for r in records if r["event"] == "step")  # (1024: a scaler's)
+    trainer = toolkit.Trainer(SteadyBackend(), GPT, toolkit.SGD(lr=0.1), global_batch_size=8,
+                              max_steps=3, progress=False, env=toolkit.LaunchEnv(),
+                              metrics_log=tmp_path / "plain.jsonl")
+    history = trainer.fit(tokens())
+    assert history.loss_scales == [] and history.overflow_steps == []
+    assert not any("loss_scale" in r for r in records_of(tmp_path / "plain.jsonl"))

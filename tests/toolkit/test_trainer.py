@@ -178,6 +178,7 @@ def test_drop_last_false_pads_the_last_batch_from_the_start_of_the_epoch():
     (dict(resume="latest"), "resume='latest' needs a checkpoint directory"),
     (dict(global_batch_size=5000), "larger than the data set"),
     (dict(stop_signals=("SIGNOPE",), checkpoint_dir="x"), "unknown signal 'SIGNOPE'"),
+    (dict(eval_every=0), "eval_every=0 must be >= 1"),
 ])
 def test_bad_options(digits, kwargs, match):
     (x, y), _ = digits
@@ -275,3 +276,26 @@ def test_console_metrics_log_and_checkpoint_count_epochs_from_0(digits, tmp_path
     mid = toolkit.CheckpointStore(tmp_path / "ck").load(
         tmp_path / "ck" / f"step_{per_epoch + 3:09d}")
     assert mid.meta["epoch"] == 1  # in the epoch the console and the log call 1
+
+
+@pytest.mark.parametrize("options, evaluated", [
+    (dict(max_steps=5), [5]),  # stopped before the epoch's end: evaluated there
+    (dict(max_steps=5, eval_every=2), [2, 4, 5]),
+    (dict(max_steps=6, eval_every=3), [3, 6]),  # (the last step once)
+    (dict(epochs=2, eval_every=4), [4, 8, 11, 12, 16, 20, 22]),  # 11 steps an epoch
+    (dict(epochs=1), [11]),  # the epoch's end only
+])
+def test_validation_is_evaluated_every_eval_every_steps_and_at_the_last(
+        digits, tmp_path, capsys, options, evaluated):
+    (x, y), validation = digits
+    trainer = toolkit.Trainer(LrRecorder(), toolkit.MLP((64, 32, 10)), toolkit.SGD(lr=0.05),
+                              global_batch_size=128, progress=False, env=toolkit.LaunchEnv(),
+                              metrics_log=tmp_path / "m.jsonl", **options)
+    trainer.fit(x, y, validation)
+    records = [json.loads(line) for line in (tmp_path / "m.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if r["event"] == "eval"] == evaluated
+    ends = {r["step"] for r in records if r["event"] == "epoch"}
+    between = [s for s in evaluated if s not in ends]
+    lines = [line for line in capsys.readouterr().out.splitlines() if " val_loss " in line]
+    assert [line.split()[1] for line in lines if line.startswith("step ")] == \
+        [str(s) for s in between]

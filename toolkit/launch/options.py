@@ -39,6 +39,8 @@ OPTIONS: dict[str, tuple[str, dict[str, Any]]] = {
                                               "TensorBoard event files there (rank 0)")),
     "--log-every": ("log_every", dict(type=int, default=0, help="print an interval line "
                                       "(loss, lr, samples/s, step time, MFU) every N steps")),
+    "--eval-every": ("eval_every", dict(type=int, default=None, help="also evaluate the "
+                                        "validation data every N steps (and at the last)")),
     "--peak-flops": ("peak_flops", dict(type=float, default=None, help="peak FLOP/s of one "
                                         "device, for the MFU (default: known GPUs' data sheet)")),
     "--precision": ("precision", dict(

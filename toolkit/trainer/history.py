@@ -129,6 +129,17 @@ class ProgressLine:
             self._bar = None
 
 
+def eval_line(step: int, loss: float, record: dict) -> str:
+    """Rank 0's line at an evaluation between epochs' ends (``eval_every``, the last step).
+
+    Example:
+        >>> eval_line(30, 0.61234, {"val_loss": 0.5, "val_accuracy": 0.875})
+        'step 30  loss 0.6123  val_loss 0.5000  val_accuracy 0.8750'
+    """
+    return f"step {step}  loss {loss:.4f}" + "".join(
+        f"  {k} {v:.4f}" for k, v in record.items() if k.startswith("val_"))
+
+
 def epoch_line(record: dict, seconds: float) -> str:
     """Rank 0's line at the end of an epoch, numbered from 0 as the metrics log, the
     checkpoint and the sampler number it."""

@@ -19,14 +19,12 @@ from toolkit.trainer.tensorboard import TensorBoardLog
 
 class StepLosses:
     """The step losses (and gradient norms) of one ``fit`` not yet averaged across ranks;
-    ``meter`` times them, ``tensorboard`` receives the records the log does, and ``read_lr``
-    reads a native optimizer's learning rate (None when there is none to read)."""
+    ``meter`` times them, ``tensorboard`` receives the records the log does."""
 
     def __init__(self, history: History, guard: DivergenceGuard, log: MetricsLog,
-                 meter: IntervalMeter | None = None, tensorboard: TensorBoardLog | None = None,
-                 read_lr: Callable[[], float | None] | None = None):
+                 meter: IntervalMeter | None = None, tensorboard: TensorBoardLog | None = None):
         self.history, self.guard, self.log = history, guard, log
-        self.meter, self.tensorboard, self.read_lr = meter, tensorboard, read_lr
+        self.meter, self.tensorboard = meter, tensorboard
         self.times: list[float | None] = []  # when each step was seen finished (wall clock)
         self.lrs: list[float | None] = []  # each step's learning rate, if known
         self.last_interval: dict[str, Any] | None = None  # the latest interval record
@@ -38,14 +36,14 @@ class StepLosses:
     def add(self, step: StepResult, guard_skips: bool = False, lr: float | None = None) -> None:
         """A step's result; ``guard_skips``: its skips are the divergence guard's to count
         (``on_nonfinite="skip"``), a loss scaler's overflows never are; ``lr``: its learning
-        rate (a spec optimizer's)."""
+        rate (None: unknown)."""
         self.times.append(None)
-        self.lrs.append(lr if lr is not None or self.read_lr is None else self.read_lr())
+        self.lrs.append(lr)
         self.pending.append(step.loss)
         self.skipped.append(guard_skips and bool(step.skipped) and not step.overflow)
         if step.grad_norm is not None:
             self.norms.append(step.grad_norm)
-        if step.loss_scale != 1.0 or step.overflow:
+        if step.loss_scale is not None:  # (a scale of 1.0 or below is still a scaler's)
             self.scales.append((float(step.loss_scale), bool(step.overflow)))
         self._see_finished()
 

@@ -119,7 +119,10 @@ def interval_line(record: dict[str, Any], loss: float) -> str:
 def native_lr(optimizer: Any) -> float | None:
     """The current learning rate of a framework's own optimizer, where it can be read without
     importing the framework: torch's ``param_groups[0]["lr"]``, Keras's ``learning_rate``
-    (a schedule's current value); None otherwise (an optax transformation hides it)."""
+    (a schedule's current value); None otherwise (an optax transformation hides it). A torch
+    ``(optimizer, scheduler)`` pair is read through its optimizer, which the scheduler moves."""
+    if isinstance(optimizer, tuple | list) and optimizer:
+        optimizer = optimizer[0]  # (an optax (init, update) pair's init has no groups: None)
     try:
         groups = getattr(optimizer, "param_groups", None)
         if groups:

@@ -29,7 +29,7 @@ from toolkit.precision import use_precision
 from toolkit.trainer.checkpoints import RunCheckpoints
 from toolkit.trainer.evaluation import check_metrics, evaluate
 from toolkit.trainer.guard import DivergenceGuard
-from toolkit.trainer.history import History, MetricsLog, ProgressLine, epoch_line
+from toolkit.trainer.history import History, MetricsLog, ProgressLine, epoch_line, eval_line
 from toolkit.trainer.losses import StepLosses, report
 from toolkit.trainer.metrics import IntervalMeter, interval_line, native_lr, tokens_per_sample
 from toolkit.trainer.preemption import (
@@ -96,6 +96,9 @@ class Trainer(StopsTogether):
         metrics_log: a JSON-lines file rank 0 appends step, interval, eval and epoch records to
             (docs/metrics.md). tensorboard_dir: rank 0 writes TensorBoard event files there.
         log_every: also print a line every this many steps (0: once per epoch).
+        eval_every: evaluate the ``validation`` data of :meth:`fit` every this many steps as
+            well (None: at each epoch's end only). A run that stops between epochs' ends
+            (``max_steps``) is evaluated at its last step too.
         peak_flops, flops_per_sample: the MFU's peak FLOP/s of one device (default: the table
             of known GPUs) and training FLOPs of one sample (default: the spec model's).
         progress: show a progress bar on rank 0 when stderr is a terminal.
@@ -153,6 +156,7 @@ class Trainer(StopsTogether):
         metrics_log: str | os.PathLike | None = None,
         tensorboard_dir: str | os.PathLike | None = None,
         log_every: int = 0,
+        eval_every: int | None = None,
         peak_flops: float | None = None,
         flops_per_sample: float | None = None,
         progress: bool = True,
@@ -190,6 +194,9 @@ class Trainer(StopsTogether):
         self.activation_checkpointing = activation_checkpointing  # (None: the layout's)
         self.metrics_log = Path(metrics_log) if metrics_log else None
         self.log_every, self.progress = log_every, progress
+        if eval_every is not None:
+            at_least_one("eval_every", eval_every, "or None: at each epoch's end only")
+        self.eval_every = eval_every
         self.peak_flops, self.flops_per_sample = (check_flops(k, v) for k, v in (
             ("peak_flops", peak_flops), ("flops_per_sample", flops_per_sample)))
         self.tensorboard_dir = check_tensorboard_dir(tensorboard_dir)
@@ -279,7 +286,8 @@ class Trainer(StopsTogether):
             validation: Dataset | tuple[np.ndarray, np.ndarray] | None = None) -> History:
         """Trains on ``data`` (inputs ``x`` with labels ``y``, or a :class:`toolkit.Dataset`
         such as :class:`toolkit.TokenWindows`); evaluates on ``validation`` (``(x_val, y_val)``
-        or a data set) after each epoch. Every rank passes the whole data set; the sampler
+        or a data set) after each epoch, every ``eval_every`` steps, and at the last step.
+        Every rank passes the whole data set; the sampler
         picks each rank's samples, which the data set loads (see ``prefetch``)."""
         train = as_dataset(data, y, what="the training data")
         if validation is not None:
@@ -293,8 +301,7 @@ class Trainer(StopsTogether):
         self._history = History(first_step=self.global_step, world_size=env.world_size)
         self._losses = StepLosses(self._history, self._guard, self._log, IntervalMeter(
             env.world_size, self.global_batch_size, tokens_per_sample(self.model, train),
-            self._facts["flops_per_sample"], self._facts["peak_flops"]), self._tb,
-            (lambda: native_lr(self.optimizer)) if not self._spec_optimizer else None)
+            self._facts["flops_per_sample"], self._facts["peak_flops"]), self._tb)
         self._progress = ProgressLine(self.progress and env.rank == 0, self.max_steps,
                                       self.global_batch_size)
         place = self.adapter.device_batch if isinstance(self.adapter, PlacesBatches) else None
@@ -332,6 +339,7 @@ class Trainer(StopsTogether):
     def _loop(self, loader: BatchPrefetcher, validation, total: int, scale: float) -> None:
         env, sampler, history, progress = self.env, self.sampler, self._history, self._progress
         self.checkpoints.start_clock()
+        evaluated = start = self.global_step  # (a step's evaluation: once)
         while self.global_step < total:
             epoch, epoch_start = sampler.epoch, time.monotonic()
             first_in_epoch = len(history.losses) + len(self._losses)
@@ -341,8 +349,11 @@ class Trainer(StopsTogether):
                 self._watch.at("input", self.global_step + 1)
                 batch = self._losses.meter.load(loader, idx)
                 self._watch.at("step", self.global_step + 1)
+                # a native optimizer's lr is read before its step: the value the step uses
+                # (its scheduler moves it after the step)
+                used = lr if self._spec_optimizer else native_lr(self.optimizer)
                 step = StepResult.of(self.adapter.train_step(*batch, lr))
-                self._losses.add(step, self.skip_nonfinite, lr)  # (norm: the same everywhere)
+                self._losses.add(step, self.skip_nonfinite, used)  # (norm: the same everywhere)
                 self.global_step += 1
                 done = sampler.step if sampler.epoch == epoch else len(sampler)  # at its end
                 progress.update(self.global_step, epoch, done, len(sampler), step.loss)
@@ -354,6 +365,10 @@ class Trainer(StopsTogether):
                     self._flush()  # the guard sees every loss within stop_check_every steps
                 if self.checkpoints.due(self.global_step) and self._loss_settled():
                     self.save_checkpoint()
+                if (validation is not None and self.eval_every and sampler.epoch == epoch
+                        and self.global_step % self.eval_every == 0):  # (an epoch's end: below)
+                    self._evaluate_at_step(validation)
+                    evaluated = self.global_step
                 if self.stop_signals and self._stop.agreed(self.global_step, self.adapter,
                                                            env.is_distributed):
                     self._stop_preempted(loader)
@@ -365,6 +380,16 @@ class Trainer(StopsTogether):
                 record = self._end_epoch(epoch, history.losses[first_in_epoch:], validation,
                                          time.monotonic() - epoch_start)
                 history.epochs.append(record)
+                evaluated = self.global_step
+        if validation is not None and evaluated != self.global_step != start:
+            self._evaluate_at_step(validation)  # the run stopped between epochs' ends
+
+    def _evaluate_at_step(self, validation) -> None:
+        """An evaluation between epochs' ends: its eval record, and rank 0's line."""
+        self._flush()  # (the line shows this step's training loss)
+        self._progress.clear()
+        result = self.evaluate(validation)
+        print0(eval_line(self.global_step, self._history.losses[-1], result), env=self.env)
 
     def _loss_settled(self) -> bool:
         """False while the loss is above ``divergence_factor`` x its best: a scheduled
