@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+from collections.abc import Mapping
 from typing import Any
 
 from toolkit import SGD, Adam, ToolkitError
@@ -81,6 +82,31 @@ def loss_name(loss) -> str:
         return "custom"
     check_choice("loss", loss, LOSSES)
     return loss
+
+
+def model_outputs(out: Any) -> Any:
+    """The tensor a loss reads of a forward's output ``out``, as Accelerate reads what models
+    return: a tensor as it is; a Hugging Face ``ModelOutput`` (or any mapping) by its
+    ``logits``; a tuple's or list's first element.
+
+    Example:
+        >>> model_outputs(({"logits": 1.0}, "cache")), model_outputs({"logits": 2.0})
+        ({'logits': 1.0}, 2.0)
+    """
+    if isinstance(out, tuple | list):
+        if not out:
+            raise ToolkitError("the model's forward returned an empty sequence", _OUTPUTS)
+        return out[0]
+    if isinstance(out, Mapping):  # (a ModelOutput is an OrderedDict with attribute access)
+        if "logits" not in out:
+            raise ToolkitError(f"the model's forward returned a {type(out).__name__} with keys "
+                               f"{sorted(map(str, out))} and no 'logits'", _OUTPUTS)
+        return out["logits"]
+    return out
+
+
+_OUTPUTS = ("the loss reads a tensor, a ModelOutput's or mapping's 'logits', or a tuple's first "
+            "element: return one of these from forward (docs/bring-your-own.md)")
 
 
 def check_per_sample(shape: tuple, batch: int, what: str = "the loss function") -> None:

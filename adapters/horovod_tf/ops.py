@@ -137,6 +137,12 @@ class TFState:
         """Zero slots of a spec optimizer over ``vars``, or a Keras optimizer's own (over
         ``variables``, a pipeline stage's; None: the whole model's)."""
         tf = self.tf
+        if type(optimizer).__name__ == "LossScaleOptimizer":  # (in every layout)
+            raise ToolkitError(
+                f"horovod-tf cannot use {describe(optimizer)}: it scales the loss and skips "
+                "steps itself, beside the toolkit's update (which averages, clips and skips)",
+                "pass its inner optimizer, and precision='fp16-mixed' (--precision "
+                "fp16-mixed) for the toolkit's loss scaling where the model supports it")
         if isinstance(optimizer, SGD | Adam):
             self.slots = {f"opt/{slot}/{n}": tf.Variable(tf.zeros_like(v))
                           for slot in optimizer_slots(optimizer) for n, v in self.vars.items()}

@@ -1,5 +1,7 @@
 """Native models through the same Trainer, and the bad input each backend must refuse."""
 
+import json
+
 import numpy as np
 import pytest
 
@@ -55,6 +57,38 @@ def test_keras_dense_model_trains_like_the_spec():
     assert "params/sequential/dense/kernel" in trainer.adapter.state_dict()
 
 
+@pytest.mark.parametrize("policy", ["mixed_bfloat16", "mixed_float16"])
+def test_a_keras_mixed_precision_policy_is_refused_with_its_reason(policy):
+    """A model built under a Keras mixed policy would compute in 16 bits behind the start-up
+    block's float32 (and fp16 without loss scaling): refused, naming the policy."""
+    import keras
+
+    keras.mixed_precision.set_global_policy(policy)
+    try:
+        model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(10)])
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+    (x, y), _ = load_digits()
+    trainer = toolkit.Trainer(adapters.get("horovod-tf"), model, SGD(lr=0.1),
+                              global_batch_size=32, max_steps=1, progress=False, env=ENV)
+    with pytest.raises(ToolkitError) as err:
+        trainer.fit(x, y)
+    assert f"built under the mixed precision policy '{policy}'" in str(err.value)
+    assert "set_global_policy('float32')" in str(err.value)
+
+
+def test_a_keras_loss_scale_optimizer_is_refused_under_data_parallel():
+    import keras
+
+    model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(10)])
+    opt = keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.1))
+    (x, y), _ = load_digits()
+    trainer = toolkit.Trainer(adapters.get("horovod-tf"), model, opt, global_batch_size=32,
+                              max_steps=1, progress=False, env=ENV)
+    with pytest.raises(ToolkitError, match="cannot use .*LossScaleOptimizer.* scales the loss"):
+        trainer.fit(x, y)
+
+
 def test_keras_model_with_conv_batchnorm_and_dropout_trains():
     import keras
 
@@ -89,6 +123,34 @@ def test_flax_module_trains_like_the_spec(backend):
     np.testing.assert_allclose(history.losses, spec_losses(backend), rtol=1e-5)
     assert "params/hidden.kernel" in trainer.adapter.state_dict()
     assert jax.local_device_count() == 2  # conftest: both devices really took part
+
+
+@pytest.mark.parametrize("backend", ["jax-pmap", "jax-pjit"])
+def test_a_flax_nnx_module_is_refused_naming_the_bridge_which_then_trains(backend):
+    """An NNX module (Flax's recommended API) is refused in one line that names NNX and the
+    bridge; the bridge's two lines, as the hint gives them, then train it."""
+    import jax
+    from flax import nnx
+
+    class Net(nnx.Module):
+        def __init__(self, din, dout, rngs):
+            self.hidden, self.out = nnx.Linear(din, 32, rngs=rngs), nnx.Linear(32, dout, rngs=rngs)
+
+        def __call__(self, x):
+            return self.out(nnx.relu(self.hidden(x)))
+
+    (x, y), _ = load_digits()
+    for model in (Net(64, 10, nnx.Rngs(0)), (Net(64, 10, nnx.Rngs(0)), None)):
+        trainer = toolkit.Trainer(adapters.get(backend), model, SGD(lr=0.1),
+                                  global_batch_size=64, max_steps=1, progress=False, env=ENV)
+        with pytest.raises(ToolkitError) as err:
+            trainer.fit(x, y)
+        assert "Net is a Flax NNX module" in str(err.value)
+        assert "nnx.bridge.to_linen(YourClass" in str(err.value)
+    module = nnx.bridge.to_linen(Net, 64, 10)
+    variables = module.init(jax.random.key(0), x[:2])
+    history, _ = train(adapters.get(backend), (module, variables))
+    assert history.losses[-1] < 0.5 * history.losses[0]
 
 
 @pytest.mark.parametrize("backend", ["jax-pmap", "jax-pjit"])
@@ -127,19 +189,26 @@ def _torch_net_and_schedule(kind):
 def test_a_torch_lr_scheduler_is_stepped_checkpointed_and_resumed_bit_for_bit(kind, tmp_path):
     (x, y), _ = load_digits()
 
-    def trainer(steps, ckpt, resume=None):
+    def trainer(steps, ckpt, resume=None, log=None):
         net, opt, sched = _torch_net_and_schedule(kind)
         adapter = adapters.get("horovod-torch")
         t = toolkit.Trainer(adapter, net, (opt, sched), global_batch_size=32, max_steps=steps,
                             checkpoint_dir=ckpt, checkpoint_every=3, resume=resume,
-                            progress=False, env=ENV)
+                            progress=False, env=ENV, metrics_log=log, log_every=2)
         t.fit(x, y)
         return t, opt
 
-    whole, opt = trainer(7, tmp_path / "a")
+    whole, opt = trainer(7, tmp_path / "a", log=tmp_path / "m.jsonl")
     lrs = [opt.param_groups[0]["lr"]]
+    records = [json.loads(line) for line in (tmp_path / "m.jsonl").read_text().splitlines()]
+    logged = {r["step"]: r["lr"] for r in records if r["event"] == "step"}
+    assert sorted(logged) == list(range(1, 8)) and all(lr is not None for lr in logged.values())
+    assert all("lr" in r for r in records if r["event"] == "interval")
     if kind == "step":  # stepped once per optimizer step: 7 steps, halved every 2
         assert lrs[0] == pytest.approx(0.1 * 0.5 ** 3)
+        # the lr each step ran with, as the pair's scheduler set it
+        assert [logged[s] for s in range(1, 8)] == pytest.approx(
+            [0.1 * 0.5 ** ((s - 1) // 2) for s in range(1, 8)])
     trainer(3, tmp_path / "b")  # stops after step 3 (its checkpoint)...
     resumed, opt_b = trainer(7, tmp_path / "b", resume="latest")  # ...and goes on to 7
     assert opt_b.param_groups[0]["lr"] == lrs[0]

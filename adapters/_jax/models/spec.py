@@ -43,6 +43,13 @@ class JaxModel:
             self.params = traverse_util.unflatten_dict(
                 {self.path_of(k): v for k, v in model.init(seed, dtype).items()})
             return
+        if _is_nnx(model) or (isinstance(model, tuple) and model and _is_nnx(model[0])):
+            name = type(model[0] if isinstance(model, tuple) else model).__name__
+            raise ToolkitError(
+                f"{backend} takes Flax Linen modules; {name} is a Flax NNX module",
+                "convert it with Flax's bridge: module = nnx.bridge.to_linen(YourClass, "
+                "*constructor_args); variables = module.init(jax.random.key(0), x); pass "
+                "(module, variables) (docs/bring-your-own.md)")
         if isinstance(model, nn.Module):
             raise ToolkitError(
                 f"{backend} got the Flax module {type(model).__name__} without its variables",
@@ -200,3 +207,12 @@ def correct_per_sample(jnp, out, y):
     """The fraction of each sample's positions whose arg-max is the label, summed."""
     hits = (jnp.argmax(out, axis=-1) == y).astype(jnp.float32)
     return jnp.sum(hits.reshape(out.shape[0], -1).mean(axis=1))
+
+
+def _is_nnx(model: Any) -> bool:
+    """Whether ``model`` is a Flax NNX module (``flax.nnx.Module``)."""
+    try:
+        from flax import nnx
+    except ImportError:  # an older Flax: no NNX
+        return False
+    return isinstance(model, nnx.Module)

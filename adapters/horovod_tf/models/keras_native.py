@@ -102,6 +102,17 @@ class KerasNative:
                                "unfreeze some layers (layer.trainable = True)")
         self.model = model
         layers = list(model._flatten_layers(include_self=True, recursive=True))
+        mixed = sorted({layer.dtype_policy.name for layer in layers
+                        if getattr(layer, "dtype_policy", None) is not None
+                        and layer.dtype_policy.compute_dtype != layer.dtype_policy.variable_dtype})
+        if mixed:  # (its layers would compute in 16 bits, unseen by the toolkit's precision)
+            raise ToolkitError(
+                f"the Keras model {model.name!r} was built under the mixed precision policy "
+                f"{', '.join(map(repr, mixed))}: its layers compute in 16 bits, and fp16 would "
+                f"run without loss scaling, while {backend} reports and reduces in {dtype}; "
+                "Keras precision policies are not run by the toolkit yet",
+                "build the model under keras.mixed_precision.set_global_policy('float32'), "
+                "or use a toolkit.MLP/CNN/GPT spec with --precision bf16-mixed|fp16-mixed")
         self._renames = _renames(layers)
         floats = sorted({str(v.dtype) for v in model.variables if "float" in str(v.dtype)})
         if floats and floats != [dtype]:

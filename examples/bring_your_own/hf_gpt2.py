@@ -1,0 +1,56 @@
+"""Your own Hugging Face model: a small GPT2LMHeadModel on the standard library's source text.
+
+    python examples/bring_your_own/hf_gpt2.py                                   # one process
+    horovodrun -np 2 python examples/bring_your_own/hf_gpt2.py --layout sharded:3
+    srun -n 2 --mpi=pmix python examples/bring_your_own/hf_gpt2.py              # in a Slurm job
+
+The model is built from its config (random weights: nothing is downloaded) and trained with
+torch's AdamW and a OneCycleLR schedule, made over the parameters this rank holds. Its forward
+returns a ``ModelOutput``; the toolkit's loss reads its ``logits`` (a tuple's first element, a
+plain tensor as it is). GPT-2 ties its output head to its token embedding: the sharded layouts
+keep the one parameter. A pipeline needs an ``nn.Sequential`` (docs/bring-your-own.md).
+"""
+
+import torch
+
+import adapters
+import toolkit
+from toolkit.datasets import load_text
+
+
+def main() -> None:
+    parser = toolkit.ArgumentParser(description=__doc__.splitlines()[0])
+    toolkit.add_trainer_options(parser, skip=("epochs",), steps=200, batch_size=16)
+    parser.add_argument("--lr", type=float, default=1e-3, help="OneCycleLR's peak")
+    parser.add_argument("--context", type=int, default=64, help="bytes per sample")
+    parser.add_argument("--width", type=int, default=64)
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--dropout", type=float, default=0.1, help="GPT-2's own: 0.1")
+    args = parser.parse_args()
+    from transformers import GPT2Config, GPT2LMHeadModel  # (its import takes seconds)
+
+    corpus = load_text()
+    train = toolkit.TokenWindows(corpus.train, args.context)
+    val = toolkit.TokenWindows(corpus.val[:64 * args.context + 1], args.context)
+    torch.manual_seed(args.seed)  # rank 0's initial weights are broadcast to every rank anyway
+    model = GPT2LMHeadModel(GPT2Config(
+        vocab_size=256, n_positions=args.context, n_embd=args.width, n_layer=args.layers,
+        n_head=args.heads, resid_pdrop=args.dropout, embd_pdrop=args.dropout,
+        attn_pdrop=args.dropout, use_cache=False))
+
+    def optimizer(parameters):  # over the parameters this rank holds (a shard, a stage)
+        opt = torch.optim.AdamW(parameters, lr=args.lr, weight_decay=0.1)
+        return opt, torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=args.lr,
+                                                        total_steps=args.steps)
+
+    trainer = toolkit.Trainer(adapters.get("horovod-torch"), model, optimizer,
+                              **toolkit.trainer_options(args))
+    trainer.fit(train, validation=val)
+    final = trainer.evaluate(val)
+    toolkit.print0(f"done: world_size {trainer.env.world_size}  steps {trainer.global_step}  "
+                   f"val_loss {final['val_loss']:.4f}  val_accuracy {final['val_accuracy']:.4f}")
+
+
+if __name__ == "__main__":
+    toolkit.run(main)
