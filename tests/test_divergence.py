@@ -209,3 +209,22 @@ def test_more_consecutive_skips_than_allowed_stop_the_run(backend, layout, launc
                             "consecutive steps were skipped (max_consecutive_skips=2)") == 1, job
     assert "Traceback" not in job.stderr, job
     assert toolkit.CheckpointStore(tmp_path / "ckpt").load("latest").step == 4
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["horovod-torch", "horovod-tf", "jax-pjit"])
+def test_a_sweep_that_catches_a_divergence_trains_its_next_trainer(backend, launch):
+    """A learning-rate sweep (tests/scripts/sweep_worker.py) catches the first rate's
+    TrainingDiverged on every rank and builds the next Trainer in the same processes, which
+    trains: the communicator is left up for it (an MPI finalised after a divergence cannot
+    start again: the job aborted)."""
+    job = launch("any", 2, ["tests/scripts/sweep_worker.py", backend], timeout=300)
+    assert job.returncode == 0, job
+    assert "MPI_FINALIZE" not in job.stdout + job.stderr, job
+    rows = job.results
+    assert len(rows) == 2, job
+    for row in rows:
+        first, second = row["runs"]
+        assert first["lr"] == 1e4 and 1 <= first["diverged"] <= 5, row
+        assert second["lr"] == 0.05 and len(second["losses"]) == 5 and row["finite"], row
+    assert rows[0]["runs"][1]["losses"] == rows[1]["runs"][1]["losses"]  # averaged alike

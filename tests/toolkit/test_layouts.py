@@ -323,9 +323,11 @@ def test_resolve_layout_reads_forms_and_refuses_what_a_backend_cannot_run():
         "this layout (see the README's layouts)")
 
 
-FORMS = ("write one of: data, sharded:1|2|3, "
-         "pipeline:STAGES:MICRO_BATCHES[:gpipe|1f1b|interleaved-1f1b][:within-node=stages|"
-         "replicas]")
+FORMS = ("write one of: data, sharded:1|2|3[:tpN], "
+         "pipeline:STAGES:MICRO_BATCHES[:gpipe|1f1b|interleaved-1f1b[:CHUNKS]]"
+         "[:within-node=stages|replicas]")
+APART = ("a layout is one of data parallel, sharded (with tensor parallelism inside: "
+         "sharded:Z:tpN) or pipeline; they do not combine yet")
 NODE_HINT = "HINT: write within-node=stages (the default) or within-node=replicas"
 PIPELINE_EXAMPLE = "HINT: e.g. Pipeline(stages=4, micro_batches=8)"
 
@@ -351,6 +353,14 @@ PIPELINE_EXAMPLE = "HINT: e.g. Pipeline(stages=4, micro_batches=8)"
     ("sharded:3:within-node=replicas", "layout 'sharded:3:within-node=replicas': expected tpN "
      "after the stage\nHINT: e.g. sharded:3 or sharded:3:tp2"),
     ("pipeline:2:4:1f1b:2:3", f"unknown layout 'pipeline:2:4:1f1b:2:3'\nHINT: {FORMS}"),
+    ("pipeline:2:2,sharded:1",
+     f"layout 'pipeline:2:2,sharded:1' combines pipeline and sharded: {APART}\nHINT: {FORMS}"),
+    ("sharded:3+pipeline:2",
+     f"layout 'sharded:3+pipeline:2' combines sharded and pipeline: {APART}\nHINT: {FORMS}"),
+    ("sharded:1,pipeline:2:2",
+     f"layout 'sharded:1,pipeline:2:2' combines sharded and pipeline: {APART}\nHINT: {FORMS}"),
+    ("data,sharded:3", f"layout 'data,sharded:3' combines data and sharded: {APART}\nHINT: "
+     f"{FORMS}"),
 ])
 def test_parse_layout_errors_whole(text, message):
     with pytest.raises(ToolkitError) as err:

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import difflib
 import os
+import re
 import signal
 import sys
 import threading
@@ -35,8 +37,9 @@ CLOSE_TIMEOUT_SECONDS = 5.0
 
 def close_on_input_error(close: Callable[[], object]) -> None:
     """Registers ``close`` (a communicator's shutdown) to be called, for at most
-    ``CLOSE_TIMEOUT_SECONDS``, when :func:`run` ends a rank on a mistake in the user's input.
-    Every rank reaches that verdict alike, so the shutdown cannot wait on a rank that goes on.
+    ``CLOSE_TIMEOUT_SECONDS``, when :func:`run` ends a rank on a mistake in the user's input
+    or after training stopped on every rank together (a stop signal, a diverged loss). Every
+    rank reaches that verdict alike, so the shutdown cannot wait on a rank that goes on.
     """
     if close not in _CLOSERS:
         _CLOSERS.append(close)
@@ -88,11 +91,32 @@ class ArgumentParser(argparse.ArgumentParser):
         return super().add_argument(*args, **kwargs)
 
     def error(self, message: str):
-        raise UsageError(self.format_usage(), f"{self.prog}: error: {message}")
+        usage = self.format_usage()
+        if usage.count("\n") > 2:  # a script with many options: the mistake, not a page
+            usage = f"usage: {self.prog} [-h] [options]  ({self.prog} --help lists them)\n"
+        raise UsageError(usage, f"{self.prog}: error: {did_you_mean(message)}")
 
     def _print_message(self, message, file=None):
         if _rank() == 0:
             super()._print_message(message, file)
+
+
+def did_you_mean(message: str) -> str:
+    """argparse's ``invalid choice`` ``message`` with the choice the user most likely meant.
+
+    Example:
+        >>> did_you_mean("argument --precision: invalid choice: 'bf16' (choose from '32', "
+        ...              "'64', 'bf16-mixed', 'fp16-mixed')").endswith("; did you mean bf16-mixed?")
+        True
+    """
+    found = re.search(r"invalid choice: '(.*?)' \(choose from (.*)\)$", message)
+    if not found:
+        return message
+    given = found[1]
+    choices = [c.strip().strip("'") for c in found[2].split(",")]  # (quoted before 3.12.8)
+    near = ([c for c in choices if c.startswith(given) or given in c]
+            or difflib.get_close_matches(given, choices, n=1, cutoff=0.5))
+    return f"{message}; did you mean {near[0]}?" if near else message
 
 
 def _rank() -> int:
@@ -137,10 +161,12 @@ def run(main: Callable[[], object]) -> None:
         interrupted = stop.signame == "SIGINT"
         if env.rank == 0:
             eprint(f"{'interrupted' if interrupted else 'preempted'}: {stop}")
+        _close()  # (every rank left training together: the communicators shut down in order)
         _exit(INTERRUPTED_EXIT_CODE if interrupted else PREEMPTED_EXIT_CODE, env.is_distributed)
     except TrainingDiverged as err:  # every rank holds the same losses and stops together
         if env.rank == 0:
             eprint(f"error: {err}")
+        _close()
         _exit(DIVERGED_EXIT_CODE, env.is_distributed)
     except UsageError as err:
         _said_by_rank0(env, err.usage.rstrip() + "\n" + err.message, alone=None)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import numbers
+import re
 from typing import ClassVar
 
 from toolkit.errors import ToolkitError
@@ -29,8 +30,10 @@ from toolkit.parallel.pipeline.partition import (
 )
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
-LAYOUT_FORMS = ("data, sharded:1|2|3, pipeline:STAGES:MICRO_BATCHES[:gpipe|1f1b|interleaved-1f1b]"
+LAYOUT_FORMS = ("data, sharded:1|2|3[:tpN], "
+                "pipeline:STAGES:MICRO_BATCHES[:gpipe|1f1b|interleaved-1f1b[:CHUNKS]]"
                 "[:within-node=stages|replicas]")
+KINDS = ("data", "data_parallel", "dp", "sharded", "pipeline")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -284,6 +287,12 @@ def parse_layout(text: str) -> Layout:
         >>> parse_layout("pipeline:2:4:gpipe:within-node=replicas").name
         'pipeline:2:4:gpipe:within-node=replicas'
     """
+    named = [k for k in re.split(r"[^a-z_]+", str(text).lower()) if k in KINDS]
+    if len(named) > 1:  # (pipeline:2:2,sharded:1, sharded:3+pipeline:2, ...)
+        raise ToolkitError(
+            f"layout {text!r} combines {' and '.join(dict.fromkeys(named))}: a layout is one "
+            "of data parallel, sharded (with tensor parallelism inside: sharded:Z:tpN) or "
+            "pipeline; they do not combine yet", f"write one of: {LAYOUT_FORMS}")
     parts = str(text).strip().lower().split(":")
     kind = parts[0]
     if kind in ("data", "data_parallel", "dp") and len(parts) == 1:

@@ -20,12 +20,17 @@ class StopsTogether:
         raise TrainingDiverged(step, loss, why, last)
 
     def _leave_together(self) -> None:
-        """Every rank ends training at this point (no watch: they leave at different times),
-        its communicator shut down in order (else Horovod reports a broken connection)."""
+        """Every rank ends training at this point (no watch: they leave at different times).
+
+        The communicator stays up: a script that catches the exception (a sweep trying the
+        next learning rate, a notebook) builds its next Trainer on it, as after a run that
+        ended well (an MPI finalised by ``hvd.shutdown`` cannot start again in the process).
+        A process that exits shuts it down then, every rank at the same point: under
+        :func:`toolkit.run` before its exit, else at the interpreter's exit (the frameworks'
+        own ``atexit``)."""
         self._progress.clear()
         self._watch.close()
         self.adapter.barrier()
-        self.adapter.shutdown()
 
     def _stop_preempted(self, loader: BatchPrefetcher) -> None:
         """Every rank checkpoints this step and leaves together; the metrics log records it."""
