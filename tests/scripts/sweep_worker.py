@@ -4,8 +4,9 @@ rank (_emit).
 
     mpirun -np 2 python tests/scripts/sweep_worker.py BACKEND
 
-The first rate (1e4) makes the digits MLP's loss non-finite within a few steps: the Trainer
-raises ``toolkit.TrainingDiverged`` on every rank; the second (0.05) then trains 5 steps.
+The first rate (1e4) throws the digits MLP's loss past 3 x its best within a few steps: the
+Trainer raises ``toolkit.TrainingDiverged`` on every rank; the second (0.05) then trains 5
+steps.
 """
 
 import sys
@@ -24,7 +25,8 @@ def sweep(backend: str) -> None:
     for lr in (1e4, 0.05):
         trainer = toolkit.Trainer(adapters.get(backend), toolkit.MLP((64, 32, 10)),
                                   toolkit.SGD(lr=lr), global_batch_size=64, max_steps=5,
-                                  progress=False, stop_check_every=1)
+                                  progress=False, stop_check_every=1,
+                                  divergence_factor=3.0, divergence_window=1)
         try:
             losses = trainer.fit(x, y).losses
             result["runs"].append({"lr": lr, "losses": [float(v) for v in losses]})
