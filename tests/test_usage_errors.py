@@ -5,7 +5,7 @@ import pytest
 
 EXAMPLES = ["examples/train_digits.py", "examples/train_gpt.py",
             "examples/bring_your_own/torch_cnn.py", "examples/bring_your_own/keras_cnn.py",
-            "examples/bring_your_own/flax_cnn.py"]
+            "examples/bring_your_own/flax_cnn.py", "examples/bring_your_own/hf_gpt2.py"]
 # What the user's shell sees: the ranks exit 2, and every launcher passes that on.
 EXIT = {"python": 2, "mpirun": 2, "srun": 2, "horovodrun-gloo": 2}
 

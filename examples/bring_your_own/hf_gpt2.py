@@ -5,9 +5,9 @@
     srun -n 2 --mpi=pmix python examples/bring_your_own/hf_gpt2.py              # in a Slurm job
 
 The model is built from its config (random weights: nothing is downloaded) and trained with
-torch's AdamW and a OneCycleLR schedule, made over the parameters this rank holds. Its forward
-returns a ``ModelOutput``; the toolkit's loss reads its ``logits`` (a tuple's first element, a
-plain tensor as it is). GPT-2 ties its output head to its token embedding: the sharded layouts
+torch's AdamW and a OneCycleLR schedule (a sharded layout steps them over this rank's pieces).
+Its forward returns a ``ModelOutput``; the toolkit's loss reads its ``logits`` (a tuple's first
+element, a plain tensor as it is). GPT-2 ties its output head to its token embedding: the sharded layouts
 keep the one parameter. A pipeline needs an ``nn.Sequential`` (docs/bring-your-own.md).
 """
 
@@ -37,14 +37,12 @@ def main() -> None:
     model = GPT2LMHeadModel(GPT2Config(
         vocab_size=256, n_positions=args.context, n_embd=args.width, n_layer=args.layers,
         n_head=args.heads, resid_pdrop=args.dropout, embd_pdrop=args.dropout,
-        attn_pdrop=args.dropout, use_cache=False))
+        attn_pdrop=args.dropout, use_cache=False, bos_token_id=0, eos_token_id=0))
 
-    def optimizer(parameters):  # over the parameters this rank holds (a shard, a stage)
-        opt = torch.optim.AdamW(parameters, lr=args.lr, weight_decay=0.1)
-        return opt, torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=args.lr,
-                                                        total_steps=args.steps)
-
-    trainer = toolkit.Trainer(adapters.get("horovod-torch"), model, optimizer,
+    # (a sharded layout rebinds its groups to this rank's pieces: the scheduler stays bound)
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1)
+    schedule = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=args.lr, total_steps=args.steps)
+    trainer = toolkit.Trainer(adapters.get("horovod-torch"), model, (opt, schedule),
                               **toolkit.trainer_options(args))
     trainer.fit(train, validation=val)
     final = trainer.evaluate(val)
