@@ -108,18 +108,20 @@ def test_example_learns_under_other_layouts(script, layout, launch, tmp_path):
 
 
 @pytest.mark.slow
-def test_a_hugging_face_gpt2_trains_alike_under_data_parallel_and_zero3(launch, tmp_path,
-                                                                       read_metrics):
+def test_a_hugging_face_gpt2_trains_alike_under_data_parallel_zero3_and_a_pipeline(
+        launch, tmp_path, read_metrics):
     """examples/bring_your_own/hf_gpt2.py: a tiny GPT2LMHeadModel (its forward returns a
-    ModelOutput; its head tied to its embedding), AdamW with OneCycleLR as the pair, dropout
-    on, 2 ranks: every step's loss under sharded:3 equals data parallel's, the lr the
+    ModelOutput; its head tied to its embedding), AdamW with OneCycleLR as the pair, 2 ranks:
+    every step's loss under sharded:3 and under pipeline:2:2 (the same modules as an
+    nn.Sequential, the tie kept across the two stages) equals data parallel's, the lr the
     scheduler set is logged, and the validation loss is below a uniform byte's ln 256."""
     losses, said = {}, {}
-    for layout in ("data", "sharded:3"):
+    for layout in ("data", "sharded:3", "pipeline:2:2"):
         log = tmp_path / f"{layout}.jsonl"
         job = launch("any", 2, ["examples/bring_your_own/hf_gpt2.py", "--steps", "8",
                                 "--context", "32", "--width", "32", "--batch-size", "8",
-                                "--layout", layout, "--metrics-log", str(log)], timeout=300)
+                                "--dropout", "0", "--layout", layout,
+                                "--metrics-log", str(log)], timeout=300)
         assert job.returncode == 0, job
         assert "Traceback" not in job.stderr and "[transformers]" not in job.stderr, job
         losses[layout] = read_metrics(log)["steps"]
@@ -128,7 +130,8 @@ def test_a_hugging_face_gpt2_trains_alike_under_data_parallel_and_zero3(launch, 
         lrs = [r["lr"] for r in records if r["event"] == "step"]
         assert len(lrs) == 8 and max(lrs) > 10 * lrs[0], lrs  # OneCycleLR's warm-up
     assert sorted(losses["data"]) == list(range(1, 9))
-    np.testing.assert_allclose([losses["sharded:3"][s] for s in range(1, 9)],
-                               [losses["data"][s] for s in range(1, 9)], rtol=1e-6)
-    assert said["data"] == pytest.approx(said["sharded:3"], rel=1e-5)
+    for layout in ("sharded:3", "pipeline:2:2"):
+        np.testing.assert_allclose([losses[layout][s] for s in range(1, 9)],
+                                   [losses["data"][s] for s in range(1, 9)], rtol=1e-6)
+        assert said[layout] == pytest.approx(said["data"], rel=1e-5)
     assert said["data"] < np.log(256)

@@ -7,15 +7,39 @@
 The model is built from its config (random weights: nothing is downloaded) and trained with
 torch's AdamW and a OneCycleLR schedule (a sharded layout steps them over this rank's pieces).
 Its forward returns a ``ModelOutput``; the toolkit's loss reads its ``logits`` (a tuple's first
-element, a plain tensor as it is). GPT-2 ties its output head to its token embedding: the sharded layouts
-keep the one parameter. A pipeline needs an ``nn.Sequential`` (docs/bring-your-own.md).
+element, a plain tensor as it is). GPT-2 ties its output head to its token embedding: the
+sharded layouts keep the one parameter. A pipeline cuts an ``nn.Sequential``: under ``--layout pipeline:S:M``
+the same modules are laid out as one (embeddings, blocks, final norm, head), and the stages
+holding the embedding and the head keep the tie by summing its gradients
+(docs/bring-your-own.md). Its checkpoints name the parameters by that Sequential's positions.
 """
 
 import torch
+from torch import nn
 
 import adapters
 import toolkit
 from toolkit.datasets import load_text
+
+
+class Embeddings(nn.Module):
+    """GPT-2's token and position embeddings (and their dropout) as one module: the first
+    layer of the Sequential a pipeline cuts."""
+
+    def __init__(self, transformer):
+        super().__init__()
+        self.wte, self.wpe, self.drop = transformer.wte, transformer.wpe, transformer.drop
+
+    def forward(self, ids):
+        positions = torch.arange(ids.shape[1], device=ids.device)
+        return self.drop(self.wte(ids) + self.wpe(positions))
+
+
+def as_sequential(model) -> nn.Sequential:
+    """The modules of a ``GPT2LMHeadModel`` in the order its forward runs them (each block
+    returns its hidden states; without a mask its attention is causal)."""
+    t = model.transformer
+    return nn.Sequential(Embeddings(t), *t.h, t.ln_f, model.lm_head)  # lm_head.weight is wte's
 
 
 def main() -> None:
@@ -39,6 +63,8 @@ def main() -> None:
         n_head=args.heads, resid_pdrop=args.dropout, embd_pdrop=args.dropout,
         attn_pdrop=args.dropout, use_cache=False, bos_token_id=0, eos_token_id=0))
 
+    if args.layout.startswith("pipeline"):
+        model = as_sequential(model)
     # (a sharded layout rebinds its groups to this rank's pieces: the scheduler stays bound)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1)
     schedule = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=args.lr, total_steps=args.steps)
