@@ -8,10 +8,11 @@ The model is built from its config (random weights: nothing is downloaded) and t
 torch's AdamW and a OneCycleLR schedule (a sharded layout steps them over this rank's pieces).
 Its forward returns a ``ModelOutput``; the toolkit's loss reads its ``logits`` (a tuple's first
 element, a plain tensor as it is). GPT-2 ties its output head to its token embedding: the
-sharded layouts keep the one parameter. A pipeline cuts an ``nn.Sequential``: under ``--layout pipeline:S:M``
-the same modules are laid out as one (embeddings, blocks, final norm, head), and the stages
-holding the embedding and the head keep the tie by summing its gradients
-(docs/bring-your-own.md). Its checkpoints name the parameters by that Sequential's positions.
+sharded layouts keep the one parameter. A pipeline cuts an ``nn.Sequential``: under
+``--layout pipeline:S:M`` the same modules are laid out as one (embeddings, blocks, final
+norm, head), and the stages holding the embedding and the head keep the tie by summing its
+gradients (docs/bring-your-own.md). Its checkpoints name the parameters by that Sequential's
+positions.
 """
 
 import torch
