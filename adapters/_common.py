@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
+import re
+import sys
+import tempfile
 from collections.abc import Mapping
 from typing import Any
 
@@ -165,3 +169,36 @@ def check_recompute(backend: str, model: object, enabled: bool | None) -> bool |
             "(torch.utils.checkpoint, jax.checkpoint / nn.remat, tf.recompute_grad), or train "
             "a toolkit.GPT/MLP/CNN")
     return None if enabled is None else bool(enabled)
+
+
+# The lines TensorFlow's libraries write while they load, beneath its own log level: absl's
+# banner, then informational records ("I0000 00:00:17... port.cc:153] oneDNN custom operations
+# are on ..."), once per library that links absl (TensorFlow 2.21 writes two).
+_START_LINES = re.compile(r"WARNING: All log messages before absl::InitializeLog\(\) is called"
+                          r"|I\d{4} \d\d:\d\d:\d+\.\d+ +\d+ [\w.]+:\d+\] ")
+
+
+@contextlib.contextmanager
+def quiet_start(level_variable: str = "TF_CPP_MIN_LOG_LEVEL"):
+    """Runs a framework's import with the informational lines its libraries print as they load
+    kept off standard error, unless the user asked for them (``level_variable`` set to 0);
+    anything else written meanwhile (a warning, an error) is passed on. The toolkit owns the
+    process's output at start: its start-up block comes first."""
+    if os.environ.get(level_variable, "2").strip() == "0":
+        yield
+        return
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as caught:
+        os.dup2(caught.fileno(), 2)
+        try:
+            yield
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+            caught.seek(0)
+            lines = caught.read().decode(errors="replace").splitlines(keepends=True)
+            kept = "".join(line for line in lines if not _START_LINES.match(line))
+            if kept:
+                sys.stderr.write(kept)
+                sys.stderr.flush()

@@ -37,6 +37,7 @@ from pathlib import Path
 import numpy as np
 
 import toolkit
+from adapters._common import quiet_start
 from toolkit.checkpoint.resume import directory_contents
 from toolkit.models.specs import spec_from_dict
 
@@ -123,7 +124,8 @@ def to_torch(ckpt: toolkit.Checkpoint, out: Path) -> None:
 
 def to_tf(ckpt: toolkit.Checkpoint, out: Path) -> None:
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    import tensorflow as tf
+    with quiet_start():
+        import tensorflow as tf
 
     variables = {k: tf.Variable(v, name=k.replace(".", "_")) for k, v in weights(ckpt).items()}
     tf.train.Checkpoint(params=variables).write(str(out))

@@ -7,6 +7,7 @@ from typing import Any
 
 import numpy as np
 
+from adapters._common import quiet_start
 from adapters._horovod.runtime import HorovodRuntime
 from toolkit import ToolkitError
 
@@ -22,7 +23,8 @@ class TFRuntime(HorovodRuntime):
     def connect(self, env) -> Any:
         os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
         try:
-            import tensorflow as tf
+            with quiet_start():
+                import tensorflow as tf
         except ImportError as err:
             raise self.missing("TensorFlow", err) from err
         try:
