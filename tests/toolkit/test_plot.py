@@ -168,16 +168,28 @@ def test_several_backends_are_drawn_on_one_picture(tmp_path):
 
     studies = {}
     for name, rates in (("a", (100.0, 190.0)), ("b", (100.0, 120.0))):
-        points = [scaling.Point(n, 1, throughput=r) for n, r in zip((1, 2), rates, strict=True)]
+        points = [scaling.Point(n, 1, throughput=r, step_s=0.3 / n, input_wait_s=0.002,
+                                compute_s=0.25 / n, comm_s=0.03 * (n - 1), backend=name,
+                                layout="data")
+                  for n, r in zip((1, 2), rates, strict=True)]
         scaling.fill_ratios(points)
-        studies[name] = points
+        studies[scaling.study.study_label(None, points)] = points
+    assert list(studies) == ["a, data", "b, data"]  # (the legend: backend and layout)
     png = tmp_path / "s.png"
-    scaling.draw(studies, str(png), "strong", "two backends")
+    fig = scaling.draw(studies, str(png), "strong", "two backends")
     image = matplotlib.image.imread(str(png))[..., :3]
     blue = (image[..., 2] > 0.6) & (image[..., 0] < 0.3)  # C0
     orange = (image[..., 0] > 0.9) & (image[..., 1] > 0.4) & (image[..., 1] < 0.6) \
         & (image[..., 2] < 0.2)  # C1
     assert blue.sum() > 200 and orange.sum() > 200
+    third = image.shape[1] * 2 // 3  # the step-time panel: both studies' bars
+    assert blue[:, third:].sum() > 500 and orange[:, third:].sum() > 500
+    split = fig.axes[2]
+    assert split.get_title() == "where a step's time goes"
+    labels = [t.get_text() for t in split.get_legend().get_texts()]
+    assert labels[:3] == ["a, data: compute", "a, data: comm+sync", "a, data: input wait"]
+    heights = sorted(round(p.get_height(), 6) for p in split.patches)
+    assert heights[-1] == 250.0 and 30.0 in heights  # ms: N=1's compute, N=2's comm+sync
 
 
 def test_a_step_is_the_intervals_wall_time_per_step_under_asynchronous_dispatch(tmp_path):

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from toolkit.errors import ToolkitError
 from toolkit.scaling.report import draw, table
-from toolkit.scaling.study import ranks_per_node, run_study
+from toolkit.scaling.study import ranks_per_node, run_study, study_label
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -90,8 +90,9 @@ def main(argv: list[str] | None = None) -> int:
                  f"global batch {args.batch_size}" if args.mode == "strong" else
                  f"batch {args.batch_size} per rank")
         on = f" on {args.backend}" if args.backend else ""
-        title = (f"{args.mode} scaling of {args.script}{on} under {args.launcher}, {batch}, "
-                 f"{args.steps} steps after {args.warmup}")
+        layout = f", layout {args.layout}" if args.layout else ""
+        title = (f"{args.mode} scaling of {args.script}{on}{layout} under {args.launcher}, "
+                 f"{batch}, {args.steps} steps after {args.warmup}")
         say(title)
         studies = {}
         for backend in args.backends:
@@ -99,8 +100,8 @@ def main(argv: list[str] | None = None) -> int:
             where.mkdir(parents=True, exist_ok=True)
             if len(args.backends) > 1:
                 say(f"{backend}:")
-            studies[backend or "measured"] = run_study(args, backend, where, per_node,
-                                                       environ, say)
+            points = run_study(args, backend, where, per_node, environ, say)
+            studies[study_label(backend, points)] = points
         for label, points in studies.items():
             if len(studies) > 1:
                 say(f"\n{label}")

@@ -39,14 +39,15 @@ def table(points: list[Point]) -> str:
 
 
 def draw(studies: dict[str, list[Point]], png: str, mode: str, title: str):
-    """Speed-up against the ideal line, and efficiency, of each study (a label's points) into
-    ``png``; returns the Figure."""
+    """Speed-up against the ideal line, efficiency, and where a step's time goes (compute,
+    comm+sync, input wait, as the table splits it), of each study (its backend and layout:
+    a label's points) into ``png``; returns the Figure."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.5))
+    fig, (left, right, split) = plt.subplots(1, 3, figsize=(16, 4.5))
     sizes = sorted({p.world_size for points in studies.values() for p in points})
     left.plot(sizes, sizes, "k--", lw=1, alpha=0.5, label="ideal")
     right.axhline(1.0, color="k", ls="--", lw=1, alpha=0.5, label="ideal")
@@ -79,7 +80,35 @@ def draw(studies: dict[str, list[Point]], png: str, mode: str, title: str):
     left.set(ylabel="speed-up", title=f"{mode} scaling: speed-up")
     right.set(ylabel="efficiency (speed-up / N)" if mode == "strong" else
               "efficiency (throughput per rank / N=1's)", title="efficiency")
+    step_split(split, studies, sizes)
     fig.suptitle(title, fontsize=9)
     fig.tight_layout()
     fig.savefig(png, dpi=100)
     return fig
+
+
+PARTS = (("compute_s", "compute", "/"), ("comm_s", "comm+sync", "\\\\"),
+         ("input_wait_s", "input wait", "."))
+
+
+def step_split(ax, studies: dict[str, list[Point]], sizes: list[int]) -> None:
+    """Stacked bars of each world size's step time (ms) per study, side by side: compute (the
+    one-rank reference's step at the same batch per rank), comm+sync (the rest) and input
+    wait; a study without the split (``--no-breakdown``) shows its whole step."""
+    width = 0.8 / max(1, len(studies))
+    for i, (label, points) in enumerate(studies.items()):
+        ok = [p for p in points if p.step_s is not None]
+        offset = (i - (len(studies) - 1) / 2) * width
+        x = np.asarray([sizes.index(p.world_size) for p in ok]) + offset
+        bottom = np.zeros(len(ok))
+        for field, part, hatch in PARTS:
+            values = np.asarray([(getattr(p, field) or 0.0) * 1e3 for p in ok])
+            if field == "compute_s" and all(p.compute_s is None for p in ok):
+                values, part = np.asarray([p.step_s * 1e3 for p in ok]), "step"
+            ax.bar(x, values, width, bottom=bottom, color=f"C{i}", hatch=hatch,
+                   edgecolor="white", label=f"{label}: {part}")
+            bottom += values
+    ax.set_xticks(range(len(sizes)), [str(s) for s in sizes])
+    ax.set(xlabel="ranks (N)", ylabel="ms per step", title="where a step's time goes")
+    ax.grid(alpha=0.3, axis="y")
+    ax.legend(fontsize=7)

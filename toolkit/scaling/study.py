@@ -37,6 +37,8 @@ class Point:
     compute_s: float | None = None
     comm_s: float | None = None
     batch_per_rank: int | None = None
+    backend: str | None = None  # as the run's start record names them
+    layout: str | None = None
 
 
 def ranks_per_node(given: int | None, environ: dict) -> int | None:
@@ -143,6 +145,7 @@ def run_size(args, backend: str | None, world_size: int, nodes: int, out: Path,
         point.throughput, point.unit, point.step_s, point.input_wait_s = measure(
             metrics, args.warmup)
         point.nodes = int(metrics.start.get("nodes") or nodes)
+        point.backend, point.layout = metrics.start.get("backend"), metrics.start.get("layout")
         global_batch = metrics.start.get("global_batch")
         if global_batch and global_batch % world_size == 0:
             point.batch_per_rank = global_batch // world_size
@@ -231,3 +234,17 @@ def fill_ratios(points: list[Point]) -> None:
 def boundaries(points: list[Point]) -> list[int]:
     """The world sizes at which the job first spans more nodes than the size before."""
     return [b.world_size for a, b in zip(points, points[1:], strict=False) if b.nodes > a.nodes]
+
+
+def study_label(backend: str | None, points: list[Point]) -> str:
+    """The legend's name of a study: its backend and layout as its runs' start records name
+    them (a script's defaults included), else as asked.
+
+    Example:
+        >>> study_label(None, [Point(1, 1, backend="jax-pjit", layout="data")])
+        'jax-pjit, data'
+    """
+    named = next((p for p in points if p.backend), None)
+    if named is None:
+        return backend or "the script's default backend"
+    return f"{named.backend}, {named.layout}" if named.layout else named.backend
