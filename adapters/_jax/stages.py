@@ -25,7 +25,8 @@ from toolkit import ToolkitError
 from toolkit.models.specs import CNN, MLP, ModelSpec
 from toolkit.parallel.pipeline.partition import partition_layers, partition_model
 
-_NATIVE_HINT = ("pass a toolkit.MLP/GPT spec, or a list of (flax module, variables) pairs applied "
+_NATIVE_HINT = ("pass a toolkit.MLP/GPT spec, a (flax.linen.Sequential, variables) pair, or a list "
+                "of (flax module, variables) pairs applied "
                 "in order (each variables = module.init(key, x))")
 
 
@@ -211,12 +212,24 @@ def _spec_piece(spec, layers: range, first: bool, last: bool):
     return gpt
 
 
-def _native_pieces(model, S, v, splits, dtype, backend):
-    """A list of (flax module, variables) pairs: layer ``i``'s parameters are named
-    ``{i}.{path}`` (as a torch ``nn.Sequential`` names them)."""
+def _native_layers(model, backend) -> list[tuple[str, Any, dict]]:
+    """``(prefix, layer, variables)`` of each layer of a native sequential model, in order: a
+    list of Flax ``(module, variables)`` pairs (prefixes ``0``, ``1``, ...), or a
+    ``(flax.linen.Sequential, variables)`` pair, whose layers are its ``layers`` (modules or
+    plain functions such as ``nn.relu``) under the names data parallelism gives them
+    (``layers_0``, ...)."""
     import flax.linen as nn
-    from flax import traverse_util
 
+    if (isinstance(model, tuple) and len(model) == 2 and isinstance(model[0], nn.Sequential)):
+        seq, variables = model
+        variables = dict(variables or {})
+        params, extra = dict(variables.get("params", {})), [c for c in variables if c != "params"]
+        if extra:
+            raise ToolkitError(f"{backend}: the Sequential has model state {extra}; pipeline "
+                               "stages carry parameters only",
+                               "use layers without BatchNorm statistics in a pipeline")
+        return [(f"layers_{i}", layer, {"params": params.get(f"layers_{i}", {})})
+                for i, layer in enumerate(seq.layers)]
     pairs = list(model) if isinstance(model, list | tuple) else None
     if (not pairs or isinstance(model, tuple) and len(model) == 2
             and isinstance(model[0], nn.Module)
@@ -224,33 +237,46 @@ def _native_pieces(model, S, v, splits, dtype, backend):
                        and isinstance(p[0], nn.Module) for p in pairs)):
         raise ToolkitError(f"{backend} cannot cut {type(model).__name__} into pipeline stages: "
                            "a pipeline needs a sequential model", _NATIVE_HINT)
-    modules, named, costs = [], {}, []
-    for i, (module, variables) in enumerate(pairs):
-        variables = dict(variables or {})
+    return [(str(i), module, dict(variables or {})) for i, (module, variables) in
+            enumerate(pairs)]
+
+
+def _native_pieces(model, S, v, splits, dtype, backend):
+    """A native sequential model (:func:`_native_layers`) cut into pieces: layer ``i``'s
+    parameters are named ``{prefix}.{path}`` (``0.kernel`` as a torch ``nn.Sequential`` names
+    them, or a Flax Sequential's own ``layers_0.kernel``)."""
+    import flax.linen as nn
+    from flax import traverse_util
+
+    layers, named, costs, own = _native_layers(model, backend), {}, [], []
+    for i, (prefix, layer, variables) in enumerate(layers):
         extra = [c for c in variables if c != "params"]
         if extra:
-            raise ToolkitError(f"{backend}: layer {i} ({type(module).__name__}) has model state "
+            raise ToolkitError(f"{backend}: layer {i} ({type(layer).__name__}) has model state "
                                f"{extra}; pipeline stages carry parameters only",
                                "use layers without BatchNorm statistics in a pipeline")
         flat = traverse_util.flatten_dict(dict(variables.get("params", {})))
-        modules.append(module)
-        layer = {f"{i}." + ".".join(k): np.asarray(a).astype(dtype) for k, a in flat.items()}
-        named.update(layer)
-        costs.append(sum(a.size for a in layer.values()))
+        mine = {f"{prefix}." + ".".join(k): np.asarray(a).astype(dtype) for k, a in flat.items()}
+        named.update(mine)
+        own.append(tuple(mine))
+        costs.append(sum(a.size for a in mine.values()))
     ranges = partition_layers(costs, S, v, splits)
 
     def piece(r: range):
         def fn(p, h):
             for i in r:
+                prefix, layer, _ = layers[i]
+                if not isinstance(layer, nn.Module):  # (a Sequential's function: nn.relu)
+                    h = layer(h)
+                    continue
                 tree = traverse_util.unflatten_dict(
-                    {tuple(n.split(".")[1:]): a for n, a in p.items()
-                     if n.split(".")[0] == str(i)})
-                h = modules[i].apply({"params": tree}, h)
+                    {tuple(n[len(prefix) + 1:].split(".")): p[n] for n in own[i]})
+                h = layer.apply({"params": tree}, h)
             return h
 
         return fn
 
-    names = [tuple(n for n in named if int(n.split(".")[0]) in r) for r in ranges]
+    names = [tuple(n for i in r for n in own[i]) for r in ranges]
     return [piece(r) for r in ranges], names, named
 
 

@@ -236,6 +236,38 @@ def test_native_list_of_flax_modules():
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_a_flax_sequential_pipelines_under_data_parallels_names(backend):
+    """A ``(flax.linen.Sequential, variables)`` pair, as data parallelism takes it, is cut by
+    layer (its ``nn.relu`` a function, no parameters) and trains as the reference does, its
+    parameters under the Sequential's own names (``layers_0.kernel``)."""
+    import flax.linen as nn
+    import jax
+
+    model = make_model("mlp")
+    init = model.init(0, "float64")
+    f64 = jax.numpy.float64
+    seq = nn.Sequential([nn.Dense(128, param_dtype=f64), nn.relu, nn.Dense(10, param_dtype=f64)])
+    variables = {"params": {
+        "layers_0": {"kernel": init["layers.0.kernel"], "bias": init["layers.0.bias"]},
+        "layers_2": {"kernel": init["layers.1.kernel"], "bias": init["layers.1.bias"]}}}
+    optimizer = toolkit.SGD(lr=0.05, momentum=0.9)
+    adapter, pipe = pipelined("pipeline:2:4:1f1b", backend=backend)
+    losses = fit(adapter, (seq, variables), optimizer)
+    names = {"layers.0.kernel": "layers_0.kernel", "layers.0.bias": "layers_0.bias",
+             "layers.1.kernel": "layers_2.kernel", "layers.1.bias": "layers_2.bias"}
+    loss_dev, param_dev = deviations(losses, adapter.state_dict(), model, optimizer,
+                                     names=names)
+    assert loss_dev < 1e-10 and param_dev < 1e-10
+    assert pipe.staged.piece_names == [("layers_0.kernel", "layers_0.bias"),
+                                       ("layers_2.kernel", "layers_2.bias")]
+    data = adapters.get(backend, dtype="float64")
+    data_losses = fit(data, (seq, variables), optimizer)
+    assert sorted(k for k in data.state_dict() if k.startswith("params/")) == \
+        sorted(f"params/{n}" for n in names.values())
+    np.testing.assert_allclose(losses, data_losses, rtol=1e-10)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_bad_input_is_a_clear_error(backend):
     import flax.linen as nn
 
