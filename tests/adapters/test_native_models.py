@@ -126,31 +126,100 @@ def test_flax_module_trains_like_the_spec(backend):
 
 
 @pytest.mark.parametrize("backend", ["jax-pmap", "jax-pjit"])
-def test_a_flax_nnx_module_is_refused_naming_the_bridge_which_then_trains(backend):
-    """An NNX module (Flax's recommended API) is refused in one line that names NNX and the
-    bridge; the bridge's two lines, as the hint gives them, then train it."""
-    import jax
+def test_a_flax_nnx_module_trains_like_the_spec(backend):
+    """An NNX module (Flax's recommended API) as it is: its own variables as the parameters,
+    trained as the spec with the same weights; in a (module, variables) pair it is refused
+    naming what to pass."""
+    import jax.numpy as jnp
     from flax import nnx
 
     class Net(nnx.Module):
-        def __init__(self, din, dout, rngs):
-            self.hidden, self.out = nnx.Linear(din, 32, rngs=rngs), nnx.Linear(32, dout, rngs=rngs)
+        def __init__(self, rngs):
+            self.hidden, self.out = nnx.Linear(64, 32, rngs=rngs), nnx.Linear(32, 10, rngs=rngs)
 
         def __call__(self, x):
             return self.out(nnx.relu(self.hidden(x)))
 
+    def net():
+        made, spec_params = Net(nnx.Rngs(0)), MLP((64, 32, 10)).init(0)
+        for layer, i in ((made.hidden, 0), (made.out, 1)):
+            layer.kernel[...] = jnp.asarray(spec_params[f"layers.{i}.kernel"])
+            layer.bias[...] = jnp.asarray(spec_params[f"layers.{i}.bias"])
+        return made
+
+    history, trainer = train(adapters.get(backend), net())
+    np.testing.assert_allclose(history.losses, spec_losses(backend), rtol=1e-5)
+    assert {"params/hidden.kernel", "params/out.bias"} <= set(trainer.adapter.state_dict())
     (x, y), _ = load_digits()
-    for model in (Net(64, 10, nnx.Rngs(0)), (Net(64, 10, nnx.Rngs(0)), None)):
-        trainer = toolkit.Trainer(adapters.get(backend), model, SGD(lr=0.1),
-                                  global_batch_size=64, max_steps=1, progress=False, env=ENV)
-        with pytest.raises(ToolkitError) as err:
-            trainer.fit(x, y)
-        assert "Net is a Flax NNX module" in str(err.value)
-        assert "nnx.bridge.to_linen(YourClass" in str(err.value)
-    module = nnx.bridge.to_linen(Net, 64, 10)
-    variables = module.init(jax.random.key(0), x[:2])
-    history, _ = train(adapters.get(backend), (module, variables))
-    assert history.losses[-1] < 0.5 * history.losses[0]
+    sharded = toolkit.Trainer(adapters.get(backend), net(), SGD(lr=0.1, momentum=0.9),
+                              layout="sharded:3" if backend == "jax-pjit" else "sharded:2",
+                              global_batch_size=32, max_steps=30, progress=False, env=ENV)
+    np.testing.assert_allclose(sharded.fit(x, y).losses, history.losses, rtol=1e-5)
+    trainer = toolkit.Trainer(adapters.get(backend), (Net(nnx.Rngs(0)), None), SGD(lr=0.1),
+                              global_batch_size=64, max_steps=1, progress=False, env=ENV)
+    with pytest.raises(ToolkitError, match="got the Flax NNX module Net in a pair"):
+        trainer.fit(x, y)
+
+
+@pytest.mark.parametrize("backend", ["jax-pmap", "jax-pjit"])
+def test_an_nnx_module_with_dropout_and_batchnorm_keeps_its_state_and_draws_per_step(
+        backend, tmp_path):
+    """Dropout and BatchNorm the NNX way: training switches them on (masks from the step's key:
+    two runs alike, two steps not), evaluation off (deterministic, running statistics);
+    BatchNorm's statistics are model state, checkpointed and resumed bit for bit."""
+    from flax import nnx
+
+    class Net(nnx.Module):
+        def __init__(self, rngs):
+            self.hidden = nnx.Linear(64, 32, rngs=rngs)
+            self.norm = nnx.BatchNorm(32, rngs=rngs)
+            self.drop = nnx.Dropout(0.3, rngs=rngs)
+            self.layers = nnx.List([nnx.Linear(32, 10, rngs=rngs)])
+
+        def __call__(self, x):
+            return self.layers[0](self.drop(self.norm(nnx.relu(self.hidden(x)))))
+
+    (x, y), (vx, vy) = load_digits()
+    import jax
+
+    from adapters._jax.models.nnx import NnxModule
+
+    module = NnxModule(Net(nnx.Rngs(0)))
+    variables = module.variables()
+
+    def trained(seed):
+        out, state = module.apply(variables, x[:8], train=True, mutable=["state"],
+                                  rngs={"dropout": jax.random.key(seed)})
+        return np.asarray(out), state
+
+    (one, moved), (two, _), (same, _) = trained(1), trained(2), trained(1)
+    assert np.array_equal(one, same) and not np.array_equal(one, two)  # masks by the key
+    assert not np.array_equal(np.asarray(moved["state"]["norm"]["mean"]),
+                              np.asarray(variables["state"]["norm"]["mean"]))
+    evaluated = np.asarray(module.apply(variables, x[:8]))
+    assert np.array_equal(evaluated, np.asarray(module.apply(variables, x[:8])))
+
+    def run(steps, ckpt, resume=None):
+        t = toolkit.Trainer(adapters.get(backend), Net(nnx.Rngs(0)), SGD(lr=0.1),
+                            global_batch_size=32, max_steps=steps, progress=False, env=ENV,
+                            checkpoint_dir=ckpt, checkpoint_every=3, resume=resume)
+        history = t.fit(x, y)
+        return t, history
+
+    whole, history = run(6, tmp_path / "a")
+    again, again_history = run(6, tmp_path / "b")
+    assert history.losses == again_history.losses  # the same masks, run after run
+    state = whole.adapter.state_dict()
+    assert {"buffers/state/norm.mean", "buffers/state/norm.var", "params/layers.0.kernel"} \
+        <= set(state)
+    assert np.any(state["buffers/state/norm.mean"] != 0)  # statistics moved while training
+    first = whole.evaluate(vx, vy, log=False)
+    assert whole.evaluate(vx, vy, log=False) == first  # evaluation: no dropout
+    run(3, tmp_path / "c")
+    resumed, _ = run(6, tmp_path / "c", resume="latest")
+    b = resumed.adapter.state_dict()
+    for k in state:
+        assert np.array_equal(state[k], b[k]), k
 
 
 @pytest.mark.parametrize("backend", ["jax-pmap", "jax-pjit"])

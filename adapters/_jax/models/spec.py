@@ -7,7 +7,8 @@ model state: carried through each step (``mutable=``), checkpointed under
 ``buffers/<collection>/<path>``, and made rank 0's before evaluating and saving. When the
 module's ``__call__`` takes ``train`` (or ``deterministic``), the backends pass
 ``train=True`` for training steps and ``False`` for evaluation, with a ``dropout`` key derived
-from (seed, step) for training.
+from (seed, step) for training. A Flax NNX module is taken as it is: its own variables, split
+into parameters and model state, its train/eval switched the NNX way (``models/nnx.py``).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 import inspect
 from typing import Any
 
+from adapters._jax.models.nnx import NnxModule
 from toolkit import CNN, ToolkitError
 from toolkit.models.specs import ModelSpec
 
@@ -43,22 +45,24 @@ class JaxModel:
             self.params = traverse_util.unflatten_dict(
                 {self.path_of(k): v for k, v in model.init(seed, dtype).items()})
             return
-        if _is_nnx(model) or (isinstance(model, tuple) and model and _is_nnx(model[0])):
-            name = type(model[0] if isinstance(model, tuple) else model).__name__
+        if isinstance(model, tuple) and model and _is_nnx(model[0]):
             raise ToolkitError(
-                f"{backend} takes Flax Linen modules; {name} is a Flax NNX module",
-                "convert it with Flax's bridge: module = nnx.bridge.to_linen(YourClass, "
-                "*constructor_args); variables = module.init(jax.random.key(0), x); pass "
-                "(module, variables) (docs/bring-your-own.md)")
+                f"{backend} got the Flax NNX module {type(model[0]).__name__} in a pair: an NNX "
+                "module holds its own variables", "pass the module itself")
+        if _is_nnx(model):
+            model = (NnxModule(model), None)  # its variables: the module's own
         if isinstance(model, nn.Module):
             raise ToolkitError(
                 f"{backend} got the Flax module {type(model).__name__} without its variables",
                 "pass (module, variables) with variables = module.init(jax.random.key(0), x)")
-        if not (isinstance(model, tuple) and len(model) == 2 and isinstance(model[0], nn.Module)):
+        if not (isinstance(model, tuple) and len(model) == 2
+                and isinstance(model[0], nn.Module | NnxModule)):
             raise ToolkitError(f"{backend} cannot build a model from {type(model).__name__}",
-                               "pass a toolkit.MLP/CNN/GPT spec or a (flax module, variables) pair")
+                               "pass a toolkit.MLP/CNN/GPT spec, a (flax module, variables) "
+                               "pair or a Flax NNX module")
         self.module, variables = model
-        variables = dict(variables or {})
+        variables = dict(variables or {}) if not isinstance(self.module, NnxModule) \
+            else self.module.variables()
         if not variables:
             raise ToolkitError(f"{backend}: the Flax module {type(self.module).__name__} came "
                                "with no variables", "pass variables = module.init(key, x)")
@@ -67,7 +71,8 @@ class JaxModel:
             self.state = variables
         else:  # a bare parameter tree
             self.params = variables
-        arguments = inspect.signature(type(self.module).__call__).parameters
+        arguments = inspect.signature(type(self.module).__call__).parameters \
+            if not isinstance(self.module, NnxModule) else ("train",)  # (NnxModule.apply's)
         self.flag = next((f for f in ("train", "deterministic") if f in arguments), None)
 
     def apply(self, params, state, x, *, train: bool = False, rng=None):
@@ -92,7 +97,7 @@ class JaxModel:
         if not self.native:
             module, leaf = path
             return ".".join(module.split("_")) + "." + leaf
-        return ".".join(path)
+        return ".".join(map(str, path))  # (an NNX list's items are numbered)
 
     def path_of(self, name: str) -> tuple[str, ...]:
         if self.gpt is not None:
@@ -110,12 +115,13 @@ class JaxModel:
 
     def flat_state(self, state) -> dict[str, Any]:
         """``buffers/<collection>/<path>`` -> leaf, for every non-parameter collection."""
-        return {f"buffers/{c}/{'.'.join(k)}": v for c, tree in state.items()
+        return {f"buffers/{c}/{'.'.join(map(str, k))}": v for c, tree in state.items()
                 for k, v in self.traverse.flatten_dict(tree).items()}
 
     def unflat_state(self, flat: dict[str, Any], like) -> dict[str, Any]:
         return {c: self.traverse.unflatten_dict(
-            {k: flat[f"buffers/{c}/{'.'.join(k)}"] for k in self.traverse.flatten_dict(tree)})
+            {k: flat[f"buffers/{c}/{'.'.join(map(str, k))}"]
+             for k in self.traverse.flatten_dict(tree)})
             for c, tree in like.items()}
 
 
