@@ -17,8 +17,10 @@ hold consecutive shards) keeps shard ``axis_index`` of each unit's flat buffer
   between them run again), or, with ``activation_checkpointing``, recomputed too. Gradient
   accumulation reduce-scatters every micro-batch's gradient (accumulating unsharded
   gradients would need full-size buffers).
-  Stage 3 needs the spec models' per-unit forward (``adapters._jax.flat_units.unit_forward``);
-  a native Flax module is sharded at stages 1 and 2. Under mixed precision a shard is cast to
+  A spec model runs unit by unit (``adapters._jax.flat_units.unit_forward``); a native Flax
+  module has no such units, so its forward is one: every unit gathered before it, freed
+  after, gathered again for the backward (FSDP wrapping only the root module). Under mixed
+  precision a shard is cast to
   the compute dtype before its all-gather (half the bytes in bfloat16, FSDP2's
   ``param_dtype``), and the gather's transpose reduce-scatters the gradient in float32
   (``reduce_dtype``): :func:`compute_gather`.
@@ -86,13 +88,6 @@ class PmapSharded(PmapDataParallel):
         params, _, model_state = self._build_common(model, optimizer, loss, seed,
                                                     accumulation_steps, metrics, init_opt=False)
         stage = self.layout.stage
-        if stage == 3 and self.model.native:
-            raise ToolkitError(
-                f"jax-pmap cannot run stage 3 on the native Flax module "
-                f"{type(self.model.module).__name__}: FSDP gathers each unit just before its "
-                "forward, which needs the per-unit forward of a toolkit MLP, CNN or GPT",
-                "use Sharded(stage=1) or Sharded(stage=2) (a native module's optimizer state "
-                "and gradients are sharded), a toolkit model spec, or --backend jax-pjit")
         self.spec = model
         self.units = FlatUnits(self.model, jax.device_count())
         # The global shard index of each local device (the position pmap gives it).
@@ -148,6 +143,12 @@ class PmapSharded(PmapDataParallel):
         # the backward gathers each unit again; without activation checkpointing it keeps the
         # unit's matrix products and recomputes only the elementwise operations between them
         policy = None if self.recompute else jax.checkpoint_policies.dots_saveable
+        if self.model.native:  # one unit of computation: the whole module (FSDP's root)
+            def whole(shards, model_state, xb, rng):
+                return self._flat_forward({u: gather(s) for u, s in shards.items()},
+                                          model_state, xb, rng)
+
+            return jax.checkpoint(whole, policy=policy)(shards, model_state, xb, rng)
 
         def unit_call(unit: str, with_embedding: bool):
             def run(shard, h, embedding_shard):

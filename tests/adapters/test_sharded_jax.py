@@ -12,6 +12,7 @@ import pytest
 
 import adapters
 import toolkit
+from toolkit.datasets import load_digits
 from toolkit.equivalence import LOSS_TOLERANCE, PARAM_TOLERANCE
 from toolkit.models.reference import reference_run
 from toolkit.parallel.shards import unit_layouts
@@ -257,11 +258,35 @@ def test_an_optax_transformation_that_is_not_elementwise_is_refused(backend):
             optimizer=optax.chain(optax.clip_by_global_norm(1.0), optax.sgd(0.1, momentum=0.9)))
 
 
-def test_stage_3_of_a_native_module_in_jax_pmap_is_refused():
+@pytest.mark.parametrize("backend", JAX)
+def test_stage_3_of_a_native_module_with_batchnorm_and_dropout_equals_data_parallel(backend):
+    """FSDP of a native Flax module: the whole module is one unit of computation (gathered
+    before its forward, again for its backward), its BatchNorm statistics and dropout as data
+    parallel's; every step's loss and the final state equal data parallel's; each device
+    holds a shard of the parameters."""
     import flax.linen as nn
     import jax
 
-    module = nn.Dense(3)
-    variables = module.init(jax.random.key(0), np.zeros((1, 5), np.float32))
-    refused("jax-pmap", (module, variables), toolkit.Sharded(3),
-            r"jax-pmap cannot run stage 3 on the native Flax module Dense")
+    class Net(nn.Module):
+        @nn.compact
+        def __call__(self, x, train: bool = False):
+            h = nn.relu(nn.BatchNorm(use_running_average=not train)(nn.Dense(16)(x)))
+            return nn.Dense(10)(nn.Dropout(0.2, deterministic=not train)(h))
+
+    module = Net()
+    variables = module.init(jax.random.key(0), np.zeros((1, 64), np.float32))
+    (x, y), _ = load_digits()
+    runs = {}
+    for layout in ("data", "sharded:3"):
+        adapter = adapters.get(backend)
+        trainer = toolkit.Trainer(adapter, (module, variables), toolkit.SGD(lr=0.1),
+                                  layout=layout, global_batch_size=32, max_steps=6,
+                                  progress=False, env=toolkit.LaunchEnv())
+        runs[layout] = (trainer.fit(x, y).losses, adapter.state_dict(), adapter.memory_bytes())
+    (data, data_state, data_bytes), (fsdp, fsdp_state, fsdp_bytes) = runs.values()
+    np.testing.assert_allclose(fsdp, data, rtol=1e-6)
+    assert sorted(fsdp_state) == sorted(data_state)
+    for k in data_state:
+        np.testing.assert_allclose(fsdp_state[k], data_state[k], rtol=1e-5, atol=1e-6,
+                                   err_msg=k)
+    assert fsdp_bytes["params"] < data_bytes["params"]  # (2 devices: each its shards)
