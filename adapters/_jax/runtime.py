@@ -15,7 +15,7 @@ import numpy as np
 from adapters._common import check_world, missing_framework
 from toolkit import LaunchEnv, ToolkitError
 from toolkit.launch.cli import close_on_input_error
-from toolkit.launch.coordinator import check_coordinator_host
+from toolkit.launch.coordinator import agreed_port, check_coordinator_host
 from toolkit.launch.devices import Device, choose_device, count_gpus
 from toolkit.models.specs import DTYPES, check_choice
 
@@ -70,7 +70,8 @@ def import_jax(backend: str, env: LaunchEnv, dtype: str, local_devices: int | No
                            "create the adapter before any other JAX computation") from err
     if env.world_size > 1 and not jax.distributed.is_initialized():
         check_coordinator_host(env)  # (rank 0 serves it: a wrong host would hang every rank)
-        jax.distributed.initialize(coordinator_address=env.coordinator,
+        port = agreed_port(env)  # (a port derived from the job's id may be another job's)
+        jax.distributed.initialize(coordinator_address=f"{env.coordinator_address}:{port}",
                                    num_processes=env.world_size, process_id=env.rank,
                                    local_device_ids=local_device_ids(device, env))
         close_on_input_error(jax.distributed.shutdown)

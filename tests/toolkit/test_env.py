@@ -176,11 +176,69 @@ def test_concurrent_slurm_jobs_get_different_ports(jobs):
     assert len(steps) == 3 * len(jobs[:50])
 
 
-@pytest.mark.xfail(strict=True, reason="the port is derived from the job id modulo 1000, so "
-                   "two jobs whose ids are 1000 apart (job 4242 still running when job 5242 "
-                   "starts on the same node) ask for the same coordinator port")
-def test_jobs_1000_ids_apart_get_different_ports():
-    assert srun_port(4242) != srun_port(5242)
+def agree_in_threads(envs: list[LaunchEnv], timeout: float = 20.0) -> list[int]:
+    """What ``agreed_port`` returns on each of ``envs`` (ranks of one or more jobs on this
+    machine), each in its own thread, all at once."""
+    import threading
+
+    from toolkit.launch.coordinator import agreed_port
+
+    got: list = [None] * len(envs)
+
+    def run(i):
+        try:
+            got[i] = agreed_port(envs[i], timeout=timeout)
+        except Exception as err:  # reported by the assertion below
+            got[i] = err
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(envs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout + 5)
+    return got
+
+
+def slurm_ranks(job_id: int, world: int = 3) -> list[LaunchEnv]:
+    """The launch environments of a ``world``-task srun step of job ``job_id`` on this one
+    node (its coordinator address 127.0.0.1)."""
+    return [detect_launch_env({
+        "SLURM_JOB_ID": str(job_id), "SLURM_STEP_ID": "0", "SLURM_NTASKS": str(world),
+        "SLURM_STEP_NUM_TASKS": str(world), "SLURM_PROCID": str(r), "SLURM_LOCALID": str(r),
+        "SLURM_STEP_TASKS_PER_NODE": str(world), "SLURM_STEP_NODELIST": "127.0.0.1",
+        "SLURM_NNODES": "1"}) for r in range(world)]
+
+
+def test_jobs_1000_ids_apart_on_one_node_get_different_ports():
+    """Job 4242 and job 5242 derive the same starting port (ids 1000 apart), and start on one
+    node at once: each job's rank 0 takes a free port and answers its own ranks (asking with
+    their job's identity) on the first meeting port it can bind; every rank of a job gets its
+    rank 0's port, and the two jobs' ports differ."""
+    first, second = slurm_ranks(4242), slurm_ranks(5242)
+    assert first[0].coordinator_port == second[0].coordinator_port  # (where they meet)
+    assert first[0].job == "slurm 4242.0" and second[0].job == "slurm 5242.0"
+    # every rank of both jobs at once, each job's rank 0 last (its ranks wait for it)
+    got = agree_in_threads([*first[1:], *second[1:], first[0], second[0]])
+    assert all(isinstance(p, int) for p in got), got
+    a, b = got[:2] + got[4:5], got[2:4] + got[5:]
+    assert len(set(a)) == 1 and len(set(b)) == 1 and a[0] != b[0], got
+
+
+def test_a_reserved_or_named_port_is_the_port_itself():
+    from toolkit.launch.coordinator import agreed_port
+
+    reserved = detect_launch_env({**SRUN_2_NODES, "SLURM_STEP_RESV_PORTS": "12000-12003"})
+    named = detect_launch_env({**SRUN_2_NODES, "TOOLKIT_COORDINATOR_PORT": "23456"})
+    assert (reserved.job, named.job) == ("", "")
+    assert agreed_port(reserved) == 12000 and agreed_port(named) == 23456  # (asks no one)
+
+
+def test_a_rank_whose_rank_0_never_answers_is_told_so():
+    (_, rank1) = slurm_ranks(777, world=2)
+    (got,) = agree_in_threads([rank1], timeout=0.5)
+    assert isinstance(got, ToolkitError), got
+    assert "rank 1 found no answer from rank 0 on 127.0.0.1" in str(got)
+    assert "TOOLKIT_COORDINATOR_PORT" in str(got)
 
 
 def test_the_port_slurm_reserved_for_the_step_wins_over_the_derived_one():

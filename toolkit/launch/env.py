@@ -16,8 +16,9 @@ from collections.abc import Mapping
 from toolkit.errors import ToolkitError
 
 # Ports for JAX's coordinator: the one Slurm reserved for the step (--resv-ports=1), the one
-# TOOLKIT_COORDINATOR_PORT names, or one derived from the job's id (concurrent jobs whose ids
-# are less than 1000 apart get different ones).
+# TOOLKIT_COORDINATOR_PORT names, or one that rank 0 takes when the job starts and tells the
+# other ranks (toolkit.launch.coordinator.agreed_port), found from a port derived from the
+# job's id: jobs on one node whose derived ports meet still get different ones.
 _PORT_BASE = 20000
 PORT_VARIABLE = "TOOLKIT_COORDINATOR_PORT"
 
@@ -38,6 +39,10 @@ class LaunchEnv:
             ``torchrun`` or ``python``.
         num_nodes: the job's nodes (0 where the launcher does not say: an mpirun without Open
             MPI 4's runtime variables).
+        job: the job's identity as its launcher gives it (Slurm's job and step ids, Open MPI's
+            job id) when ``coordinator_port`` is only where the ranks meet to agree on the
+            coordinator's port (:func:`toolkit.launch.coordinator.agreed_port`); ``""`` when
+            it is the port itself (reserved by Slurm, named by the user, horovodrun's).
     """
 
     world_size: int = 1
@@ -49,6 +54,7 @@ class LaunchEnv:
     coordinator_port: int = _PORT_BASE
     launcher: str = "python"
     num_nodes: int = 1
+    job: str = dataclasses.field(default="", compare=False)
 
     def __post_init__(self) -> None:
         if self.world_size < 1 or not 0 <= self.rank < self.world_size:
@@ -171,6 +177,9 @@ def _from_horovodrun(env: Mapping[str, str]) -> LaunchEnv:
 
 def _from_slurm(env: Mapping[str, str]) -> LaunchEnv:
     nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or "127.0.0.1"
+    job, step = env.get("SLURM_JOB_ID", "0"), env.get("SLURM_STEP_ID", env.get("SLURM_STEPID",
+                                                                            "0"))
+    reserved = _reserved_port(env)
     return LaunchEnv(
         world_size=_int(env, "SLURM_STEP_NUM_TASKS", _int(env, "SLURM_NTASKS", 1)),
         rank=_int(env, "SLURM_PROCID"),
@@ -178,10 +187,10 @@ def _from_slurm(env: Mapping[str, str]) -> LaunchEnv:
         local_size=_slurm_local_size(env),
         node_rank=_int(env, "SLURM_NODEID", 0),
         coordinator_address=expand_nodelist(nodelist)[0],
-        coordinator_port=_reserved_port(env) or _port_for(
-            env.get("SLURM_JOB_ID", "0"), env.get("SLURM_STEP_ID", env.get("SLURM_STEPID", "0"))),
+        coordinator_port=reserved or _port_for(job, step),
         launcher="srun",
         num_nodes=_int(env, "SLURM_STEP_NUM_NODES", _int(env, "SLURM_NNODES", 1)),
+        job="" if reserved else f"slurm {job}.{step}",
     )
 
 
@@ -226,6 +235,7 @@ def _from_openmpi(env: Mapping[str, str]) -> LaunchEnv:
         launcher="mpirun",
         # the nodes the job's ranks are on (Open MPI 4's runtime, ORTE, says)
         num_nodes=_int(env, "OMPI_MCA_orte_num_nodes", 0),
+        job=f"openmpi {job}",
     )
 
 
@@ -272,7 +282,7 @@ def detect_launch_env(environ: Mapping[str, str] | None = None) -> LaunchEnv:
     env = os.environ if environ is None else environ
     found = _detect(env)
     if env.get(PORT_VARIABLE, "").strip():  # (set but empty: unset)
-        return dataclasses.replace(found, coordinator_port=_port_variable(env))
+        return dataclasses.replace(found, coordinator_port=_port_variable(env), job="")
     return found
 
 
