@@ -25,9 +25,9 @@ from toolkit import ToolkitError
 from toolkit.models.specs import CNN, MLP, ModelSpec
 from toolkit.parallel.pipeline.partition import partition_layers, partition_model
 
-_NATIVE_HINT = ("pass a toolkit.MLP/GPT spec, a (flax.linen.Sequential, variables) pair, or a list "
-                "of (flax module, variables) pairs applied "
-                "in order (each variables = module.init(key, x))")
+_NATIVE_HINT = ("pass a toolkit.MLP/GPT spec, a (flax.linen.Sequential, variables) pair, an "
+                "nnx.Sequential, or a list of (flax module, variables) pairs applied in order "
+                "(each variables = module.init(key, x))")
 
 
 @dataclasses.dataclass
@@ -214,12 +214,25 @@ def _spec_piece(spec, layers: range, first: bool, last: bool):
 
 def _native_layers(model, backend) -> list[tuple[str, Any, dict]]:
     """``(prefix, layer, variables)`` of each layer of a native sequential model, in order: a
-    list of Flax ``(module, variables)`` pairs (prefixes ``0``, ``1``, ...), or a
+    list of Flax ``(module, variables)`` pairs (prefixes ``0``, ``1``, ...), a
     ``(flax.linen.Sequential, variables)`` pair, whose layers are its ``layers`` (modules or
     plain functions such as ``nn.relu``) under the names data parallelism gives them
-    (``layers_0``, ...)."""
+    (``layers_0``, ...), or a Flax NNX ``nnx.Sequential`` (``layers.0``, ...; each layer an
+    NNX module behind Linen's ``apply``: ``models/nnx.py``)."""
     import flax.linen as nn
 
+    from adapters._jax.models.nnx import NnxModule, is_nnx
+
+    if is_nnx(model):
+        from flax import nnx
+
+        if not isinstance(model, nnx.Sequential):
+            raise ToolkitError(f"{backend} cannot cut the NNX module {type(model).__name__} "
+                               "into pipeline stages: a pipeline needs a sequential model",
+                               "build it as an nnx.Sequential of its layers")
+        wrapped = [NnxModule(layer) if is_nnx(layer) else layer for layer in model.layers]
+        return [(f"layers.{i}", layer, layer.variables() if isinstance(layer, NnxModule) else {})
+                for i, layer in enumerate(wrapped)]
     if (isinstance(model, tuple) and len(model) == 2 and isinstance(model[0], nn.Sequential)):
         seq, variables = model
         variables = dict(variables or {})
@@ -248,6 +261,8 @@ def _native_pieces(model, S, v, splits, dtype, backend):
     import flax.linen as nn
     from flax import traverse_util
 
+    from adapters._jax.models.nnx import NnxModule
+
     layers, named, costs, own = _native_layers(model, backend), {}, [], []
     for i, (prefix, layer, variables) in enumerate(layers):
         extra = [c for c in variables if c != "params"]
@@ -256,21 +271,21 @@ def _native_pieces(model, S, v, splits, dtype, backend):
                                f"{extra}; pipeline stages carry parameters only",
                                "use layers without BatchNorm statistics in a pipeline")
         flat = traverse_util.flatten_dict(dict(variables.get("params", {})))
-        mine = {f"{prefix}." + ".".join(k): np.asarray(a).astype(dtype) for k, a in flat.items()}
-        named.update(mine)
-        own.append(tuple(mine))
-        costs.append(sum(a.size for a in mine.values()))
+        # name -> the layer's own path (an NNX list's keys are numbers)
+        paths = {f"{prefix}." + ".".join(map(str, k)): k for k in flat}
+        named.update({n: np.asarray(flat[k]).astype(dtype) for n, k in paths.items()})
+        own.append(paths)
+        costs.append(sum(np.size(a) for a in flat.values()))
     ranges = partition_layers(costs, S, v, splits)
 
     def piece(r: range):
         def fn(p, h):
             for i in r:
-                prefix, layer, _ = layers[i]
-                if not isinstance(layer, nn.Module):  # (a Sequential's function: nn.relu)
+                _, layer, _ = layers[i]
+                if not isinstance(layer, nn.Module | NnxModule):  # (a function: nn.relu)
                     h = layer(h)
                     continue
-                tree = traverse_util.unflatten_dict(
-                    {tuple(n[len(prefix) + 1:].split(".")): p[n] for n in own[i]})
+                tree = traverse_util.unflatten_dict({k: p[n] for n, k in own[i].items()})
                 h = layer.apply({"params": tree}, h)
             return h
 

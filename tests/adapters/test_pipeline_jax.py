@@ -268,6 +268,45 @@ def test_a_flax_sequential_pipelines_under_data_parallels_names(backend):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_an_nnx_sequential_pipelines_under_data_parallels_names(backend):
+    """A Flax NNX ``nnx.Sequential`` (its ``nnx.relu`` a function) is cut by layer, each an
+    NNX module run through its own state, and trains as the reference does, under the names
+    data parallelism gives it (``layers.0.kernel``); data parallel trains it alike."""
+    import jax.numpy as jnp
+    from flax import nnx
+
+    model = make_model("mlp")
+    init = model.init(0, "float64")
+
+    def seq():
+        rngs = nnx.Rngs(0)
+        made = nnx.Sequential(nnx.Linear(64, 128, param_dtype=jnp.float64, rngs=rngs), nnx.relu,
+                              nnx.Linear(128, 10, param_dtype=jnp.float64, rngs=rngs))
+        for layer, i in ((made.layers[0], 0), (made.layers[2], 1)):
+            layer.kernel[...] = jnp.asarray(init[f"layers.{i}.kernel"])
+            layer.bias[...] = jnp.asarray(init[f"layers.{i}.bias"])
+        return made
+
+    optimizer = toolkit.SGD(lr=0.05, momentum=0.9)
+    adapter, pipe = pipelined("pipeline:2:4:1f1b", backend=backend)
+    losses = fit(adapter, seq(), optimizer)
+    names = {"layers.0.kernel": "layers.0.kernel", "layers.0.bias": "layers.0.bias",
+             "layers.1.kernel": "layers.2.kernel", "layers.1.bias": "layers.2.bias"}
+    loss_dev, param_dev = deviations(losses, adapter.state_dict(), model, optimizer,
+                                     names=names)
+    assert loss_dev < 1e-10 and param_dev < 1e-10
+    assert pipe.staged.piece_names == [("layers.0.bias", "layers.0.kernel"),
+                                       ("layers.2.bias", "layers.2.kernel")]
+    data = adapters.get(backend, dtype="float64")
+    np.testing.assert_allclose(losses, fit(data, seq(), optimizer), rtol=1e-10)
+    assert sorted(k for k in data.state_dict() if k.startswith("params/")) == \
+        sorted(f"params/{n}" for n in names.values())
+    with pytest.raises(toolkit.ToolkitError, match="cannot cut the NNX module Linear"):
+        pipelined("pipeline:2:4", backend=backend)[0].build(
+            nnx.Linear(2, 2, rngs=nnx.Rngs(0)), optimizer, "cross_entropy")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_bad_input_is_a_clear_error(backend):
     import flax.linen as nn
 

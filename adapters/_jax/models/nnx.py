@@ -18,6 +18,15 @@ from __future__ import annotations
 from typing import Any
 
 
+def is_nnx(model: Any) -> bool:
+    """Whether ``model`` is a Flax NNX module (``flax.nnx.Module``)."""
+    try:
+        from flax import nnx
+    except ImportError:  # a Flax without NNX
+        return False
+    return isinstance(model, nnx.Module)
+
+
 class NnxModule:
     """An ``nnx.Module`` with the Linen ``apply`` signature the JAX backends call.
 

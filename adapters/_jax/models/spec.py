@@ -16,7 +16,7 @@ from __future__ import annotations
 import inspect
 from typing import Any
 
-from adapters._jax.models.nnx import NnxModule
+from adapters._jax.models.nnx import NnxModule, is_nnx
 from toolkit import CNN, ToolkitError
 from toolkit.models.specs import ModelSpec
 
@@ -45,11 +45,11 @@ class JaxModel:
             self.params = traverse_util.unflatten_dict(
                 {self.path_of(k): v for k, v in model.init(seed, dtype).items()})
             return
-        if isinstance(model, tuple) and model and _is_nnx(model[0]):
+        if isinstance(model, tuple) and model and is_nnx(model[0]):
             raise ToolkitError(
                 f"{backend} got the Flax NNX module {type(model[0]).__name__} in a pair: an NNX "
                 "module holds its own variables", "pass the module itself")
-        if _is_nnx(model):
+        if is_nnx(model):
             model = (NnxModule(model), None)  # its variables: the module's own
         if isinstance(model, nn.Module):
             raise ToolkitError(
@@ -214,11 +214,3 @@ def correct_per_sample(jnp, out, y):
     hits = (jnp.argmax(out, axis=-1) == y).astype(jnp.float32)
     return jnp.sum(hits.reshape(out.shape[0], -1).mean(axis=1))
 
-
-def _is_nnx(model: Any) -> bool:
-    """Whether ``model`` is a Flax NNX module (``flax.nnx.Module``)."""
-    try:
-        from flax import nnx
-    except ImportError:  # an older Flax: no NNX
-        return False
-    return isinstance(model, nnx.Module)
