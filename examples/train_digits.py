@@ -45,7 +45,7 @@ def main() -> None:
     state = trainer.adapter.state_dict()
     if args.save_model:
         toolkit.save0(args.save_model, lambda f: np.savez(f, **state))
-    final = trainer.evaluate(*validation)
+    final = history.evaluations[-1]  # (fit evaluates the model it returns)
     toolkit.print0(f"done: world_size {history.world_size}  steps {trainer.global_step}  "
                    f"final_loss {history.final_loss:.6f}  "
                    f"val_accuracy {final['val_accuracy']:.4f}")

@@ -67,8 +67,8 @@ def main() -> None:
         backend, (module, variables), optax.adamw(args.lr, weight_decay=1e-4),
         loss=smoothed_cross_entropy, metrics={"acc": accuracy},
         sync_batchnorm=args.sync_batchnorm, **toolkit.trainer_options(args))
-    trainer.fit(x, y, (val_x, val_y))
-    final = trainer.evaluate(val_x, val_y)
+    history = trainer.fit(x, y, (val_x, val_y))
+    final = history.evaluations[-1]  # (fit evaluates the model it returns)
     toolkit.print0(f"done: world_size {trainer.env.world_size}  steps {trainer.global_step}  "
                    f"val_loss {final['val_loss']:.4f}  val_accuracy {final['val_acc']:.4f}")
 

@@ -71,8 +71,8 @@ def main() -> None:
     schedule = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=args.lr, total_steps=args.steps)
     trainer = toolkit.Trainer(adapters.get("horovod-torch"), model, (opt, schedule),
                               **toolkit.trainer_options(args))
-    trainer.fit(train, validation=val)
-    final = trainer.evaluate(val)
+    history = trainer.fit(train, validation=val)
+    final = history.evaluations[-1]  # (fit evaluates the model it returns)
     toolkit.print0(f"done: world_size {trainer.env.world_size}  steps {trainer.global_step}  "
                    f"val_loss {final['val_loss']:.4f}  val_accuracy {final['val_accuracy']:.4f}")
 

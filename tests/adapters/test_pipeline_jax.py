@@ -235,7 +235,8 @@ def test_native_list_of_flax_modules():
     assert pipe.staged.piece_names == [("0.kernel", "0.bias"), ("2.kernel", "2.bias")]
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", [  # (jax-pmap with make test-long: the same cut)
+    "jax-pjit", pytest.param("jax-pmap", marks=pytest.mark.long)])
 def test_a_flax_sequential_pipelines_under_data_parallels_names(backend):
     """A ``(flax.linen.Sequential, variables)`` pair, as data parallelism takes it, is cut by
     layer (its ``nn.relu`` a function, no parameters) and trains as the reference does, its
@@ -267,7 +268,8 @@ def test_a_flax_sequential_pipelines_under_data_parallels_names(backend):
     np.testing.assert_allclose(losses, data_losses, rtol=1e-10)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", [  # (jax-pjit with make test-long: the same cut)
+    pytest.param("jax-pjit", marks=pytest.mark.long), "jax-pmap"])
 def test_an_nnx_sequential_pipelines_under_data_parallels_names(backend):
     """A Flax NNX ``nnx.Sequential`` (its ``nnx.relu`` a function) is cut by layer, each an
     NNX module run through its own state, and trains as the reference does, under the names

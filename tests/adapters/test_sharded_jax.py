@@ -258,7 +258,8 @@ def test_an_optax_transformation_that_is_not_elementwise_is_refused(backend):
             optimizer=optax.chain(optax.clip_by_global_norm(1.0), optax.sgd(0.1, momentum=0.9)))
 
 
-@pytest.mark.parametrize("backend", JAX)
+@pytest.mark.parametrize("backend", [  # (jax-pjit's native ZeRO-3 with make test-long)
+    pytest.param("jax-pjit", marks=pytest.mark.long), "jax-pmap"])
 def test_stage_3_of_a_native_module_with_batchnorm_and_dropout_equals_data_parallel(backend):
     """FSDP of a native Flax module: the whole module is one unit of computation (gathered
     before its forward, again for its backward), its BatchNorm statistics and dropout as data

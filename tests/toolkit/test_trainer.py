@@ -291,11 +291,25 @@ def test_validation_is_evaluated_every_eval_every_steps_and_at_the_last(
     trainer = toolkit.Trainer(LrRecorder(), toolkit.MLP((64, 32, 10)), toolkit.SGD(lr=0.05),
                               global_batch_size=128, progress=False, env=toolkit.LaunchEnv(),
                               metrics_log=tmp_path / "m.jsonl", **options)
-    trainer.fit(x, y, validation)
+    history = trainer.fit(x, y, validation)
     records = [json.loads(line) for line in (tmp_path / "m.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records if r["event"] == "eval"] == evaluated
+    assert [e["step"] for e in history.evaluations] == evaluated
+    assert all(e["val_loss"] == 0.0 for e in history.evaluations)  # (LrRecorder's)
     ends = {r["step"] for r in records if r["event"] == "epoch"}
     between = [s for s in evaluated if s not in ends]
     lines = [line for line in capsys.readouterr().out.splitlines() if " val_loss " in line]
     assert [line.split()[1] for line in lines if line.startswith("step ")] == \
         [str(s) for s in between]
+
+
+def test_a_fit_with_nothing_left_to_train_still_evaluates_the_model_it_returns(digits, capsys):
+    (x, y), validation = digits
+    trainer = toolkit.Trainer(LrRecorder(), toolkit.MLP((64, 32, 10)), toolkit.SGD(lr=0.05),
+                              global_batch_size=128, max_steps=3, progress=False,
+                              env=toolkit.LaunchEnv())
+    trainer.fit(x, y, validation)
+    again = trainer.fit(x, y, validation)  # (max_steps reached: no step)
+    assert again.losses == [] and [e["step"] for e in again.evaluations] == [3]
+    lines = [line for line in capsys.readouterr().out.splitlines() if "val_loss" in line]
+    assert lines[-1].startswith("step 3  val_loss ")  # (no training loss to show)

@@ -32,6 +32,9 @@ class History:
         loss_scales: under fp16 loss scaling, the scale of each step's loss.
         overflow_steps: under fp16 loss scaling, the steps the scaler skipped (a scaled
             gradient that was not finite; the scale was halved), apart from ``skipped_steps``.
+        evaluations: each evaluation of ``fit``'s validation data, in order: ``step`` and
+            ``val_loss`` (``val_accuracy``, ``val_<metric>``); the last is the returned
+            model's (``fit`` evaluates its last step).
     """
 
     losses: list[float] = dataclasses.field(default_factory=list)
@@ -42,6 +45,7 @@ class History:
     skipped_steps: list[int] = dataclasses.field(default_factory=list)
     loss_scales: list[float] = dataclasses.field(default_factory=list)
     overflow_steps: list[int] = dataclasses.field(default_factory=list)
+    evaluations: list[dict[str, float]] = dataclasses.field(default_factory=list)
 
     @property
     def final_loss(self) -> float:
@@ -136,7 +140,8 @@ def eval_line(step: int, loss: float, record: dict) -> str:
         >>> eval_line(30, 0.61234, {"val_loss": 0.5, "val_accuracy": 0.875})
         'step 30  loss 0.6123  val_loss 0.5000  val_accuracy 0.8750'
     """
-    return f"step {step}  loss {loss:.4f}" + "".join(
+    trained = f"  loss {loss:.4f}" if math.isfinite(loss) else ""  # (nan: no step in this fit)
+    return f"step {step}{trained}" + "".join(
         f"  {k} {v:.4f}" for k, v in record.items() if k.startswith("val_"))
 
 

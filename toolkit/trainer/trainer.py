@@ -286,7 +286,8 @@ class Trainer(StopsTogether):
             validation: Dataset | tuple[np.ndarray, np.ndarray] | None = None) -> History:
         """Trains on ``data`` (inputs ``x`` with labels ``y``, or a :class:`toolkit.Dataset`
         such as :class:`toolkit.TokenWindows`); evaluates on ``validation`` (``(x_val, y_val)``
-        or a data set) after each epoch, every ``eval_every`` steps, and at the last step.
+        or a data set) after each epoch, every ``eval_every`` steps, and at the last step
+        (``History.evaluations``).
         Every rank passes the whole data set; the sampler
         picks each rank's samples, which the data set loads (see ``prefetch``)."""
         train = as_dataset(data, y, what="the training data")
@@ -339,7 +340,7 @@ class Trainer(StopsTogether):
     def _loop(self, loader: BatchPrefetcher, validation, total: int, scale: float) -> None:
         env, sampler, history, progress = self.env, self.sampler, self._history, self._progress
         self.checkpoints.start_clock()
-        evaluated = start = self.global_step  # (a step's evaluation: once)
+        evaluated = -1  # the step last evaluated (each step's evaluation: once)
         while self.global_step < total:
             epoch, epoch_start = sampler.epoch, time.monotonic()
             first_in_epoch = len(history.losses) + len(self._losses)
@@ -381,15 +382,16 @@ class Trainer(StopsTogether):
                                          time.monotonic() - epoch_start)
                 history.epochs.append(record)
                 evaluated = self.global_step
-        if validation is not None and evaluated != self.global_step != start:
-            self._evaluate_at_step(validation)  # the run stopped between epochs' ends
+        if validation is not None and evaluated != self.global_step:
+            self._evaluate_at_step(validation)  # the model fit returns, between epochs' ends
 
     def _evaluate_at_step(self, validation) -> None:
         """An evaluation between epochs' ends: its eval record, and rank 0's line."""
         self._flush()  # (the line shows this step's training loss)
         self._progress.clear()
         result = self.evaluate(validation)
-        print0(eval_line(self.global_step, self._history.losses[-1], result), env=self.env)
+        self._history.evaluations.append({"step": self.global_step, **result})
+        print0(eval_line(self.global_step, self._history.final_loss, result), env=self.env)
 
     def _loss_settled(self) -> bool:
         """False while the loss is above ``divergence_factor`` x its best: a scheduled
@@ -402,7 +404,9 @@ class Trainer(StopsTogether):
                                     "loss": float(np.mean(losses)) if losses else math.nan,
                                     "seconds": round(seconds, 4)}
         if validation is not None:
-            record.update(self.evaluate(validation))
+            result = self.evaluate(validation)
+            record.update(result)
+            self._history.evaluations.append({"step": self.global_step, **result})
         print0(epoch_line(record, seconds), env=self.env)
         self._log.write([{"event": "epoch", **record}])
         return record
