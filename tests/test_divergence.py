@@ -212,8 +212,10 @@ def test_more_consecutive_skips_than_allowed_stop_the_run(backend, layout, launc
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("backend", [  # (make test-long: jax-pjit, which never shut down MPI)
-    "horovod-torch", "horovod-tf", pytest.param("jax-pjit", marks=pytest.mark.long)])
+@pytest.mark.parametrize("backend", [  # (make test-long: horovod-tf, whose Horovod runtime is
+    # horovod-torch's, and jax-pjit, which never shut down MPI)
+    "horovod-torch", *(pytest.param(b, marks=pytest.mark.long) for b in ("horovod-tf",
+                                                                         "jax-pjit"))])
 def test_a_sweep_that_catches_a_divergence_trains_its_next_trainer(backend, launch):
     """A learning-rate sweep (tests/scripts/sweep_worker.py) catches the first rate's
     TrainingDiverged on every rank and builds the next Trainer in the same processes, which

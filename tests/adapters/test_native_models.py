@@ -161,7 +161,8 @@ def test_a_flax_nnx_module_trains_like_the_spec(backend):
         trainer.fit(x, y)
 
 
-@pytest.mark.parametrize("backend", ["jax-pmap", "jax-pjit"])
+@pytest.mark.parametrize("backend", [  # (jax-pmap with make test-long: the same NnxModule)
+    pytest.param("jax-pmap", marks=pytest.mark.long), "jax-pjit"])
 def test_an_nnx_module_with_dropout_and_batchnorm_keeps_its_state_and_draws_per_step(
         backend, tmp_path):
     """Dropout and BatchNorm the NNX way: training switches them on (masks from the step's key:
