@@ -187,7 +187,7 @@ def test_several_backends_are_drawn_on_one_picture(tmp_path):
     split = fig.axes[2]
     assert split.get_title() == "where a step's time goes"
     labels = [t.get_text() for t in split.get_legend().get_texts()]
-    assert labels[:3] == ["a, data: compute", "a, data: comm+sync", "a, data: input wait"]
+    assert labels == ["compute", "comm+sync", "input wait"]  # (the studies: by colour)
     heights = sorted(round(p.get_height(), 6) for p in split.patches)
     assert heights[-1] == 250.0 and 30.0 in heights  # ms: N=1's compute, N=2's comm+sync
 

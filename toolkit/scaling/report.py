@@ -94,9 +94,12 @@ PARTS = (("compute_s", "compute", "/"), ("comm_s", "comm+sync", "\\\\"),
 def step_split(ax, studies: dict[str, list[Point]], sizes: list[int]) -> None:
     """Stacked bars of each world size's step time (ms) per study, side by side: compute (the
     one-rank reference's step at the same batch per rank), comm+sync (the rest) and input
-    wait; a study without the split (``--no-breakdown``) shows its whole step."""
-    width = 0.8 / max(1, len(studies))
-    for i, (label, points) in enumerate(studies.items()):
+    wait; a study without the split (``--no-breakdown``) shows its whole step. The colours
+    are the studies' (as in the other panels), the hatches the parts (this legend's)."""
+    from matplotlib.patches import Patch
+
+    width, shown = 0.8 / max(1, len(studies)), {}
+    for i, points in enumerate(studies.values()):
         ok = [p for p in points if p.step_s is not None]
         offset = (i - (len(studies) - 1) / 2) * width
         x = np.asarray([sizes.index(p.world_size) for p in ok]) + offset
@@ -106,9 +109,11 @@ def step_split(ax, studies: dict[str, list[Point]], sizes: list[int]) -> None:
             if field == "compute_s" and all(p.compute_s is None for p in ok):
                 values, part = np.asarray([p.step_s * 1e3 for p in ok]), "step"
             ax.bar(x, values, width, bottom=bottom, color=f"C{i}", hatch=hatch,
-                   edgecolor="white", label=f"{label}: {part}")
+                   edgecolor="white")
+            shown[part] = hatch
             bottom += values
     ax.set_xticks(range(len(sizes)), [str(s) for s in sizes])
     ax.set(xlabel="ranks (N)", ylabel="ms per step", title="where a step's time goes")
     ax.grid(alpha=0.3, axis="y")
-    ax.legend(fontsize=7)
+    ax.legend(handles=[Patch(facecolor="0.55", edgecolor="white", hatch=h, label=part)
+                       for part, h in shown.items()], fontsize=8)
