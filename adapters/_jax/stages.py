@@ -234,14 +234,9 @@ def _native_layers(model, backend) -> list[tuple[str, Any, dict]]:
         return [(f"layers.{i}", layer, layer.variables() if isinstance(layer, NnxModule) else {})
                 for i, layer in enumerate(wrapped)]
     if (isinstance(model, tuple) and len(model) == 2 and isinstance(model[0], nn.Sequential)):
-        seq, variables = model
-        variables = dict(variables or {})
-        params, extra = dict(variables.get("params", {})), [c for c in variables if c != "params"]
-        if extra:
-            raise ToolkitError(f"{backend}: the Sequential has model state {extra}; pipeline "
-                               "stages carry parameters only",
-                               "use layers without BatchNorm statistics in a pipeline")
-        return [(f"layers_{i}", layer, {"params": params.get(f"layers_{i}", {})})
+        seq, variables = model  # (each layer's part of every collection: params, batch_stats)
+        return [(f"layers_{i}", layer, {c: tree[f"layers_{i}"] for c, tree in
+                                        dict(variables or {}).items() if f"layers_{i}" in tree})
                 for i, layer in enumerate(seq.layers)]
     pairs = list(model) if isinstance(model, list | tuple) else None
     if (not pairs or isinstance(model, tuple) and len(model) == 2

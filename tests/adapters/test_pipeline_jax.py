@@ -235,50 +235,62 @@ def test_native_list_of_flax_modules():
     assert pipe.staged.piece_names == [("0.kernel", "0.bias"), ("2.kernel", "2.bias")]
 
 
+def check_a_sequential_mlp(backend, make, first, second, pieces):
+    """The digits MLP as a native sequential model (``make()``: with the spec's initial weights,
+    its dense layers named ``first`` and ``second``) under Pipeline(2, 4, "1f1b") trains as
+    the reference does (1e-10), cut into ``pieces``; data parallel trains it alike, under the
+    same names."""
+    model, optimizer = make_model("mlp"), toolkit.SGD(lr=0.05, momentum=0.9)
+    adapter, pipe = pipelined("pipeline:2:4:1f1b", backend=backend)
+    losses = fit(adapter, make(), optimizer)
+    names = {f"layers.{i}.{leaf}": f"{prefix}.{leaf}" for i, prefix in enumerate((first, second))
+             for leaf in ("kernel", "bias")}
+    loss_dev, param_dev = deviations(losses, adapter.state_dict(), model, optimizer,
+                                     names=names)
+    assert loss_dev < 1e-10 and param_dev < 1e-10
+    assert pipe.staged.piece_names == pieces
+    data = adapters.get(backend, dtype="float64")
+    np.testing.assert_allclose(losses, fit(data, make(), optimizer), rtol=1e-10)
+    assert sorted(k for k in data.state_dict() if k.startswith("params/")) == \
+        sorted(f"params/{n}" for n in names.values())
+
+
 @pytest.mark.parametrize("backend", [  # (jax-pmap with make test-long: the same cut)
     "jax-pjit", pytest.param("jax-pmap", marks=pytest.mark.long)])
 def test_a_flax_sequential_pipelines_under_data_parallels_names(backend):
     """A ``(flax.linen.Sequential, variables)`` pair, as data parallelism takes it, is cut by
-    layer (its ``nn.relu`` a function, no parameters) and trains as the reference does, its
-    parameters under the Sequential's own names (``layers_0.kernel``)."""
+    layer (its ``nn.relu`` a function, no parameters), its parameters under the Sequential's
+    own names (``layers_0.kernel``)."""
     import flax.linen as nn
     import jax
 
-    model = make_model("mlp")
-    init = model.init(0, "float64")
+    init = make_model("mlp").init(0, "float64")
     f64 = jax.numpy.float64
     seq = nn.Sequential([nn.Dense(128, param_dtype=f64), nn.relu, nn.Dense(10, param_dtype=f64)])
     variables = {"params": {
         "layers_0": {"kernel": init["layers.0.kernel"], "bias": init["layers.0.bias"]},
         "layers_2": {"kernel": init["layers.1.kernel"], "bias": init["layers.1.bias"]}}}
-    optimizer = toolkit.SGD(lr=0.05, momentum=0.9)
-    adapter, pipe = pipelined("pipeline:2:4:1f1b", backend=backend)
-    losses = fit(adapter, (seq, variables), optimizer)
-    names = {"layers.0.kernel": "layers_0.kernel", "layers.0.bias": "layers_0.bias",
-             "layers.1.kernel": "layers_2.kernel", "layers.1.bias": "layers_2.bias"}
-    loss_dev, param_dev = deviations(losses, adapter.state_dict(), model, optimizer,
-                                     names=names)
-    assert loss_dev < 1e-10 and param_dev < 1e-10
-    assert pipe.staged.piece_names == [("layers_0.kernel", "layers_0.bias"),
-                                       ("layers_2.kernel", "layers_2.bias")]
-    data = adapters.get(backend, dtype="float64")
-    data_losses = fit(data, (seq, variables), optimizer)
-    assert sorted(k for k in data.state_dict() if k.startswith("params/")) == \
-        sorted(f"params/{n}" for n in names.values())
-    np.testing.assert_allclose(losses, data_losses, rtol=1e-10)
+    check_a_sequential_mlp(backend, lambda: (seq, variables), "layers_0", "layers_2",
+                           [("layers_0.kernel", "layers_0.bias"),
+                            ("layers_2.kernel", "layers_2.bias")])
+    normed = nn.Sequential([nn.Dense(4), nn.BatchNorm(use_running_average=True)])
+    with pytest.raises(toolkit.ToolkitError, match=r"layer 1 \(BatchNorm\) has model state "
+                                                   r"\['batch_stats'\]"):
+        pipelined("pipeline:2:4", backend=backend)[0].build(
+            (normed, normed.init(jax.random.key(0), np.zeros((1, 3)))), toolkit.SGD(lr=0.1),
+            "cross_entropy")
 
 
 @pytest.mark.parametrize("backend", [  # (jax-pjit with make test-long: the same cut)
     pytest.param("jax-pjit", marks=pytest.mark.long), "jax-pmap"])
 def test_an_nnx_sequential_pipelines_under_data_parallels_names(backend):
     """A Flax NNX ``nnx.Sequential`` (its ``nnx.relu`` a function) is cut by layer, each an
-    NNX module run through its own state, and trains as the reference does, under the names
-    data parallelism gives it (``layers.0.kernel``); data parallel trains it alike."""
+    NNX module run through its own state, under the names data parallelism gives it
+    (``layers.0.kernel``); another NNX module is refused."""
     import jax.numpy as jnp
     from flax import nnx
 
-    model = make_model("mlp")
-    init = model.init(0, "float64")
+    init = make_model("mlp").init(0, "float64")
 
     def seq():
         rngs = nnx.Rngs(0)
@@ -289,23 +301,12 @@ def test_an_nnx_sequential_pipelines_under_data_parallels_names(backend):
             layer.bias[...] = jnp.asarray(init[f"layers.{i}.bias"])
         return made
 
-    optimizer = toolkit.SGD(lr=0.05, momentum=0.9)
-    adapter, pipe = pipelined("pipeline:2:4:1f1b", backend=backend)
-    losses = fit(adapter, seq(), optimizer)
-    names = {"layers.0.kernel": "layers.0.kernel", "layers.0.bias": "layers.0.bias",
-             "layers.1.kernel": "layers.2.kernel", "layers.1.bias": "layers.2.bias"}
-    loss_dev, param_dev = deviations(losses, adapter.state_dict(), model, optimizer,
-                                     names=names)
-    assert loss_dev < 1e-10 and param_dev < 1e-10
-    assert pipe.staged.piece_names == [("layers.0.bias", "layers.0.kernel"),
-                                       ("layers.2.bias", "layers.2.kernel")]
-    data = adapters.get(backend, dtype="float64")
-    np.testing.assert_allclose(losses, fit(data, seq(), optimizer), rtol=1e-10)
-    assert sorted(k for k in data.state_dict() if k.startswith("params/")) == \
-        sorted(f"params/{n}" for n in names.values())
+    check_a_sequential_mlp(backend, seq, "layers.0", "layers.2",
+                           [("layers.0.bias", "layers.0.kernel"),
+                            ("layers.2.bias", "layers.2.kernel")])
     with pytest.raises(toolkit.ToolkitError, match="cannot cut the NNX module Linear"):
         pipelined("pipeline:2:4", backend=backend)[0].build(
-            nnx.Linear(2, 2, rngs=nnx.Rngs(0)), optimizer, "cross_entropy")
+            nnx.Linear(2, 2, rngs=nnx.Rngs(0)), toolkit.SGD(lr=0.1), "cross_entropy")
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

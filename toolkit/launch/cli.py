@@ -114,7 +114,7 @@ def did_you_mean(message: str) -> str:
         return message
     given = found[1]
     choices = [c.strip().strip("'") for c in found[2].split(",")]  # (quoted before 3.12.8)
-    near = ([c for c in choices if c.startswith(given) or given in c]
+    near = ([c for c in choices if given in c]
             or difflib.get_close_matches(given, choices, n=1, cutoff=0.5))
     return f"{message}; did you mean {near[0]}?" if near else message
 

@@ -101,6 +101,4 @@ def _drawn(streams: Any, key: Any) -> Any:
             fresh[path], i = jax.random.fold_in(key, i), i + 1
         else:
             fresh[path] = jax.numpy.zeros_like(value)
-    state = jax.tree_util.tree_map(lambda a: a, streams)
-    nnx.replace_by_pure_dict(state, traverse_util.unflatten_dict(fresh))
-    return state
+    return _filled(streams, traverse_util.unflatten_dict(fresh))
