@@ -8,6 +8,10 @@ import dataclasses
 CONFORMANCE_2 = ("tests/adapters/test_conformance.py::"
                  "test_two_ranks_broadcast_reduce_and_update_identically")
 STEPS_MATCH = "tests/adapters/test_conformance.py::test_steps_match_the_numpy_reference"
+# jax-pjit's data-parallel step, where the compiler has already averaged the gradient
+PJIT_GRADS = ("        grads, losses, new_state = self._accumulated_grads(params, model_state, x, "
+              "y, key,\n"
+              "                                                           scale=scale)\n")
 JAX_PIPELINE = "tests/adapters/test_pipeline_jax.py::test_stages_in_one_process_equal_the_reference"
 
 
@@ -29,13 +33,13 @@ class Fault:
 FAULTS: list[Fault] = [
     # -------------------------------------------------------------- 1. not averaged (summed)
     Fault("not-averaged", "horovod-torch", "adapters/horovod_torch/data_parallel.py",
-          "op=hvd.Average, backward_passes_per_step=self.accumulation_steps)",
-          "op=hvd.Sum, backward_passes_per_step=self.accumulation_steps)",
+          "op=hvd.Average, backward_passes_per_step=self.accumulation_steps,",
+          "op=hvd.Sum, backward_passes_per_step=self.accumulation_steps,",
           (f"{CONFORMANCE_2}[horovod-torch]",),
           "DistributedOptimizer with op=hvd.Sum"),
     Fault("not-averaged", "horovod-tf", "adapters/horovod_tf/data_parallel.py",
-          'hvd.allreduce(g, op=hvd.Average, name=f"grad_{i}")',
-          'hvd.allreduce(g, op=hvd.Sum, name=f"grad_{i}")',
+          'hvd.allreduce(g, op=hvd.Average, name=f"grad_{i}", compression=compression)',
+          'hvd.allreduce(g, op=hvd.Sum, name=f"grad_{i}", compression=compression)',
           (f"{CONFORMANCE_2}[horovod-tf]",),
           "gradient allreduce with op=hvd.Sum"),
     Fault("not-averaged", "jax-pmap", "adapters/jax_pmap/data_parallel.py",
@@ -44,10 +48,8 @@ FAULTS: list[Fault] = [
           (f"{STEPS_MATCH}[mlp-sgd-jax-pmap]",),
           "lax.psum instead of lax.pmean (2 local devices in the test process)"),
     Fault("not-averaged", "jax-pjit", "adapters/jax_pjit/data_parallel.py",
-          "        grads, losses, model_state = self._accumulated_grads(params, model_state, x, "
-          "y, key)\n",
-          "        grads, losses, model_state = self._accumulated_grads(params, model_state, x, "
-          "y, key)\n"
+          PJIT_GRADS,
+          PJIT_GRADS +
           "        grads = self.jax.tree_util.tree_map(lambda g: g * self.mesh.size, grads)\n",
           (f"{STEPS_MATCH}[mlp-sgd-jax-pjit]",),
           "the gradient times the data-axis size (the devices' mean losses summed)"),
@@ -72,13 +74,15 @@ FAULTS: list[Fault] = [
           "number"),
     # -------------------------------------------------------------- 2. averaged twice
     Fault("averaged-twice", "horovod-torch", "adapters/horovod_torch/data_parallel.py",
-          "            loss.backward()\n",
-          "            (loss / self.env.world_size).backward()\n",
+          "            (loss if scale is None else loss * scale).backward()\n",
+          "            ((loss if scale is None else loss * scale) / self.env.world_size)"
+          ".backward()\n",
           (f"{CONFORMANCE_2}[horovod-torch]",),
           "the local loss divided by the world size before Horovod's average"),
     Fault("averaged-twice", "horovod-tf", "adapters/horovod_tf/data_parallel.py",
-          'hvd.allreduce(g, op=hvd.Average, name=f"grad_{i}")',
-          'hvd.allreduce(g / hvd.size(), op=hvd.Average, name=f"grad_{i}")',
+          'hvd.allreduce(g, op=hvd.Average, name=f"grad_{i}", compression=compression)',
+          'hvd.allreduce(g / hvd.size(), op=hvd.Average, name=f"grad_{i}", '
+          'compression=compression)',
           (f"{CONFORMANCE_2}[horovod-tf]",),
           "each gradient divided by the world size before the averaging allreduce"),
     Fault("averaged-twice", "jax-pmap", "adapters/jax_pmap/data_parallel.py",
@@ -88,10 +92,8 @@ FAULTS: list[Fault] = [
           (f"{STEPS_MATCH}[mlp-sgd-jax-pmap]",),
           "lax.pmean, then divided by the device count again"),
     Fault("averaged-twice", "jax-pjit", "adapters/jax_pjit/data_parallel.py",
-          "        grads, losses, model_state = self._accumulated_grads(params, model_state, x, "
-          "y, key)\n",
-          "        grads, losses, model_state = self._accumulated_grads(params, model_state, x, "
-          "y, key)\n"
+          PJIT_GRADS,
+          PJIT_GRADS +
           "        grads = self.jax.tree_util.tree_map(lambda g: g / self.mesh.size, grads)\n",
           (f"{STEPS_MATCH}[mlp-sgd-jax-pjit]",),
           "the compiler's global-batch mean divided by the data-axis size again"),
