@@ -88,6 +88,25 @@ def loss_name(loss) -> str:
     return loss
 
 
+def unique_names(names: list[str]) -> list[str]:
+    """``names`` with ``_<k>`` appended to each repeat (the first kept as it is), so every name
+    is a distinct checkpoint key.
+
+    Example:
+        >>> unique_names(["dense/kernel", "dense/kernel", "dense/bias"])
+        ['dense/kernel', 'dense/kernel_1', 'dense/bias']
+    """
+    seen: set[str] = set()
+    out = []
+    for name in names:
+        new, k = name, 1
+        while new in seen:
+            new, k = f"{name}_{k}", k + 1
+        seen.add(new)
+        out.append(new)
+    return out
+
+
 def model_outputs(out: Any) -> Any:
     """The tensor a loss reads of a forward's output ``out``, as Accelerate reads what models
     return: a tensor as it is; a Hugging Face ``ModelOutput`` (or any mapping) by its

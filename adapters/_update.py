@@ -1,11 +1,11 @@
 """The host side of the one update path, the same in every framework family.
 
 Each family writes the update once, on its devices (``adapters/_jax/update.py``,
-``adapters/horovod_torch/update.py``, ``adapters/horovod_tf/update.py``; the Horovod pipelines
-reduce, unscale, measure and clip on the host, in numpy: :func:`update_host`, then the framework's
-optimizer applies): the layout supplies the reduced gradient and the sum of its squares, then
+``adapters/horovod_torch/update.py``, ``adapters/horovod_tf/update.py``), and every layout of
+the family calls it, pipelines included: the layout supplies the reduced gradient and how the
+squares of the whole gradient add up, then
 
-    norm -> clip and finite check -> apply -> the old state kept when the step is skipped.
+    unscale -> norm -> clip and finite check -> apply -> the old state kept when skipped.
 
 What stays on the host is this class, :class:`UpdateRule`: the build's ``clip_grad_norm`` and
 ``skip_nonfinite``, a spec optimizer's step count (Adam's ``t``) and each step's optimizer
@@ -16,16 +16,48 @@ backend keeps one, so the bookkeeping of a skipped step exists once.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
 from adapters._common import nonfinite
 from toolkit import SGD, Adam
 from toolkit.contract import StepResult
-from toolkit.models.reference import adam_scalars, clip_scale
-from toolkit.precision import LossScaler, Precision
+from toolkit.models.reference import adam_scalars
+from toolkit.precision import Precision
+
+
+class StepScalars(NamedTuple):
+    """One step's numbers from the host, read by name in every compiled step.
+
+    ``lr``; Adam's ``step_size`` and ``c2_sqrt`` (``toolkit.models.reference.adam_scalars``;
+    SGD and native optimizers: 0 and 1); ``loss_scale`` (1 without loss scaling). They travel
+    as one vector in this order (:meth:`vector`: one host-to-device copy per step) and are
+    read back by name inside the step (:meth:`of`).
+
+    Example:
+        >>> StepScalars.of(StepScalars(0.1, 0.0, 1.0, 8.0).vector("float32")).loss_scale
+        np.float32(8.0)
+    """
+
+    lr: Any
+    step_size: Any
+    c2_sqrt: Any
+    loss_scale: Any
+
+    def vector(self, dtype) -> np.ndarray:
+        """The scalars as one vector of ``dtype``."""
+        return np.asarray(self, dtype)
+
+    @classmethod
+    def of(cls, vector: Any) -> StepScalars:
+        """The named view of a :meth:`vector` (a numpy, TF or JAX vector, or a traced one)."""
+        return cls(*(vector[i] for i in range(len(cls._fields))))
+
+    @classmethod
+    def zeros(cls, dtype) -> np.ndarray:
+        """A vector shaped as every step's (for compiling ahead)."""
+        return np.zeros(len(cls._fields), dtype)
 
 
 class UpdateRule:
@@ -39,7 +71,7 @@ class UpdateRule:
 
     Example:
         >>> rule = UpdateRule(Adam(lr=0.1), clip=1.0, skip=True)
-        >>> rule.scalars(0.1)[0], rule.count
+        >>> rule.scalars(0.1).lr, rule.count
         (0.1, 1)
         >>> rule.result(0.5, float("nan")).skipped, rule.count
         (True, 0)
@@ -48,7 +80,7 @@ class UpdateRule:
     def __init__(self, optimizer: Any = None, clip: float | None = None, skip: bool = False,
                  precision: Precision | None = None):
         self.spec = optimizer if isinstance(optimizer, SGD | Adam) else None
-        self.scaler = LossScaler() if precision is not None and precision.loss_scaling else None
+        self.scaler = None if precision is None else precision.scaler()
         # skip: a step whose gradient is not finite changes nothing (asked for, or the
         # scaler's, which then lowers the scale: StepResult.overflow)
         self.clip, self.skip = clip, bool(skip) or self.scaler is not None
@@ -61,17 +93,24 @@ class UpdateRule:
 
     @property
     def needs_norm(self) -> bool:
-        """Whether a step computes the gradient norm (to clip, or to know a skip): the
-        reduction over every gradient costs 4-7% of a small CPU step, so only then."""
+        """Whether a step computes the gradient norm (to clip, or to know a skip): it
+        reads every gradient once more, a cost worth paying only then (docs/equivalence.md)."""
         return self.clip is not None or self.skip
 
-    def scalars(self, lr: float) -> tuple[float, float, float]:
-        """Counts one optimizer step of the spec and returns its ``(lr, step_size, c2_sqrt)``
-        (``toolkit.models.reference.adam_scalars``; SGD: ``(lr, 0, 1)``)."""
+    def scalars(self, lr: float | None) -> StepScalars:
+        """Counts one optimizer step of the spec and returns this step's :class:`StepScalars`
+        (``lr`` None, for an optimizer that keeps its own rate: 0)."""
         self.count += 1
-        if isinstance(self.spec, Adam):
-            return (lr, *adam_scalars(self.spec, self.count, lr))
-        return lr, 0.0, 1.0
+        lr = 0.0 if lr is None else lr
+        step_size, c2_sqrt = (adam_scalars(self.spec, self.count, lr)
+                              if isinstance(self.spec, Adam) else (0.0, 1.0))
+        return StepScalars(lr, step_size, c2_sqrt,
+                           1.0 if self.scaler is None else self.scaler.scale)
+
+    def step_loss_scale(self, scalars: StepScalars) -> Any:
+        """(in a compiled step) The loss scale among the step's ``scalars``; None without loss
+        scaling, so that an unscaled step has no multiplication at all."""
+        return None if self.scaler is None else scalars.loss_scale
 
     def result(self, loss: Any, norm: Any, skipped: bool | None = None) -> StepResult:
         """The step's :class:`StepResult` from its ``loss`` and gradient ``norm`` (a framework
@@ -104,27 +143,3 @@ class UpdateRule:
             self.count = int(state["opt/count"])
         if self.scaler is not None:
             self.scaler.load(state)
-
-
-def update_host(rule: UpdateRule, grads: dict[str, np.ndarray],
-                global_norm: Callable[[dict[str, np.ndarray]], float]
-                ) -> tuple[dict[str, np.ndarray], float]:
-    """The Horovod pipelines' update path on the host, before the framework's optimizer
-    applies: the reduced gradients unscaled (fp16: by the loss scale, exactly: a power of two),
-    their norm (``global_norm``: the layout adds up its stages' shares), the clip; returns
-    ``(grads, norm)``. Call it only when ``rule.needs_norm`` (a scaler makes it so)."""
-    if rule.scaler is not None:
-        grads = {n: g * g.dtype.type(1.0 / rule.scaler.scale) for n, g in grads.items()}
-    norm = global_norm(grads)
-    return clip_host(rule, grads, norm), norm
-
-
-def clip_host(rule: UpdateRule, grads: dict[str, np.ndarray], norm: float
-              ) -> dict[str, np.ndarray]:
-    """The numpy form of the clip, for gradients on the host (the Horovod pipelines): each
-    scaled by ``clip / max(norm, clip)`` in its own dtype; as they are without a clip, or when
-    the step will be skipped (``rule.skip`` and the norm not finite)."""
-    if rule.clip is None or (rule.skip and nonfinite(norm)):
-        return grads
-    scale = clip_scale(norm, rule.clip)
-    return {n: (g * scale).astype(g.dtype) for n, g in grads.items()}

@@ -1,4 +1,4 @@
-"""One run of the equivalence check (started by ``python -m toolkit.equivalence``).
+"""One run of the equivalence check (started by ``python -m adapters.equivalence``).
 
 Trains the chosen presets with the Trainer, then rank 0 writes ``result.json`` (per-step
 losses averaged across ranks, median step time) and ``params.npz`` (final parameters) into

@@ -61,7 +61,7 @@ TINY_GPT = {"--layers": "1", "--width": "32", "--heads": "2", "--context": "16",
 EQUIVALENCE_TABLE = (r"^backend\s+world\s+launcher\s+layout\s+device\s+final loss",
                      r"^{backend}\s+{world}\s+\w+\s+\S+")
 SMOKE: dict[str, Smoke] = {
-    "-m toolkit.equivalence": Smoke(
+    "-m adapters.equivalence": Smoke(
         EQUIVALENCE_TABLE, options={"--steps": "2"},
         first_of={"--backends": "jax-pmap", "--layout": "data"},
         smallest_of={"--world-sizes": "1"}, outputs=("--json", "--plot"),
@@ -101,6 +101,10 @@ SMOKE: dict[str, Smoke] = {
          r"^data parallel: \d+ ms per step"),
         options={"--steps": "2", "--warmup": "1", "--width": "64", "--batch-size": "32",
                  "--micro-batches": "2", "--timeline-dir": "{tmp}/timelines"}),
+    "benchmarks/pipeline_host_bytes.py": Smoke(
+        (r"^horovod-\w+ pipeline:\S+ \S+: numpy held at most [\d.]+ MB during a step; the "
+         r"stage's gradient is [\d.]+ MB \(0\.0\dx\)",),  # (a host update: about 3x)
+        options={"--windows": "1"}),
     "benchmarks/pipeline_recompute.py": Smoke(
         (r"^recompute\s+kept for backward \(stage 0\)\s+step ms", r"^no\s+[\d,]+\s+[\d.]+",
          r"^recomputing takes [\d.]+x"),
@@ -165,7 +169,7 @@ class Command:
     env: dict[str, str]
     launcher: str | None  # mpirun, horovodrun, srun or None
     nproc: int
-    program: str  # "-m toolkit.equivalence", "benchmarks/x.py", "make", ...
+    program: str  # "-m adapters.equivalence", "benchmarks/x.py", "make", ...
     args: list[str]
 
 
@@ -397,14 +401,14 @@ def test_parse_reads_launchers_and_wrappers():
     assert (cmd.launcher, cmd.nproc, cmd.program, cmd.args) == (
         "horovodrun", 2, "benchmarks/pipeline_bubble.py", ["--backend", "jax-pjit"])
     cmd = parse("x", "TOOLKIT_PIPELINE_TIMELINE=tl srun -n 2 --mpi=pmix .venv/bin/python -m "
-                     "toolkit.equivalence --optimizer sgd|adamw [--model gpt]  # a comment")
+                     "adapters.equivalence --optimizer sgd|adamw [--model gpt]  # a comment")
     assert (cmd.env, cmd.launcher, cmd.program, cmd.args) == (
-        {"TOOLKIT_PIPELINE_TIMELINE": "tl"}, "srun", "-m toolkit.equivalence",
+        {"TOOLKIT_PIPELINE_TIMELINE": "tl"}, "srun", "-m adapters.equivalence",
         ["--optimizer", "sgd"])
     assert parse("x", "horovod-torch  2  mpirun  data_parallel  0.43  PASS") is None
-    run = smoke_run(parse("x", "python -m toolkit.equivalence --backends jax-pjit,jax-pmap "
+    run = smoke_run(parse("x", "python -m adapters.equivalence --backends jax-pjit,jax-pmap "
                                "--world-sizes 4,2 --json eq.json"))
-    assert run.argv == ["-m", "toolkit.equivalence", "--backends", "jax-pjit", "--world-sizes",
+    assert run.argv == ["-m", "adapters.equivalence", "--backends", "jax-pjit", "--world-sizes",
                         "2", "--json", "{tmp}/eq.json", "--steps", "2", "--layout", "data"]
     assert run.multi_process and run.launcher == "python"
 

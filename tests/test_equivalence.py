@@ -5,15 +5,16 @@ import json
 import numpy as np
 import pytest
 
+from adapters.equivalence import parse_args
 from toolkit import ToolkitError
-from toolkit.equivalence import LOSS_TOLERANCE, compare, parse_args
+from toolkit.equivalence import LOSS_TOLERANCE, compare
 
 BACKENDS = ["horovod-torch", "horovod-tf", "jax-pmap", "jax-pjit"]
 
 
 def run_equivalence(launch, tmp_path, *args):
     out = tmp_path / "eq.json"
-    job = launch("python", 1, ["-m", "toolkit.equivalence", "--json", str(out), *args],
+    job = launch("python", 1, ["-m", "adapters.equivalence", "--json", str(out), *args],
                  timeout=900)
     return job, (json.loads(out.read_text()) if out.exists() else None)
 
@@ -72,7 +73,7 @@ def test_missing_framework_is_skipped_never_passed(launch, tmp_path):
     site.mkdir()
     (site / "sitecustomize.py").write_text("import sys\nsys.modules['tensorflow'] = None\n")
     out = tmp_path / "eq.json"
-    job = launch("python", 1, ["-m", "toolkit.equivalence", "--backends", "horovod-tf",
+    job = launch("python", 1, ["-m", "adapters.equivalence", "--backends", "horovod-tf",
                                "--world-sizes", "1", "--steps", "5", "--json", str(out)],
                  env={"PYTHONPATH": str(site)})
     assert job.returncode == 0, job
@@ -103,8 +104,15 @@ def test_bad_options_are_clear_errors(argv, match):
 
 
 def test_bad_dtype_exits_non_zero(launch):
-    job = launch("python", 1, ["-m", "toolkit.equivalence", "--dtype", "float16"])
+    job = launch("python", 1, ["-m", "adapters.equivalence", "--dtype", "float16"])
     assert job.returncode == 2 and "invalid choice: 'float16'" in job.stderr
+
+
+def test_the_toolkits_module_names_the_command_instead_of_running_nothing(launch):
+    """``toolkit.equivalence`` is the check's framework-free part; run as a command it fails
+    with the one that launches the backends, rather than exit 0 having checked nothing."""
+    job = launch("python", 1, ["-m", "toolkit.equivalence", "--steps", "2"])
+    assert job.returncode == 2 and "run python -m adapters.equivalence" in job.stderr
 
 
 @pytest.mark.slow

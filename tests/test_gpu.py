@@ -18,7 +18,7 @@ def test_world_size_1_on_the_gpu_equals_the_float64_reference(launch, tmp_path, 
     """Float32 in full precision (no TF32) within 1e-5 of the reference, for data parallel and
     ZeRO-3 (a pipeline needs a GPU per stage), the CNN with AdamW and clipping."""
     out = tmp_path / "eq.json"
-    job = launch("python", 1, ["-m", "toolkit.equivalence", "--backends", backend,
+    job = launch("python", 1, ["-m", "adapters.equivalence", "--backends", backend,
                                "--world-sizes", "1", "--layout", "data,sharded:3",
                                "--model", "cnn", "--optimizer", "adamw", "--steps", "30",
                                "--clip-grad-norm", "1.0", "--device", "gpu", "--json", str(out)],

@@ -24,7 +24,7 @@ TOLERANCE = 1e-5
 
 def equivalence(launch, tmp_path, *args):
     out = tmp_path / "eq.json"
-    job = launch("python", 1, ["-m", "toolkit.equivalence", "--json", str(out), *args],
+    job = launch("python", 1, ["-m", "adapters.equivalence", "--json", str(out), *args],
                  timeout=900)
     assert out.exists(), job
     return job, json.loads(out.read_text())["results"]

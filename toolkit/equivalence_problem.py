@@ -1,4 +1,4 @@
-"""What the equivalence check trains (``python -m toolkit.equivalence``): its model,
+"""What the equivalence check trains (``python -m adapters.equivalence``): its model,
 optimizer and data presets, and the one-process numpy reference run of them that every backend
 is compared with. Imports no framework."""
 
@@ -84,13 +84,13 @@ def reference(args, norms: list[float] | None = None, split: tuple[int, int] = (
     = ``(ranks, parts per rank)`` as the run splits it, each part's loss weighted by
     ``part_weight`` before its backward pass as the run weights it."""
     from toolkit.models.reference import reference_run
-    from toolkit.precision import LossScaler, Precision
+    from toolkit.precision import Precision
 
     policy = Precision.of(args.precision, args.dtype)
     dtype = "float32" if policy.mixed else "float64"
     x, y = load_data(args.model, dtype)
     mixed = {"compute": policy.compute_dtype, "split": split, "part_weight": part_weight,
-             "scaler": LossScaler() if policy.loss_scaling else None}
+             "scaler": policy.scaler()}
     return reference_run(make_model(args.model), make_optimizer(args.optimizer, args.steps),
                          "cross_entropy", x, y, global_batch_size=args.batch_size,
                          steps=args.steps, seed=args.seed, dtype=dtype,

@@ -23,7 +23,6 @@ import numpy as np
 
 from toolkit.errors import ToolkitError
 
-PRECISIONS = ("32", "64", "bf16-mixed", "fp16-mixed")
 _BY_DTYPE = {"float32": "32", "float64": "64"}
 
 
@@ -34,14 +33,19 @@ class Precision:
     Attributes:
         name: one of :data:`PRECISIONS`.
         param_dtype: the master parameters' and the optimizer state's dtype.
-        compute_dtype: the dtype of matmuls and activations.
-        reduce_dtype: the dtype the gradient collectives carry.
+        compute_dtype: the dtype of matmuls and activations. The gradient collectives carry
+            ``param_dtype``: the gradients are those of the master parameters (FSDP2's
+            ``reduce_dtype`` is a choice only where parameters are kept narrow).
         loss_scaling: whether the loss is scaled dynamically (fp16).
+        init_scale, growth_interval: the dynamic loss scale's first value (a power of two,
+            so that scaling and unscaling are exact) and the clean steps after which it
+            doubles (:class:`LossScaler`; torch's ``GradScaler`` defaults); set them with
+            :meth:`with_scaling`.
 
     Example:
         >>> p = Precision.of("bf16-mixed")
-        >>> p.param_dtype, p.compute_dtype, p.reduce_dtype, p.loss_scaling
-        ('float32', 'bfloat16', 'float32', False)
+        >>> p.param_dtype, p.compute_dtype, p.loss_scaling
+        ('float32', 'bfloat16', False)
         >>> Precision.of(None, dtype="float64").name
         '64'
         >>> Precision.of("bf16-mixed").mixed
@@ -51,13 +55,63 @@ class Precision:
     name: str
     param_dtype: str
     compute_dtype: str
-    reduce_dtype: str
     loss_scaling: bool = False
+    init_scale: float = 2.0 ** 16
+    growth_interval: int = 2000
 
     @property
     def mixed(self) -> bool:
         """Whether the arithmetic runs in a narrower dtype than the master parameters."""
         return self.compute_dtype != self.param_dtype
+
+    def with_scaling(self, init_scale: float | None = None,
+                     growth_interval: int | None = None) -> Precision:
+        """This policy with the loss scaler's settings (None: as they are); a ToolkitError
+        for a policy without loss scaling, a scale that is not a positive power of two, or an
+        interval below 1.
+
+        Example:
+            >>> Precision.of("fp16-mixed").with_scaling(init_scale=1024).init_scale
+            1024.0
+        """
+        if init_scale is None and growth_interval is None:
+            return self
+        if not self.loss_scaling:
+            raise ToolkitError(f"precision {self.name!r} does not scale the loss, so "
+                               "init_scale and growth_interval have nothing to set",
+                               "use precision 'fp16-mixed', or drop them")
+        if init_scale is not None:
+            scale = float(init_scale)
+            mantissa = np.frexp(scale)[0] if np.isfinite(scale) else 0.0
+            if not (scale > 0 and mantissa == 0.5):
+                lower = 2.0 ** np.floor(np.log2(scale)) if np.isfinite(scale) and scale > 0 \
+                    else 2.0 ** 16
+                raise ToolkitError(f"init_scale {init_scale!r} is not a positive power of two",
+                                   f"use one, such as {lower:g} or {2 * lower:g}: the "
+                                   "gradients are unscaled exactly only by a power of two")
+        if growth_interval is not None and (isinstance(growth_interval, bool)
+                                            or not isinstance(growth_interval, int | np.integer)
+                                            or growth_interval < 1):
+            raise ToolkitError(f"growth_interval {growth_interval!r} is not a whole number of "
+                               "steps of at least 1", "use 2000 (torch's GradScaler default)")
+        return dataclasses.replace(
+            self, init_scale=self.init_scale if init_scale is None else float(init_scale),
+            growth_interval=self.growth_interval if growth_interval is None
+            else int(growth_interval))
+
+    def scaler(self) -> LossScaler | None:
+        """A fresh :class:`LossScaler` with this policy's settings; None without loss
+        scaling."""
+        if not self.loss_scaling:
+            return None
+        return LossScaler(init_scale=self.init_scale, growth_interval=self.growth_interval)
+
+    def scaling_settings(self) -> dict[str, float | int] | None:
+        """The loss scaler's settings as a run's settings record them; None without loss
+        scaling."""
+        if not self.loss_scaling:
+            return None
+        return {"init_scale": self.init_scale, "growth_interval": self.growth_interval}
 
     @classmethod
     def of(cls, precision: str | Precision | None = None, dtype: str | None = None) -> Precision:
@@ -83,16 +137,19 @@ class Precision:
         return chosen
 
 
+# The one table of policies: the Trainer, the CLIs and the strategies read their names here.
+_POLICIES = {p.name: p for p in (
+    Precision("32", "float32", "float32"),
+    Precision("64", "float64", "float64"),
+    Precision("bf16-mixed", "float32", "bfloat16"),
+    Precision("fp16-mixed", "float32", "float16", loss_scaling=True))}
+PRECISIONS = tuple(_POLICIES)
+
+
 def _policy(name: str) -> Precision:
-    if name == "32":
-        return Precision("32", "float32", "float32", "float32")
-    if name == "64":
-        return Precision("64", "float64", "float64", "float64")
-    if name == "bf16-mixed":
-        return Precision(name, "float32", "bfloat16", "float32")
-    if name == "fp16-mixed":
-        return Precision(name, "float32", "float16", "float32", loss_scaling=True)
-    raise ToolkitError(f"unknown precision {name!r}", f"use one of: {', '.join(PRECISIONS)}")
+    if name not in _POLICIES:
+        raise ToolkitError(f"unknown precision {name!r}", f"use one of: {', '.join(PRECISIONS)}")
+    return _POLICIES[name]
 
 
 def use_precision(adapter, precision: str | Precision | None) -> Precision:

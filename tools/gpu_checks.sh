@@ -111,7 +111,7 @@ done
 if [ $gloo_rc = 0 ] && install_wheel "$WHEELS/gloo" /tmp/gpu-checks-gloo >>"$OUT_DIR/horovod-gloo-build.log" 2>&1; then
   phase "horovod-torch 2 ranks on one GPU (host-staged)" 150 "$OUT_DIR/shared.log" \
     env PYTHONPATH="$BASE_PATH:/tmp/gpu-checks-gloo" PATH="/tmp/gpu-checks-gloo/bin:$PATH" \
-    TOOLKIT_SHARE_GPUS=1 "$PY" -m toolkit.equivalence --backends horovod-torch --world-sizes 2 \
+    TOOLKIT_SHARE_GPUS=1 "$PY" -m adapters.equivalence --backends horovod-torch --world-sizes 2 \
     --launcher horovodrun --device gpu --layout data,sharded:3,pipeline:2:4 --steps 20
 else
   say "two ranks on one GPU: not run (the build without NCCL failed: horovod-gloo-build.log)"

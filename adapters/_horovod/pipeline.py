@@ -11,9 +11,11 @@
   ``hvd.alltoall`` over the world (``adapters/_horovod/rounds.py``: asynchronous, with receives
   joined ahead, and why that cannot deadlock);
 - the gradient reduction in Horovod process sets (registered at ``hvd.init`` by
-  ``init_horovod``): after the rounds, an allreduce in the stage's replica set averages its
-  gradients, and a tied parameter (a GPT's ``tok_emb`` on the first and the last stage) is
-  summed in the end stages' set (Megatron-LM's embedding group);
+  ``init_horovod``), on the device with the framework's grouped allreduce (one fused
+  collective per set): after the rounds, the stage's replica set averages its gradients, and a
+  tied parameter (a GPT's ``tok_emb`` on the first and the last stage) is summed in the end
+  stages' set (Megatron-LM's embedding group); and the whole model's sum of squared gradients
+  for the family's one update path (``update.py`` of each family), which the subclass calls;
 - the step's loss: the last stage's, gathered so every rank of a replica returns it;
 - evaluation: every rank's ``(x, y)`` goes to its replica's first stage (inputs) and last stage
   (labels), and the activations through the pieces;
@@ -28,7 +30,6 @@ A subclass is a :class:`StageCompute`: the framework's part, written out below.
 
 from __future__ import annotations
 
-import math
 import os
 import time
 from typing import Any, Protocol
@@ -37,7 +38,7 @@ import numpy as np
 
 from adapters._backend import StrategyBase
 from adapters._horovod.rounds import RoundMessages, unpack
-from adapters._update import UpdateRule, update_host
+from adapters._update import UpdateRule
 from toolkit import ToolkitError
 from toolkit.errors import describe
 from toolkit.parallel.layouts import Pipeline
@@ -76,8 +77,13 @@ class StageCompute(Protocol):
 
     def _allgather(self, flat: np.ndarray, name: str) -> np.ndarray: ...
 
-    def _allreduce_sum(self, flat: np.ndarray, process_set: Any, name: str) -> np.ndarray:
-        """A sum over ``process_set`` (a stage's replicas, or the tied parameter's stages)."""
+    def _grouped_sum(self, tensors: list, process_set: Any, name: str) -> list:
+        """Each tensor summed over ``process_set`` (a stage's replicas, the tied parameter's
+        stages, or the world), on the device, in one grouped Horovod allreduce."""
+
+    def _squares(self, tensors: list) -> Any:
+        """The sum of the squares of every element of ``tensors`` (a scalar tensor; zero
+        without tensors)."""
 
     def _host(self, tensor: Any) -> np.ndarray:
         """A framework tensor as numpy (a view where the framework allows)."""
@@ -150,7 +156,7 @@ class HvdPipeline(RoundMessages, StrategyBase):
         grid, names = self.grid, self.cut.names_by_stage
         self.mine = list(mine)
         tied = set(tied_across_stages(names, self.layout))  # (refused unless end stages)
-        self.tied = [n for n in self.mine if n in tied]
+        self.tied = sorted(n for n in self.mine if n in tied)  # (both ends in one order)
         self.rest = [n for n in self.mine if n not in tied]
         # Horovod process sets: this stage's replicas, and the end stages for a tied parameter
         self.stage_set = (self._process_set(grid.stage_ranks(self.stage))
@@ -180,10 +186,9 @@ class HvdPipeline(RoundMessages, StrategyBase):
         """Whether this stage's local ``chunk`` is the model's last piece."""
         return chunk * self.grid.stages + self.stage == self.grid.stages * self.layout.chunks - 1
 
-    def _run_rounds(self) -> tuple[float, float | None]:
-        """The schedule's rounds (fresh in/outboxes), then the gradient reduction, norm and
-        clip (the subclass's ``_gradients``/``_set_gradients``); returns the replica's loss
-        and the gradient's norm before clipping (None unless ``rule.needs_norm``)."""
+    def _run_rounds(self) -> float:
+        """The schedule's rounds (fresh in/outboxes); returns the replica's loss. The stage's
+        gradients are then the subclass's: :meth:`_reduced`, and its family's update."""
         self.inputs, self.outputs, self.loss, self.message_bytes = {}, {}, 0.0, 0
         self.deferred: tuple | None = None  # see _defer
         first = len(self.recorder.records)
@@ -196,20 +201,12 @@ class HvdPipeline(RoundMessages, StrategyBase):
                     self._compute(action)
             self._after_compute(index)
         self._await()
-        norm = None
-        if self.reduce or self.rule.needs_norm:
-            grads = self._gradients()
-            if self.reduce:
-                grads = self._reduce_gradients(grads)
-            if self.rule.needs_norm:
-                grads, norm = update_host(self.rule, grads, self._global_norm)
-            self._set_gradients(grads)
         losses = self._allgather(np.asarray([self.loss], np.float64), "pipeline.loss")
         if self.timeline_dir:
             append_timeline(self.recorder.records[first:], self.timeline_dir, self.stage,
                             self.replica)
         del self.recorder.records[:first]  # keep the latest step's records only
-        return float(losses[self.grid.rank(self.grid.stages - 1, self.replica)]), norm
+        return float(losses[self.grid.rank(self.grid.stages - 1, self.replica)])
 
     # ------------------------------------------------------------------------------ deferred sums
     def _defer(self, action: Any, gradients: Any) -> None:
@@ -244,33 +241,33 @@ class HvdPipeline(RoundMessages, StrategyBase):
             self.recorder.add(done, start, time.time(), self.steps)
         super()._await(action)
 
-    def _reduce_gradients(self, grads: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        """Each parameter's gradient averaged over the replicas of its stage (a Horovod
-        allreduce in the stage's process set) and a tied parameter's summed over the two end
-        stages holding it as well (one allreduce in the end stages' set, Megatron-LM's
-        embedding group): every member gets the same bits, so replicas and both copies of a
-        tied parameter stay equal."""
+    def _reduced(self, grads: dict[str, Any]) -> dict[str, Any]:
+        """This stage's summed gradients (framework tensors on the rank's device, by name),
+        each averaged over the replicas of its stage, a tied parameter's summed over the two
+        end stages holding it as well (Megatron-LM's embedding group): one grouped allreduce
+        per process set, on the device. Every member gets the same bits, so replicas and both
+        copies of a tied parameter stay equal."""
+        if not self.reduce:
+            return grads
         out = dict(grads)
         for names, process_set, tag in ((self.tied, self.ends_set, "ends"),
                                         (self.rest, self.stage_set, "stage")):
-            if not names or process_set is None:
-                continue
-            flat = np.concatenate([grads[n].reshape(-1) for n in names])
-            total = self._allreduce_sum(flat, process_set, f"pipeline.grads.{tag}")
-            parts = np.split(total, np.cumsum([grads[n].size for n in names])[:-1])
-            for n, part in zip(names, parts, strict=True):
-                out[n] = part.reshape(grads[n].shape)
-        return {n: out[n] / self.grid.replicas for n in self.mine}
+            if names and process_set is not None:
+                summed = self._grouped_sum([grads[n] for n in names], process_set,
+                                           f"pipeline.grads.{tag}")
+                out.update(zip(names, summed, strict=True))
+        replicas = self.grid.replicas
+        return out if replicas == 1 else {n: out[n] / replicas for n in self.mine}
 
-    def _global_norm(self, grads: dict[str, np.ndarray]) -> float:
-        """The whole model's gradient norm (the same on every rank): every stage's squares (a
-        tied parameter's on the first stage only) added over the world in one allreduce, each
-        replica's stages counted once."""
-        counted = [n for n in self.mine if self.stage == 0 or n not in self.tied]
-        sq = sum(float(np.sum(np.square(grads[n], dtype=np.float64))) for n in counted)
-        total = self._allreduce_sum(np.asarray([sq]), self.hvd.global_process_set,
-                                    "pipeline.grad_norm")
-        return math.sqrt(float(total[0]) / self.grid.replicas)
+    def _sum_of_squares(self, grads: dict[str, Any]) -> Any:
+        """The whole model's sum of squared gradients (the same on every rank), given this
+        stage's reduced ``grads``: every stage's squares (a tied parameter's on the first stage
+        only) added over the world in one allreduce, each replica's stages counted once. The
+        family's update takes its root as the norm."""
+        counted = [grads[n] for n in self.mine if self.stage == 0 or n not in self.tied]
+        total, = self._grouped_sum([self._squares(counted)], self.hvd.global_process_set,
+                                   "pipeline.grad_norm")
+        return total / self.grid.replicas
 
     # ------------------------------------------------------------------------------ evaluation
     def _eval_data(self, x: np.ndarray, y: np.ndarray):

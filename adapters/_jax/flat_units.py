@@ -18,7 +18,8 @@ from typing import Any
 
 import numpy as np
 
-from toolkit import Adam, Sharded, ToolkitError
+from adapters._jax.models.layers import dense
+from toolkit import CNN, MLP, Sharded, ToolkitError
 from toolkit.parallel.shards import FlatLayout, unit_layouts
 
 
@@ -78,19 +79,6 @@ def unit_named(layout: FlatLayout, flat: Any) -> dict[str, Any]:
     return {name: flat[start:start + size].reshape(shape)
             for name, shape, start, size in zip(layout.names, layout.shapes, layout.offsets,
                                                 layout.sizes, strict=True)}
-
-
-def check_sharded_optimizer(backend: str, optimizer: Any) -> None:
-    """Sharded layouts update flat shards with the toolkit's optimizers or an optax
-    transformation (which must be elementwise: ``adapters._jax.native_optax``, at build)."""
-    from adapters._jax.native_optax import is_native
-    from toolkit import SGD
-
-    if not isinstance(optimizer, SGD | Adam) and not is_native(optimizer):
-        raise ToolkitError(
-            f"{backend} cannot shard the optimizer {type(optimizer).__name__}: a sharded "
-            "layout updates flat shards with an elementwise optimizer",
-            "pass toolkit.SGD(...), toolkit.Adam(...) or an elementwise optax transformation")
 
 
 def check_layout(backend: str, layout: Any, tensor_parallel_ok: bool = False) -> Sharded:
@@ -160,9 +148,6 @@ def unit_forward(spec: Any, unit: str, named: dict[str, Any], h: Any) -> Any:
     import jax
     import jax.numpy as jnp
 
-    from adapters._jax.models.spec import dense
-    from toolkit import CNN, MLP
-
     kind, index = unit.split(".")
     if isinstance(spec, MLP):
         z = dense(jnp, h, named[f"{unit}.kernel"], named[f"{unit}.bias"])
@@ -178,7 +163,7 @@ def unit_forward(spec: Any, unit: str, named: dict[str, Any], h: Any) -> Any:
         return z
     from flax import traverse_util
 
-    from adapters._jax.models import gpt as flax_gpt
+    from adapters._jax.models import gpt as flax_gpt  # (it imports Flax)
 
     if "pos_emb" in named:  # the first unit (a tied head's extra is tok_emb alone)
         h = jnp.take(named["tok_emb"], h, axis=0) + named["pos_emb"][: h.shape[1]]

@@ -24,7 +24,10 @@ from typing import Any
 
 import numpy as np
 
-from toolkit import ToolkitError
+from adapters._jax.flat_units import FlatUnits
+from adapters._jax.update import is_native
+from toolkit import GPT, SGD, Adam, ToolkitError
+from toolkit.models.reference import optimizer_slots
 from toolkit.models.specs import ModelSpec
 
 #: What works, in every refusal.
@@ -34,11 +37,14 @@ HINT = ("use an elementwise transformation (optax.sgd, adam, adamw, rmsprop, ada
         "global norm across shards and stages); or the data-parallel layout")
 
 
-def is_native(optimizer: Any) -> bool:
-    """Whether ``optimizer`` is an optax transformation (not a toolkit spec)."""
-    import optax
-
-    return isinstance(optimizer, optax.GradientTransformation)
+def check_sharded_optimizer(backend: str, optimizer: Any) -> None:
+    """Sharded layouts update flat shards with the toolkit's optimizers or an optax
+    transformation (which must be elementwise: ``adapters._jax.native_optax``, at build)."""
+    if not isinstance(optimizer, SGD | Adam) and not is_native(optimizer):
+        raise ToolkitError(
+            f"{backend} cannot shard the optimizer {type(optimizer).__name__}: a sharded "
+            "layout updates flat shards with an elementwise optimizer",
+            "pass toolkit.SGD(...), toolkit.Adam(...) or an elementwise optax transformation")
 
 
 def check_elementwise(backend: str, layout: str, tx: Any, init: dict[str, Any],
@@ -173,10 +179,8 @@ def _describe(tx: Any) -> str:
 def tree_path(model: Any, name: str) -> tuple[str, ...]:
     """A neutral parameter name's path in the data-parallel layout's parameter tree
     (``adapters._jax.models.spec.JaxModel``'s: ``layers.0.kernel`` -> ``layers_0, kernel``)."""
-    from toolkit.models.gpt import GPT
-
     if isinstance(model, GPT):
-        from adapters._jax.models.gpt import path_of
+        from adapters._jax.models.gpt import path_of  # (its module imports Flax)
 
         return path_of(name)
     if isinstance(model, ModelSpec):
@@ -281,8 +285,6 @@ class ShardedOptax:
 def check_sharded(backend: str, layout: Any, tx: Any, model: Any) -> None:
     """:func:`check_elementwise` with the flat units cut in two shards, as two devices would
     update them."""
-    from adapters._jax.flat_units import FlatUnits
-
     units = FlatUnits(model, 2)
 
     def cut(named):
@@ -312,8 +314,6 @@ class StageOptimizer:
 
     def __init__(self, backend: str, layout: Any, optimizer: Any, tx: Any, staged: Any,
                  model: Any):
-        from toolkit.models.reference import optimizer_slots
-
         self.tx, self.staged, self.native = tx, staged, is_native(optimizer)
         self.paths = {n: tree_path(model, n) for n in staged.names()}
         length = (staged.length,)

@@ -16,18 +16,19 @@ import numpy as np
 
 from adapters._backend import StrategyBase
 from adapters._common import check_build, check_recompute, check_spec_optimizer, loss_name
-from adapters._jax.native_optax import StageOptimizer, is_native
+from adapters._jax.native_optax import StageOptimizer
 from adapters._jax.programs import LocalComputes, StagePrograms
 from adapters._jax.rounds import RoundPlan
 from adapters._jax.stages import eval_sums, stage_model
 from adapters._jax.strategy import JaxStrategy, LocalMean
-from adapters._jax.update import make_optimizer
+from adapters._jax.update import is_native, make_optimizer
 from toolkit import Pipeline, ToolkitError
 from toolkit.contract import StepResult
 from toolkit.errors import describe
 from toolkit.parallel.pipeline.partition import micro_batch_size
 from toolkit.parallel.pipeline.schedules import pipeline_schedule
 from toolkit.parallel.pipeline.timeline import TIMELINE_ENV, StageRecorder, append_timeline
+from toolkit.precision import PRECISIONS
 
 
 class StagePlacement(Protocol):
@@ -85,7 +86,7 @@ class PipelineExecutor(StrategyBase):
 
     clips = True  # build takes clip_grad_norm
     skips = True  # build takes skip_nonfinite; its StepResult then says skipped
-    precisions = ("32", "64", "bf16-mixed", "fp16-mixed")  # (StagePrograms' compute)
+    precisions = PRECISIONS  # (StagePrograms' compute)
     recomputes = True  # activation_checkpointing: each piece's forward again in its backward
     position: tuple[int, int] = (0, 0)  # this process's (stage, replica), known at build
 

@@ -30,6 +30,7 @@ from adapters._jax.models.spec import per_sample_loss
 from adapters._jax.residuals import Residuals
 from adapters._jax.stages import computing
 from adapters._jax.update import apply_optimizer, update
+from adapters._update import StepScalars
 
 
 class StagePrograms:
@@ -175,10 +176,10 @@ class StagePrograms:
                 sq = sq - repeat * jnp.sum(jnp.square(g[:shared]))
             return coll.holder_sum(sq)
 
-        scale = None if self.rule.scaler is None else scalars[-1]  # (JaxStrategy.loss_scale)
+        scale = self.rule.step_loss_scale(StepScalars.of(scalars))
         (p, opt), norm = update(jnp, self.rule, g, squares,
-                                lambda g: apply_optimizer(self.tx, g, opt, p, scalars), (p, opt),
-                                scale)
+                                lambda g: apply_optimizer(self.rule, self.tx, g, opt, p, scalars),
+                                (p, opt), scale)
         return p, opt, jnp.zeros_like(g), coll.total(jnp.sum(ls)) * self.inv_b, norm
 
 

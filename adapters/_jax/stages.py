@@ -179,7 +179,7 @@ def _spec_piece(spec, layers: range, first: bool, last: bool):
         def mlp(p, h):
             import jax.numpy as jnp
 
-            from adapters._jax.models.spec import dense
+            from adapters._jax.models.layers import dense
 
             for i in layers:
                 h = dense(jnp, h, p[f"layers.{i}.kernel"], p[f"layers.{i}.bias"])

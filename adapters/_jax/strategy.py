@@ -12,7 +12,7 @@ from adapters._common import check_per_sample, loss_name, step_seed
 from adapters._jax.models.spec import JaxModel, correct_per_sample, in_compute, per_sample_loss
 from adapters._jax.runtime import gloo_connect_line_silenced
 from adapters._jax.update import make_optimizer
-from adapters._update import UpdateRule
+from adapters._update import StepScalars, UpdateRule
 from toolkit import SGD, Adam, ToolkitError
 
 
@@ -101,25 +101,21 @@ class JaxStrategy(StrategyBase):
         return a.astype(self.dtype_name) if np.issubdtype(a.dtype, np.floating) else a
 
     def optimizer_scalars(self, lr: float | None) -> np.ndarray:
-        """``[lr, step_size, c2_sqrt]`` of this step for a spec optimizer, else empty; under
-        loss scaling the loss scale follows (``loss_scale`` reads it in the step)."""
-        scale = [] if self.rule.scaler is None else [self.rule.scaler.scale]
-        if self.opt_spec is None:
-            return np.asarray(scale, self.dtype_name)
-        if lr is None:
+        """This step's ``StepScalars`` as one vector (the step reads them by name:
+        ``StepScalars.of``); a spec optimizer needs ``lr``, a native optax one keeps its own."""
+        if self.opt_spec is not None and lr is None:
             raise ToolkitError(f"{self.name} needs the learning rate of each step",
                                "pass an optimizer spec (toolkit.SGD/Adam)")
-        return np.asarray([*self.rule.scalars(lr), *scale], self.dtype_name)
+        return self.rule.scalars(lr).vector(self.dtype_name)
 
     def scalars_like(self) -> np.ndarray:
         """Zeros shaped as each step's ``optimizer_scalars`` (for compiling ahead; counts
         nothing)."""
-        return np.zeros((3 if self.opt_spec is not None else 0)
-                        + (self.rule.scaler is not None), self.dtype_name)
+        return StepScalars.zeros(self.dtype_name)
 
     def loss_scale(self, scalars):
         """(in the step) The loss scale among the step's ``scalars``; None without scaling."""
-        return None if self.rule.scaler is None else scalars[-1]
+        return self.rule.step_loss_scale(StepScalars.of(scalars))
 
     def _step_seed(self) -> np.ndarray:
         """The seed of this step's dropout key, from (seed, step): a resume draws the same."""

@@ -28,12 +28,13 @@ import numpy as np
 
 from adapters._backend import StrategyBase
 from adapters._common import check_recompute, unwrapped_toolkit_errors
-from adapters._update import UpdateRule
+from adapters._update import StepScalars, UpdateRule
 from adapters.horovod_tf.models.keras_native import KerasNative
 from adapters.horovod_tf.models.spec import spec_forward
 from adapters.horovod_tf.ops import TFOps, TFState
-from adapters.horovod_tf.update import apply_update, loss_scale, sum_squares, update
+from adapters.horovod_tf.update import apply_update, sum_squares, update
 from toolkit.contract import StepResult
+from toolkit.precision import PRECISIONS
 
 
 class TFDataParallel(StrategyBase):
@@ -43,8 +44,8 @@ class TFDataParallel(StrategyBase):
     skips = True  # build takes skip_nonfinite; the StepResult then says skipped
     compresses = True  # the runtime's compression goes to each gradient's allreduce
     # mixed: the spec model's forward on its variables and inputs cast to the compute dtype
-    # (TFOps.in_compute), each product rounded once (models/spec.matmul), the loss in float32
-    precisions = ("32", "64", "bf16-mixed", "fp16-mixed")
+    # (TFOps.in_compute), each product rounded once (models/layers.matmul), the loss in float32
+    precisions = PRECISIONS
     recomputes = True  # activation_checkpointing: tf.recompute_grad in the spec forward
 
     def __init__(self, runtime, layout):
@@ -115,7 +116,7 @@ class TFDataParallel(StrategyBase):
 
     def _step_fn(self, x, y, scalars, seeds):
         """(hook) One compiled step."""
-        lr, step_size, c2_sqrt = scalars[0], scalars[1], scalars[2]  # one host copy per step
+        s = StepScalars.of(scalars)  # (one vector: one host copy per step)
         tf, hvd, state = self.tf, self.hvd, self.state
         if self.native:
             self.keras_model.reseed(seeds)
@@ -123,7 +124,7 @@ class TFDataParallel(StrategyBase):
         variables = [state.vars[n] for n in names]
         kept = ([(b, tf.identity(b)) for b in state.buffers.values()]
                 if self.rule.skip else [])
-        scale = loss_scale(self.rule, scalars)
+        scale = self.rule.step_loss_scale(s)
         grads, total = self.local_grads(x, y, variables, scale)
         compression = self.runtime.compressor()
         grads = [hvd.allreduce(g, op=hvd.Average, name=f"grad_{i}", compression=compression)
@@ -134,7 +135,7 @@ class TFDataParallel(StrategyBase):
                 state.keras_opt.apply_gradients(zip(grads, variables, strict=True))
             else:
                 apply_update(tf, self.rule.spec, state.vars, state.slots,
-                             dict(zip(names, grads, strict=True)), lr, step_size, c2_sqrt)
+                             dict(zip(names, grads, strict=True)), s)
 
         _, norm = update(tf, self.rule, grads, lambda g: sum_squares(tf, g), apply, kept, scale)
         return total, norm

@@ -55,12 +55,12 @@ from typing import Any
 
 import numpy as np
 
-from adapters._update import UpdateRule
+from adapters._update import StepScalars, UpdateRule
 from adapters.horovod_tf.keras_optim import named_slots
 from adapters.horovod_tf.models.keras_native import _np_dtype, assign, to_host
-from adapters.horovod_tf.models.spec import float32_products
+from adapters.horovod_tf.models.layers import float32_products
 from adapters.horovod_tf.models.units import unit_functions
-from adapters.horovod_tf.update import loss_scale, spec_update, sum_squares, update
+from adapters.horovod_tf.update import spec_update, sum_squares, update
 from toolkit import GPT, Sharded
 from toolkit.models.reference import optimizer_slots
 from toolkit.parallel.shards import FlatLayout, unit_layouts
@@ -219,7 +219,7 @@ class ShardedTF:
                 tape.watch(fulls)
                 if not first:
                     tape.watch(h_in)
-                with float32_products():  # (a custom gradient: no fused bias, models/spec.py)
+                with float32_products():  # (a custom gradient: no fused bias, models/layers.py)
                     out = fn(params_of(fulls), h_in, x)
             return fulls, out, tape
 
@@ -260,9 +260,9 @@ class ShardedTF:
         """One compiled step: local gradients, the stage's reduction, the gradient's norm (and
         clipping), the sharded update. Returns the mean loss and the norm before clipping."""
         del seeds  # spec models draw no randomness
-        lr, step_size, c2_sqrt = scalars[0], scalars[1], scalars[2]
+        s = StepScalars.of(scalars)
         tf, hvd = self.tf, self.hvd
-        scale = loss_scale(self.rule, scalars)
+        scale = self.rule.step_loss_scale(s)
         if self.stage == 3:
             grads, total = self.local_grads(x, y, [self.params[u] for u in self.units], scale)
         else:
@@ -285,12 +285,12 @@ class ShardedTF:
             for u, g in zip(self.units, grads, strict=True):
                 if self.stage == 3:
                     self.params[u].assign(self._update(u, tf.convert_to_tensor(self.params[u]),
-                                                       g, lr, step_size, c2_sqrt))
+                                                       g, s))
                     continue
                 if self.stage == 1:
                     lo = self.rank * self.layouts[u].shard_size
                     g = g[lo:lo + self.layouts[u].shard_size]
-                new = self._update(u, self._owned(u, self.vars), g, lr, step_size, c2_sqrt)
+                new = self._update(u, self._owned(u, self.vars), g, s)
                 for n, t in self._unflatten(u, hvd.allgather(new)).items():
                     self.vars[n].assign(t)
 
@@ -314,10 +314,10 @@ class ShardedTF:
                         shard))).items():
                     self.vars[n].assign(t)
 
-    def _update(self, unit: str, p, g, lr, step_size, c2_sqrt):
+    def _update(self, unit: str, p, g, s: StepScalars):
         """The unit's new flat shard ``p`` (``update.spec_update``, its slots assigned)."""
         slots = {slot: self.slots[(slot, unit)] for slot in optimizer_slots(self.opt)}
-        return spec_update(self.tf, self.opt, p, g, slots, lr, step_size, c2_sqrt)
+        return spec_update(self.tf, self.opt, p, g, slots, s.lr, s.step_size, s.c2_sqrt)
 
     # ----------------------------------------------------------------------- state
     def _gather_host(self, var: Any) -> np.ndarray:

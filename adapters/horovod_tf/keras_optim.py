@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from adapters.horovod_tf.models.keras_native import _unique
+from adapters._common import unique_names
 from toolkit import ToolkitError
 from toolkit.errors import describe
 
@@ -70,7 +70,7 @@ def named_slots(optimizer: Any, named: dict[str, Any]) -> dict[str, Any]:
                 name = f"{name[len(start):]}/{param}"
                 break
         names.append(f"opt/{name}")
-    return dict(zip(_unique(names), optimizer.variables, strict=True))
+    return dict(zip(unique_names(names), optimizer.variables, strict=True))
 
 
 def for_stage(optimizer: Any) -> Any:

@@ -169,15 +169,14 @@ class TFState:
         self.rule.load({"opt/count": np.asarray(count)})
 
     def scalars(self, lr: float | None, dtype) -> Any:
-        """Counts the step and returns its ``[lr, step_size, c2_sqrt]`` as one tensor (one host
-        copy per step), the loss scale after them under loss scaling (``update.loss_scale``);
-        ``lr`` is ignored with a Keras optimizer (its own rate or schedule)."""
+        """Counts the step and returns its ``StepScalars`` as one tensor (one host copy per
+        step; the step reads them by name: ``StepScalars.of``); ``lr`` is ignored with a Keras
+        optimizer (its own rate or schedule)."""
         if lr is None and self.rule.spec is not None:
             raise ToolkitError("horovod-tf needs the learning rate of each step",
                                "pass an optimizer spec (toolkit.SGD/Adam) to the Trainer, which "
                                "evaluates its schedule, or a Keras optimizer")
-        scale = [] if self.rule.scaler is None else [self.rule.scaler.scale]
-        return self.tf.constant([*self.rule.scalars(0.0 if lr is None else lr), *scale], dtype)
+        return self.tf.constant([float(v) for v in self.rule.scalars(lr)], dtype)
 
     def counters(self) -> dict[str, np.ndarray]:
         """``opt/count`` (Adam) and ``rng/step`` (native models), as the checkpoint names them."""

@@ -40,18 +40,19 @@ import numpy as np
 from adapters._common import check_build, check_recompute, check_spec_optimizer
 from adapters._horovod.pipeline import HvdPipeline
 from adapters._horovod.rounds import ALIGNMENT, NARROW, aligned_empty
-from adapters._update import UpdateRule
+from adapters._update import StepScalars, UpdateRule
 from adapters.horovod_tf.in_order import InOrderRounds, Spinner, Submitted
 from adapters.horovod_tf.keras_optim import check_elementwise, for_stage
 from adapters.horovod_tf.models.keras_native import assign, is_keras_optimizer
 from adapters.horovod_tf.ops import TFOps, TFState
 from adapters.horovod_tf.stages import compiled_pieces, cut_model
-from adapters.horovod_tf.update import apply_update
+from adapters.horovod_tf.update import apply_update, sum_squares, update
 from toolkit.contract import StepResult
 from toolkit.models.reference import optimizer_slots
 from toolkit.parallel.layouts import Pipeline
 from toolkit.parallel.pipeline.partition import micro_batch_size
 from toolkit.parallel.pipeline.schedules import Action
+from toolkit.precision import PRECISIONS
 
 
 class TFPipeline(HvdPipeline):
@@ -63,7 +64,7 @@ class TFPipeline(HvdPipeline):
     # mixed: each spec piece on its variables and input cast to the compute dtype (as data
     # parallel), 16-bit activations sent as they are (rounds.pack), fp16's loss scaled on the
     # last stage
-    precisions = ("32", "64", "bf16-mixed", "fp16-mixed")
+    precisions = PRECISIONS
 
     @staticmethod
     def check_layout(layout: Pipeline) -> None:
@@ -108,13 +109,6 @@ class TFPipeline(HvdPipeline):
         # zero slots over this stage's variables (a spec's), or the Keras optimizer's
         state.build_optimizer(model, optimizer, self.keras_model, list(state.vars.values()))
         self.slots, self.replicated = _slots(optimizer, state)
-        # Each parameter's gradient is summed over a step's micro-batches by numpy, into a
-        # buffer of its own (the first micro-batch's gradient is kept as it is): 7 ms per
-        # 4096 x 4096 float32 matrix, against 14 ms for TensorFlow's add (one core), which
-        # made every backward but a step's first 15 ms slower. The update takes the sums
-        # without a copy (_tensor) when they are these buffers.
-        self.acc = {n: aligned_empty(v.shape.num_elements(), self.np_dtype).reshape(
-            tuple(v.shape)) for n, v in state.vars.items()}
         tf, ops, M = self.tf, self.ops, self.layout.micro_batches
         # each piece's forward compiled, the last piece's ending with its micro-batch's share of
         # the loss (stages.compiled_pieces); the update compiled too
@@ -128,7 +122,8 @@ class TFPipeline(HvdPipeline):
         else:
             self.update = tf.function(
                 lambda grads, s: apply_update(tf, state.rule.spec, state.vars, state.slots,
-                                              grads, s[0], s[1], s[2]), reduce_retracing=True)
+                                              grads, StepScalars.of(s)),
+                reduce_retracing=True)
         self._start(state.names)
 
     @property
@@ -206,9 +201,12 @@ class TFPipeline(HvdPipeline):
     def _allgather(self, flat: np.ndarray, name: str) -> np.ndarray:
         return np.asarray(self.hvd.allgather(self.tf.constant(flat), name=name))  # a view
 
-    def _allreduce_sum(self, flat: np.ndarray, process_set, name: str) -> np.ndarray:
-        return np.asarray(self.hvd.allreduce(self.tf.constant(flat), op=self.hvd.Sum, name=name,
-                                             process_set=process_set))  # a view, not a copy
+    def _grouped_sum(self, tensors: list, process_set, name: str) -> list:
+        return self.hvd.grouped_allreduce(tensors, op=self.hvd.Sum, name=name,
+                                          process_set=process_set)
+
+    def _squares(self, tensors: list):
+        return sum_squares(self.tf, tensors) if tensors else self.tf.zeros((), self.dtype)
 
     def _host(self, tensor) -> np.ndarray:
         return np.asarray(tensor)  # a tensor's: a read-only view, no copy
@@ -225,13 +223,6 @@ class TFPipeline(HvdPipeline):
         own = aligned_empty(array.size, array.dtype).reshape(array.shape)
         np.copyto(own, array)
         return self._tensor(own)
-
-    def _gradients(self) -> dict[str, np.ndarray]:
-        return {n: (self.sums[n] if n in self.sums else
-                    np.zeros(self.cut.shapes[n], self.np_dtype)) for n in self.state.names}
-
-    def _set_gradients(self, grads: dict[str, np.ndarray]) -> None:
-        self.reduced = {n: self.tf.constant(g) for n, g in grads.items()}
 
     def _set_buffer(self, buffer, array: np.ndarray) -> None:
         assign(buffer, array)
@@ -271,16 +262,13 @@ class TFPipeline(HvdPipeline):
         self._defer(action, (piece.names, grads))
 
     def _sum(self, gradients) -> None:
-        """Adds a backward's parameter gradients to the step's sums, in numpy (see build)."""
+        """Adds a backward's parameter gradients to the step's sums, on the device (the first
+        micro-batch's gradient kept as it is)."""
         names, grads = gradients
         for n, g in zip(names, grads, strict=True):
             if g is not None:
-                g = np.asarray(self.tf.convert_to_tensor(g))  # a read-only view
-                if n not in self.sums:
-                    self.sums[n] = g  # the first: kept as it is
-                else:
-                    np.add(self.sums[n], g, out=self.acc[n])
-                    self.sums[n] = self.acc[n]
+                g = self.tf.convert_to_tensor(g)
+                self.sums[n] = g if n not in self.sums else self.sums[n] + g
 
     def train_step(self, x: np.ndarray, y: np.ndarray, lr: float | None) -> StepResult:
         """One pipelined step on this replica's local batch; returns the replica's mean loss
@@ -293,19 +281,22 @@ class TFPipeline(HvdPipeline):
                                                                        self.env.rank)))
         xt, yt = self.ops.inputs(x, y)
         self.xs, self.ys = tf.split(xt, M), tf.split(yt, M)
-        self.sums: dict[str, np.ndarray] = {}  # each gradient summed over the micro-batches
-        self.reduced: dict[str, Any] | None = None  # the gradients averaged across replicas
+        self.sums: dict[str, Any] = {}  # each gradient summed over the micro-batches
         # (a skipped step keeps the BatchNorm statistics its forward passes moved)
-        kept = {n: tf.identity(b) for n, b in state.buffers.items()} if self.rule.skip else {}
-        result = self.rule.result(*self._run_rounds())  # (a skip takes the count back)
-        grads = self.reduced or {n: self._tensor(self.sums[n]) if n in self.sums else
-                                 tf.zeros_like(state.vars[n]) for n in state.names}
-        if not result.skipped:
-            self.update(grads, scalars)
-        for n, old in kept.items() if result.skipped else ():
-            state.buffers[n].assign(old)
+        kept = [(b, tf.identity(b)) for b in state.buffers.values()] if self.rule.skip else []
+        loss = self._run_rounds()
+        names = state.names
+        grads = self._reduced({n: self.sums[n] if n in self.sums else
+                               tf.zeros_like(state.vars[n]) for n in names})
+        # the family's one update path (unscale, norm over every stage, clip, apply, the old
+        # state kept where the norm is not finite), eagerly around the compiled apply
+        _, norm = update(tf, self.rule, [grads[n] for n in names],
+                         lambda g: self._sum_of_squares(dict(zip(names, g, strict=True))),
+                         lambda g: self.update(dict(zip(names, g, strict=True)), scalars), kept,
+                         self.rule.step_loss_scale(StepScalars.of(scalars)))
+        result = self.rule.result(loss, norm)  # (a skip takes the count back)
         self.steps += 1
-        self.xs = self.ys = self.reduced = self.sums = grads = None
+        self.xs = self.ys = self.sums = grads = None
         return result
 
     def evaluate(self, x: np.ndarray, y: np.ndarray) -> dict[str, float]:

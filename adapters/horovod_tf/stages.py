@@ -7,10 +7,10 @@ model (``models/units.unit_functions``: ``models/spec.spec_forward`` unit by uni
 ``tf.Variable``\\ s under the spec's neutral names made from the same numpy initialisation, of
 which a rank creates its stage's only. With ``recompute`` (activation checkpointing) each GPT block
 and hidden MLP layer of a piece runs under ``tf.recompute_grad`` as in data parallel
-(``models/spec.checkpointed``): the tape a forward keeps until its backward holds their inputs, not
-their insides. A tied GPT's last stage holds its own ``tok_emb`` variable (the head reads it); the
-executor sums both stages' gradients, so both copies take the same update (Megatron-LM's embedding
-group).
+(``models/layers.checkpointed``): the tape a forward keeps until its backward holds their inputs,
+not their insides. A tied GPT's last stage holds its own ``tok_emb`` variable (the head reads
+it); the executor sums both stages' gradients, so both copies take the same update (Megatron-LM's
+embedding group).
 
 A Keras ``Sequential`` is cut by layer index (balanced by trainable parameter count, or at the
 layout's split points), its variables under ``models/keras_native.py``'s stable names; every
@@ -26,7 +26,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from adapters.horovod_tf.models.spec import float32_products
+from adapters.horovod_tf.models.layers import float32_products
 from toolkit import ToolkitError
 from toolkit.models.specs import ModelSpec
 from toolkit.parallel.pipeline.partition import partition_layers, partition_model
@@ -148,7 +148,7 @@ def _spec_forward(fns: list[Callable], variables: dict, first: bool,
         del training  # the spec models have no dropout or batch statistics
         h, params = cast(h), cast(variables)
         x, out = h, None if first else h
-        with float32_products():  # (an XLA cluster: no fused bias, models/spec.py)
+        with float32_products():  # (an XLA cluster: no fused bias, models/layers.py)
             for fn in fns:
                 out = fn(params, out, x)
         return out

@@ -21,14 +21,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from adapters._update import StepScalars
 from toolkit import SGD
 from toolkit.models.reference import optimizer_slots
-
-
-def loss_scale(rule, scalars):
-    """(in a compiled step) The loss scale among the step's ``scalars`` (``TFState.scalars``);
-    None without loss scaling."""
-    return None if rule.scaler is None else scalars[3]
 
 
 def update(tf, rule, grads: list, sum_squares: Callable[[list], Any],
@@ -47,7 +42,8 @@ def update(tf, rule, grads: list, sum_squares: Callable[[list], Any],
             layout adds up its ranks' shares); called only when ``rule.needs_norm``.
         apply: the optimizer's update of what this rank holds, given the clipped ``grads``.
         keep: what a skipped step assigns back.
-        scale: the loss scale (``loss_scale``) the gradients were computed with, or None.
+        scale: the loss scale (``UpdateRule.step_loss_scale``) the gradients were computed
+            with, or None.
 
     Returns:
         ``(clipped grads, norm)``: the norm before clipping (a zero unless
@@ -73,7 +69,7 @@ def clip_by_norm(tf, grads: list, sum_sq: Callable[[list], Any], clip: float | N
     """``(grads scaled by clip / max(norm, clip), norm)`` for the whole gradient's
     ``sum_sq(grads)`` (``toolkit.models.reference.clip_scale``); ``clip`` None: ``grads`` as
     they are, and the norm only with ``need_norm`` (skipping non-finite steps), else a zero
-    (a reduction over every gradient costs 4-7% of a small step on a CPU)."""
+    (the norm reads every gradient once more)."""
     if clip is None and not need_norm:
         return grads, tf.zeros(())
     norm = tf.sqrt(sum_sq(grads))
@@ -120,12 +116,13 @@ def spec_update(tf, spec: Any, p, g, slots: dict, lr, step_size, c2_sqrt):
     return p - step_size * m / (tf.sqrt(v) / c2_sqrt + spec.eps)
 
 
-def apply_update(tf, spec: Any, variables: dict, slots: dict, grads: dict, lr, step_size,
-                 c2_sqrt) -> None:
+def apply_update(tf, spec: Any, variables: dict, slots: dict, grads: dict,
+                 scalars: StepScalars) -> None:
     """:func:`spec_update` of ``variables[name]`` (and its slots ``slots["opt/<slot>/<name>"]``)
-    by ``grads[name]`` for every name of ``grads``, in that order."""
+    by ``grads[name]`` for every name of ``grads``, in that order, with the step's
+    ``scalars``."""
     names = optimizer_slots(spec)
     for name, g in grads.items():
         p = variables[name]
         p.assign(spec_update(tf, spec, p, g, {s: slots[f"opt/{s}/{name}"] for s in names},
-                             lr, step_size, c2_sqrt))
+                             scalars.lr, scalars.step_size, scalars.c2_sqrt))

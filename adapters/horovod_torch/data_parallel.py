@@ -45,6 +45,7 @@ from adapters.horovod_torch.update import norm_of_norms, update
 from toolkit import ToolkitError
 from toolkit.contract import StepResult
 from toolkit.models.specs import ModelSpec
+from toolkit.precision import PRECISIONS
 
 
 class TorchDataParallel(StrategyBase):
@@ -56,7 +57,7 @@ class TorchDataParallel(StrategyBase):
     compresses = True  # the runtime's compression goes to DistributedOptimizer
     recomputes = True  # activation_checkpointing: the spec model's blocks (models/spec.py)
     # mixed: torch autocast (ops.TorchOps.computing); fp16 with the update path's loss scaler
-    precisions = ("32", "64", "bf16-mixed", "fp16-mixed")
+    precisions = PRECISIONS
 
     scheduler = None  # a torch LR scheduler given with a native optimizer, after build
 

@@ -53,6 +53,7 @@ import contextlib
 
 import numpy as np
 
+from adapters._update import StepScalars
 from adapters.horovod_torch import torch_optim
 from adapters.horovod_torch.compute_gather import ComputeGather, rounded_names
 from adapters.horovod_torch.models.units import (
@@ -310,8 +311,8 @@ class ShardedParameters:
             sq = hvd.allreduce(sq, op=hvd.Sum, name="zero.grad_norm")
         return sq.sqrt()[0]
 
-    def step(self, lr: float, step_size: float, c2_sqrt: float) -> None:
-        """Updates this rank's shards from :attr:`grads` with this step's optimizer scalars
+    def step(self, scalars: StepScalars) -> None:
+        """Updates this rank's shards from :attr:`grads` with this step's ``scalars``
         (``UpdateRule.scalars``), then re-assembles the parameters (stages 1/2)."""
         torch, hvd, spec = self.torch, self.hvd, self.spec
         with torch.no_grad():
@@ -323,7 +324,7 @@ class ShardedParameters:
                     own = self._owned(unit)
                     param = source if self.stage == 3 else source[own]
                     update_shard(spec, param, grad[own] if self.stage == 1 else grad, slots,
-                                 lr, step_size, c2_sqrt)
+                                 scalars.lr, scalars.step_size, scalars.c2_sqrt)
             if self.stage < 3:
                 gathered = hvd.grouped_allgather(
                     [s.detach()[self._owned(u)] for u, s in enumerate(self.sources)],

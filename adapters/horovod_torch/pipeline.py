@@ -50,12 +50,14 @@ from adapters.horovod_torch.torch_optim import (
     state_templates,
     step_count,
 )
+from adapters.horovod_torch.update import norm_of_norms, update
 from toolkit import SGD, Adam
 from toolkit.contract import StepResult
 from toolkit.models.reference import optimizer_slots
 from toolkit.parallel.layouts import Pipeline
 from toolkit.parallel.pipeline.partition import micro_batch_size
 from toolkit.parallel.pipeline.schedules import Action
+from toolkit.precision import PRECISIONS
 
 __all__ = ["TorchPipeline", "check_pipeline", "pack_tensors"]
 
@@ -89,7 +91,7 @@ class TorchPipeline(HvdPipeline):
     asynchronous = True  # hvd.alltoall_async: receives joined ahead (adapters/_horovod/rounds.py)
     # mixed: each stage's forward under torch autocast (as data parallel), 16-bit activations
     # sent as they are (pack_tensors), fp16's loss scaled on the last stage
-    precisions = ("32", "64", "bf16-mixed", "fp16-mixed")
+    precisions = PRECISIONS
     recomputes = True  # activation_checkpointing: each piece's blocks (stages.cut_model)
 
     @staticmethod
@@ -171,9 +173,14 @@ class TorchPipeline(HvdPipeline):
     def _allgather(self, flat: np.ndarray, name: str) -> np.ndarray:
         return self.hvd.allgather(self.torch.from_numpy(flat), name=name).numpy()
 
-    def _allreduce_sum(self, flat: np.ndarray, process_set, name: str) -> np.ndarray:
-        return self.hvd.allreduce(self.torch.from_numpy(flat), op=self.hvd.Sum, name=name,
-                                  process_set=process_set).numpy()
+    def _grouped_sum(self, tensors: list, process_set, name: str) -> list:
+        return self.hvd.grouped_allreduce(tensors, op=self.hvd.Sum, name=name,
+                                          process_set=process_set)
+
+    def _squares(self, tensors: list):
+        norm = norm_of_norms(self.torch, tensors)  # (as data parallel measures)
+        return (self.torch.zeros((), dtype=self.dtype, device=self.runtime.dev)
+                if norm is None else norm.square())
 
     def _host(self, tensor) -> np.ndarray:
         """(a 16-bit activation of evaluation as the parameters' dtype: exactly its value)"""
@@ -189,15 +196,6 @@ class TorchPipeline(HvdPipeline):
         tensor = (array.clone() if torch.is_tensor(array)
                   else self.runtime.to_device(torch.from_numpy(np.array(array))))
         return tensor.requires_grad_(True) if grad else tensor
-
-    def _gradients(self) -> dict[str, np.ndarray]:
-        return {n: (self._host(p.grad) if p.grad is not None else np.zeros(tuple(p.shape),
-                                                                            self.np_dtype))
-                for n, p, _, _ in self.params}
-
-    def _set_gradients(self, grads: dict[str, np.ndarray]) -> None:
-        for n, p, _, _ in self.params:
-            p.grad = self.runtime.to_device(self.torch.from_numpy(grads[n]))
 
     def _set_buffer(self, buffer, array: np.ndarray) -> None:
         with self.torch.no_grad():
@@ -245,16 +243,32 @@ class TorchPipeline(HvdPipeline):
         self.xs, self.ys = xt.chunk(M), yt.chunk(M)
         self.opt.zero_grad(set_to_none=False)
         kept = kept_buffers(self.cut.buffers, self.rule.skip)
-        result = self.rule.result(*self._run_rounds())
-        if not result.skipped:
-            self.opt.step()
-            if self.scheduler is not None:
-                self.scheduler.step()
-        else:
+        loss = self._run_rounds()
+        norm, skipped = self._update()
+        result = self.rule.result(loss, norm, skipped)
+        if skipped:
             restore_buffers(self.torch, self.cut.buffers, kept)
         self.steps += 1
         self.xs = self.ys = None
         return result
+
+    def _update(self) -> tuple[Any, bool]:
+        """The stage's gradients reduced on the device (``_reduced``), then the family's one
+        update path (``update.update``: unscale, norm over every stage, finite check, clip,
+        the optimizer's step). Returns ``(norm, skipped)``."""
+        torch = self.torch
+        grads = self._reduced({n: torch.zeros_like(p) if p.grad is None else p.grad
+                               for n, p, _, _ in self.params})
+        for n, p, _, _ in self.params:
+            p.grad = grads[n]
+
+        def apply() -> None:
+            self.opt.step()
+            if self.scheduler is not None:
+                self.scheduler.step()
+
+        return update(torch, self.rule, list(grads.values()),
+                      lambda: self._sum_of_squares(grads).sqrt(), apply)
 
     def evaluate(self, x: np.ndarray, y: np.ndarray) -> dict[str, float]:
         """Every rank's ``(x, y)`` runs through its replica's pipeline (inputs gathered on the

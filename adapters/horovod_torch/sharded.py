@@ -64,7 +64,7 @@ class TorchSharded(TorchDataParallel):
         shards = self.shards
         shards.reduce()
         return update(self.torch, self.rule, shards.grads, shards.norm,
-                      lambda: shards.step(*scalars))
+                      lambda: shards.step(scalars))
 
     def memory_bytes(self) -> dict[str, int]:
         return self.shards.memory_bytes()

@@ -84,7 +84,7 @@ def cut_model(torch, model: Any, layout, stage: int, dtype, device=None,
     """The pieces of ``model`` that ``stage`` holds under the ``toolkit.Pipeline`` ``layout``,
     in ``dtype`` on ``device`` (only this stage's pieces move there); ``recompute``: each GPT
     block, hidden MLP layer or convolution of a spec model recomputes its activations in the
-    backward pass (``models.spec.recomputing``)."""
+    backward pass (``models.layers.recomputing``)."""
     if isinstance(model, ModelSpec):
         return _on(torch, _cut_spec(torch, model, layout, stage, dtype, recompute), device)
     if isinstance(model, torch.nn.Sequential):

@@ -43,8 +43,8 @@ def clip_(torch, grads: list, norm, clip: float) -> None:
 def update(torch, rule: UpdateRule, grads: list, norm: Callable[[], Any],
            apply: Callable[[], None]) -> tuple[Any, bool]:
     """One update under ``rule`` (its ``clip`` and ``skip``): ``norm()`` is the whole
-    gradient's norm (taken only when ``rule.needs_norm``: the reduction over every gradient
-    costs 4-7% of a small CPU step), ``grads`` are clipped in place, then ``apply()`` updates
+    gradient's norm (taken only when ``rule.needs_norm``: it reads every gradient once
+    more), ``grads`` are clipped in place, then ``apply()`` updates
     the parameters from them. Returns ``(the norm before clipping, skipped)``: the norm a
     tensor (None when not taken, or without gradients), skipped whether the norm was not
     finite under ``skip``, in which case nothing was clipped or applied (the norm is global,

@@ -13,6 +13,7 @@ from adapters._jax.update import apply_optimizer, squares, update
 from adapters._update import UpdateRule
 from toolkit import ToolkitError
 from toolkit.contract import StepResult
+from toolkit.precision import PRECISIONS
 
 
 class PjitDataParallel(JaxStrategy):
@@ -20,7 +21,7 @@ class PjitDataParallel(JaxStrategy):
 
     # mixed: the parameters cast inside the one program; its gradient is the global batch's,
     # its partial sums reduced before they are rounded (data_split)
-    precisions = ("32", "64", "bf16-mixed", "fp16-mixed")
+    precisions = PRECISIONS
     recomputes = True  # activation_checkpointing: nn.remat in the spec models
 
     @property
@@ -76,7 +77,8 @@ class PjitDataParallel(JaxStrategy):
                                                            scale=scale)
         (params, opt_state, model_state), norm = update(
             jnp, self.rule, grads, lambda g: squares(jnp, g),
-            lambda g: (*apply_optimizer(self.tx, g, opt_state, params, scalars), new_state),
+            lambda g: (*apply_optimizer(self.rule, self.tx, g, opt_state, params, scalars),
+                       new_state),
             before, scale)
         return params, opt_state, model_state, losses, norm
 

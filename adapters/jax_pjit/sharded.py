@@ -33,12 +33,11 @@ from adapters._jax import tensor_parallel as tp
 from adapters._jax.flat_units import (
     FlatUnits,
     check_layout,
-    check_sharded_optimizer,
     local_range,
     nbytes,
     state_head,
 )
-from adapters._jax.native_optax import ShardedOptax, check_sharded
+from adapters._jax.native_optax import ShardedOptax, check_sharded, check_sharded_optimizer
 from adapters._jax.update import apply_optimizer, squares, update
 from adapters.jax_pjit.data_parallel import PjitDataParallel
 from toolkit.models.reference import optimizer_slots
@@ -187,8 +186,9 @@ class PjitSharded(PjitDataParallel):
         # (k, M) views)
         (params, opt_state, model_state), norm = update(
             jnp, self.rule, grads, lambda g: squares(jnp, g),
-            lambda g: (*apply_optimizer(self.tx, wsc(g, shards), opt_state, wsc(params, shards),
-                                        scalars), new_state), before, scale)
+            lambda g: (*apply_optimizer(self.rule, self.tx, wsc(g, shards), opt_state,
+                                        wsc(params, shards), scalars), new_state),
+            before, scale)
         return params, opt_state, model_state, losses, grads, norm
 
     # ------------------------------------------------------------------ host side

@@ -13,6 +13,7 @@ from adapters._jax.update import apply_optimizer, squares, update
 from adapters._update import UpdateRule
 from toolkit import ToolkitError
 from toolkit.contract import StepResult
+from toolkit.precision import PRECISIONS
 
 
 class PmapDataParallel(JaxStrategy):
@@ -20,7 +21,7 @@ class PmapDataParallel(JaxStrategy):
 
     # bf16-mixed: each device casts its replica to bfloat16 inside the step, and its gradient
     # (float32 again through the cast) is averaged in float32
-    precisions = ("32", "64", "bf16-mixed", "fp16-mixed")
+    precisions = PRECISIONS
     recomputes = True  # activation_checkpointing: nn.remat in the spec models
 
     def build(self, model: Any, optimizer: Any, loss: Any, *, seed: int = 0,
@@ -65,7 +66,8 @@ class PmapDataParallel(JaxStrategy):
         new_state = lax.pmean(new_state, axis_name="batch")
         (params, opt_state, model_state), norm = update(
             jnp, self.rule, grads, lambda g: squares(jnp, g),
-            lambda g: (*apply_optimizer(self.tx, g, opt_state, params, scalars), new_state),
+            lambda g: (*apply_optimizer(self.rule, self.tx, g, opt_state, params, scalars),
+                       new_state),
             before, scale)
         return params, opt_state, model_state, jnp.mean(losses), norm
 

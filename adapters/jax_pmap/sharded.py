@@ -35,13 +35,12 @@ import numpy as np
 from adapters._jax.flat_units import (
     FlatUnits,
     check_layout,
-    check_sharded_optimizer,
     nbytes,
     state_head,
     unit_forward,
     unit_named,
 )
-from adapters._jax.native_optax import ShardedOptax, check_sharded
+from adapters._jax.native_optax import ShardedOptax, check_sharded, check_sharded_optimizer
 from adapters._jax.update import apply_optimizer, squares, update
 from adapters.jax_pmap.data_parallel import PmapDataParallel
 from toolkit import ToolkitError
@@ -199,9 +198,10 @@ class PmapSharded(PmapDataParallel):
 
         def apply(g):  # stage 3 updates its own shards; 1 and 2 gather the updated ones
             if stage == 3:
-                return (*apply_optimizer(self.tx, g, opt_state, params, scalars), new_state)
+                return (*apply_optimizer(self.rule, self.tx, g, opt_state, params, scalars),
+                        new_state)
             shard = {u: mine(a, u) for u, a in g.items()} if stage == 1 else g
-            updated, opt = apply_optimizer(self.tx, shard, opt_state,
+            updated, opt = apply_optimizer(self.rule, self.tx, shard, opt_state,
                                            {u: mine(p, u) for u, p in params.items()}, scalars)
             return tmap(lambda s: lax.all_gather(s, AXIS, tiled=True), updated), opt, new_state
 

@@ -55,7 +55,7 @@ def test_pipeline_equals_the_reference(launch, tmp_path, schedule, ranks):
 
 def run_equivalence(launch, tmp_path, *args) -> dict:
     out = tmp_path / "eq.json"
-    job = launch("python", 1, ["-m", "toolkit.equivalence", "--json", str(out),
+    job = launch("python", 1, ["-m", "adapters.equivalence", "--json", str(out),
                                "--backends", "horovod-tf", "--world-sizes", "2", *args],
                  timeout=600)
     assert job.returncode == 0, job
@@ -77,7 +77,7 @@ def check_passes(report: dict, layouts: list[str]) -> None:
 @pytest.mark.long  # tests/test_equivalence.py runs this command for every backend in CI
 @pytest.mark.slow
 def test_equivalence_command_gpipe_and_1f1b_float32(launch, tmp_path):
-    """The MLP preset, 20 steps, global batch 64, float32: `python -m toolkit.equivalence
+    """The MLP preset, 20 steps, global batch 64, float32: `python -m adapters.equivalence
     --backends horovod-tf --layout pipeline:2:4:gpipe,pipeline:2:4:1f1b --world-sizes 2`."""
     layouts = ["pipeline:2:4:gpipe", "pipeline:2:4:1f1b"]
     check_passes(run_equivalence(launch, tmp_path, "--steps", "20", "--layout",

@@ -34,7 +34,8 @@ def test_bad_dtype_is_refused():
 
 
 def test_importing_toolkit_and_adapters_imports_no_framework():
-    code = ("import sys, toolkit, adapters, toolkit.datasets, toolkit.equivalence; "
+    code = ("import sys, toolkit, adapters, toolkit.datasets, toolkit.equivalence, "
+            "adapters.equivalence; "
             "[adapters.get(b) for b in adapters.BACKENDS]; "
             "print(sorted(m for m in ('torch', 'tensorflow', 'jax', 'horovod') "
             "if m in sys.modules))")

@@ -157,7 +157,7 @@ def test_tensor_parallel_gpt_equals_the_reference():
 
 def tensor_parallel_equivalence(launch, tmp_path, world_sizes, local_devices, dtype, optimizer):
     out = tmp_path / "eq.json"
-    job = launch("python", 1, ["-m", "toolkit.equivalence", "--backends", "jax-pjit",
+    job = launch("python", 1, ["-m", "adapters.equivalence", "--backends", "jax-pjit",
                                "--model", "gpt", "--layout", "sharded:3:tp2,sharded:1:tp2",
                                "--local-devices", str(local_devices), "--world-sizes",
                                world_sizes, "--steps", "6", "--dtype", dtype, "--optimizer",

@@ -15,7 +15,6 @@ from toolkit.precision import PRECISIONS, Precision
 def test_each_policy_says_its_dtypes(name, param, compute, scaled):
     p = Precision.of(name)
     assert (p.param_dtype, p.compute_dtype, p.loss_scaling) == (param, compute, scaled)
-    assert p.reduce_dtype == param  # gradients are reduced in the master dtype
     assert p.mixed == (compute != param) and name in PRECISIONS
 
 
@@ -72,3 +71,37 @@ def test_the_trainer_refuses_a_precision_its_backend_cannot_hold():
         toolkit.Trainer(adapters.get("jax-pjit"), toolkit.MLP((4, 2)), toolkit.SGD(lr=0.1),
                         precision="64", global_batch_size=8)
     assert "adapters.get('jax-pjit', precision='64')" in err.value.hint
+
+
+def test_the_loss_scalers_settings_are_checked_and_set_only_where_the_loss_is_scaled():
+    fp16 = Precision.of("fp16-mixed")
+    assert (fp16.init_scale, fp16.growth_interval) == (2.0 ** 16, 2000)  # torch's defaults
+    set_ = fp16.with_scaling(init_scale=2 ** 10, growth_interval=7)
+    scaler = set_.scaler()
+    assert (scaler.scale, scaler.growth_interval) == (1024.0, 7)
+    assert set_.scaling_settings() == {"init_scale": 1024.0, "growth_interval": 7}
+    assert Precision.of("bf16-mixed").scaler() is None
+    assert Precision.of("bf16-mixed").scaling_settings() is None
+    with pytest.raises(ToolkitError, match=r"init_scale 1000 is not a positive power of two"
+                                           r"[\s\S]*512 or 1024"):
+        fp16.with_scaling(init_scale=1000)
+    for bad in (0, -4.0, float("inf"), float("nan")):
+        with pytest.raises(ToolkitError, match="not a positive power of two"):
+            fp16.with_scaling(init_scale=bad)
+    for bad in (0, -1, 2.5, True):
+        with pytest.raises(ToolkitError, match=f"growth_interval {bad!r} is not a whole"):
+            fp16.with_scaling(growth_interval=bad)
+    with pytest.raises(ToolkitError, match="'bf16-mixed' does not scale the loss"):
+        Precision.of("bf16-mixed").with_scaling(init_scale=1024)
+
+
+def test_the_cli_options_reach_the_trainers_keywords():
+    import argparse
+
+    from toolkit import add_trainer_options, trainer_options
+
+    parser = add_trainer_options(argparse.ArgumentParser())
+    options = trainer_options(parser.parse_args(
+        ["--precision", "fp16-mixed", "--init-scale", "256", "--growth-interval", "3"]))
+    assert (options["precision"], options["init_scale"], options["growth_interval"]) == \
+        ("fp16-mixed", 256.0, 3)

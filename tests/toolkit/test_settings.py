@@ -132,3 +132,33 @@ def test_a_checkpoint_written_before_settings_were_recorded_resumes_as_a_new_one
         shutil.rmtree(tmp_path / "ckpt")
         shutil.copytree(FIXTURE, tmp_path / "ckpt")
         trainer(tmp_path, schedule(9), max_steps=9, resume="latest").fit(x, y)
+
+
+def test_the_loss_scalers_settings_are_run_settings(digits, tmp_path):
+    """init_scale and growth_interval reach the scaler (the scale doubles after each
+    growth_interval clean steps from init_scale) and are recorded: a resume with another
+    value stops unless allowed."""
+    (x, y), _ = digits
+
+    def scaled(**kw):
+        return toolkit.Trainer(adapters.get("horovod-torch", precision="fp16-mixed"),
+                               toolkit.MLP((64, 16, 10)), toolkit.SGD(lr=0.05),
+                               global_batch_size=64, progress=False,
+                               env=toolkit.LaunchEnv(), checkpoint_dir=tmp_path / "ckpt",
+                               checkpoint_every=4, **{"max_steps": 7, **kw})
+
+    history = scaled(init_scale=256, growth_interval=3).fit(x, y)
+    assert history.loss_scales == [256.0] * 3 + [512.0] * 3 + [1024.0]
+    latest = toolkit.CheckpointStore(tmp_path / "ckpt").load("latest")
+    assert latest.meta["settings"]["loss_scaling"] == {"init_scale": 256.0, "growth_interval": 3}
+    assert float(latest.tensors["scaler/scale"]) == 1024.0  # (the scale of step 8)
+    with pytest.raises(toolkit.ToolkitError, match=r"loss_scaling.growth_interval 3 -> 5"):
+        scaled(init_scale=256, growth_interval=5, max_steps=9, resume="latest").fit(x, y)
+    resumed = scaled(init_scale=256, growth_interval=5, max_steps=9, resume="latest",
+                     allow_changes=True).fit(x, y)
+    assert resumed.loss_scales == [1024.0, 1024.0]  # the saved scale goes on
+    # a run that does not scale its loss records nothing of a scaler
+    plain = trainer(tmp_path / "plain", toolkit.SGD(lr=0.05)).fit(x, y)
+    assert plain.loss_scales == []
+    meta = toolkit.CheckpointStore(tmp_path / "plain" / "ckpt").load("latest").meta
+    assert "loss_scaling" not in meta["settings"]

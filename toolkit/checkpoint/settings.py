@@ -19,13 +19,17 @@ PLACEMENT = ("backend", "layout", "world_size")
 
 def run_settings(*, model: Any, optimizer: Any, global_batch_size: int, seed: int,
                  shuffle: bool, drop_last: bool, lr_scaling: str, backend: str, layout: str,
-                 world_size: int, clip_grad_norm: float | None = None) -> dict[str, Any]:
+                 world_size: int, clip_grad_norm: float | None = None,
+                 loss_scaling: dict[str, Any] | None = None) -> dict[str, Any]:
     """The record of a run's defining settings (JSON values; ``model``/``optimizer`` as
-    described by ``toolkit.checkpoint.resume.describe``, None for native objects)."""
-    return {"model": model, "optimizer": optimizer, "global_batch_size": global_batch_size,
-            "seed": seed, "shuffle": shuffle, "drop_last": drop_last, "lr_scaling": lr_scaling,
-            "backend": backend, "layout": layout, "world_size": world_size,
-            "clip_grad_norm": clip_grad_norm}
+    described by ``toolkit.checkpoint.resume.describe``, None for native objects;
+    ``loss_scaling``: the fp16 loss scaler's settings, recorded only when the loss is scaled,
+    so that they are compared only between two runs that scale it)."""
+    settings = {"model": model, "optimizer": optimizer, "global_batch_size": global_batch_size,
+                "seed": seed, "shuffle": shuffle, "drop_last": drop_last,
+                "lr_scaling": lr_scaling, "backend": backend, "layout": layout,
+                "world_size": world_size, "clip_grad_norm": clip_grad_norm}
+    return settings if loss_scaling is None else {**settings, "loss_scaling": loss_scaling}
 
 
 def saved_settings(meta: dict[str, Any]) -> dict[str, Any]:

@@ -12,6 +12,8 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from toolkit.precision import PRECISIONS
+
 # option -> (the Trainer's keyword, argparse's settings). A default given to
 # add_trainer_options replaces the one here.
 OPTIONS: dict[str, tuple[str, dict[str, Any]]] = {
@@ -44,8 +46,14 @@ OPTIONS: dict[str, tuple[str, dict[str, Any]]] = {
     "--peak-flops": ("peak_flops", dict(type=float, default=None, help="peak FLOP/s of one "
                                         "device, for the MFU (default: known GPUs' data sheet)")),
     "--precision": ("precision", dict(
-        choices=("32", "64", "bf16-mixed", "fp16-mixed"), default=None,
+        choices=PRECISIONS, default=None,
         help="the arithmetic's precision (docs/precision.md); default: the backend's dtype")),
+    "--init-scale": ("init_scale", dict(
+        type=float, default=None, help="fp16-mixed: the loss scale's first value, a power of "
+                                       "two (default 65536)")),
+    "--growth-interval": ("growth_interval", dict(
+        type=int, default=None, help="fp16-mixed: clean steps after which the loss scale "
+                                     "doubles (default 2000)")),
     "--activation-checkpointing": ("activation_checkpointing", dict(
         action=argparse.BooleanOptionalAction, default=None, help="recompute each block's "
         "activations in the backward pass (less memory, more compute), or with --no- never; "

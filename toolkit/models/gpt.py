@@ -30,6 +30,8 @@ import os
 import numpy as np
 
 from toolkit.errors import ToolkitError
+from toolkit.models import gpt2_files
+from toolkit.models.choices import DTYPES, LOSSES, check_choice
 
 LN_EPS = 1e-5
 _GELU_C = math.sqrt(2.0 / math.pi)
@@ -71,9 +73,7 @@ class GPT:
         ``GPT2LMHeadModel.save_pretrained`` or ``python -m adapters.export --format hf``
         write them): its ``init`` returns those weights, so any backend and layout fine-tunes
         them (tokens are the directory's vocabulary's ids)."""
-        from toolkit.models.gpt2_files import load_pretrained
-
-        return load_pretrained(directory)[0]
+        return cls(**gpt2_files.read_config(directory), init_from=str(directory))
 
     def __post_init__(self) -> None:
         for name in ("vocab", "context", "width", "layers", "heads"):
@@ -124,17 +124,14 @@ class GPT:
         ``mlp.proj``); biases 0, LayerNorm scales 1. Draw order: ``tok_emb``, ``pos_emb``, per
         block ``qkv``, ``attn.proj``, ``mlp.fc``, ``mlp.proj``, then ``head`` if untied.
         """
-        from toolkit.models.specs import DTYPES, check_choice  # specs imports this module
-
         check_choice("dtype", dtype, DTYPES)
         if self.init_from is not None:  # a pretrained GPT-2's weights, whatever the seed
-            from toolkit.models.gpt2_files import load_pretrained
-
-            spec, params = load_pretrained(self.init_from, dtype)
-            if dataclasses.replace(spec, init_from=self.init_from) != self:
+            spec = dataclasses.replace(GPT.from_pretrained(self.init_from),
+                                       init_from=self.init_from)
+            if spec != self:
                 raise ToolkitError(f"{self.init_from} holds {spec}, not this {self}",
                                    f"build the spec with GPT.from_pretrained({self.init_from!r})")
-            return params
+            return gpt2_files.read_params(self.init_from, self.param_shapes(), dtype)
         rng = np.random.default_rng(seed)
         shapes = self.param_shapes()
         std, residual_std = 0.02, 0.02 / math.sqrt(2 * self.layers)
@@ -167,8 +164,6 @@ class GPT:
         The mean is over every token of the batch (each sample has ``T`` tokens, so it is also
         the mean over samples of each sample's mean over its tokens).
         """
-        from toolkit.models.specs import LOSSES, check_choice
-
         check_choice("loss", loss, LOSSES)
         if loss != "cross_entropy":
             raise ToolkitError(f"loss {loss!r} does not apply to a GPT (its outputs are logits "

@@ -7,12 +7,15 @@ GPT-2's ``Conv1D`` keeps them, with ``qkv``'s columns ``[q | k | v]`` (heads in 
 
 - :func:`save_pretrained` writes ``model.safetensors`` and ``config.json`` that
   ``GPT2LMHeadModel.from_pretrained(dir)`` loads (offline);
-- :func:`load_pretrained` reads such a directory (``model.safetensors``) into a ``toolkit.GPT``
-  and its parameters by neutral name; ``toolkit.GPT.from_pretrained(dir)`` is the spec whose
-  ``init`` returns them, to fine-tune a GPT-2 checkpoint with any backend and layout.
+- :func:`read_config` and :func:`read_params` read such a directory back: the GPT's sizes,
+  and its parameters by neutral name. ``toolkit.GPT.from_pretrained(dir)`` is the spec they
+  describe, whose ``init`` returns those parameters, to fine-tune a GPT-2 checkpoint with any
+  backend and layout.
 
-Neither needs ``transformers``: the files are written and read with numpy (the safetensors
-format is a JSON header and the raw little-endian arrays).
+None of them needs ``transformers``: the files are written and read with numpy (the
+safetensors format is a JSON header and the raw little-endian arrays). This module knows
+GPT-2's files, not the ``GPT`` class (a spec here is anything with its fields), so that
+``gpt.py`` can read a directory for ``GPT.init`` without this module importing it back.
 """
 
 from __future__ import annotations
@@ -78,9 +81,9 @@ def save_pretrained(spec: Any, params: dict[str, np.ndarray], out: str | os.Path
     return out
 
 
-def load_pretrained(directory: str | os.PathLike,
-                    dtype: str = "float32") -> tuple[Any, dict[str, np.ndarray]]:
-    """A GPT-2 directory (``config.json`` + ``model.safetensors``) -> ``(spec, params)``.
+def read_config(directory: str | os.PathLike) -> dict[str, Any]:
+    """The ``toolkit.GPT`` fields (``vocab``, ``context``, ``width``, ``layers``, ``heads``,
+    ``tied``) of a GPT-2 directory (``config.json`` + ``model.safetensors``).
 
     Raises:
         ToolkitError: the directory lacks a file, or its model is not GPT-2's architecture as
@@ -98,14 +101,19 @@ def load_pretrained(directory: str | os.PathLike,
         raise ToolkitError(f"{directory} holds a {cfg.get('model_type')!r} model with "
                            f"activation {cfg.get('activation_function')!r}",
                            "only GPT-2 (model_type 'gpt2', the tanh GELU) maps onto toolkit.GPT")
-    from toolkit.models.gpt import GPT
+    return {"vocab": cfg["vocab_size"], "context": cfg["n_positions"], "width": cfg["n_embd"],
+            "layers": cfg["n_layer"], "heads": cfg["n_head"],
+            "tied": bool(cfg.get("tie_word_embeddings", True))}
 
-    spec = GPT(vocab=cfg["vocab_size"], context=cfg["n_positions"], width=cfg["n_embd"],
-               layers=cfg["n_layer"], heads=cfg["n_head"],
-               tied=bool(cfg.get("tie_word_embeddings", True)), init_from=str(directory))
+
+def read_params(directory: str | os.PathLike, shapes: dict[str, tuple[int, ...]],
+                dtype: str = "float32") -> dict[str, np.ndarray]:
+    """A GPT-2 directory's ``model.safetensors`` as ``dtype`` arrays by neutral name, each
+    checked against ``shapes`` (the spec's ``param_shapes()``)."""
+    directory = Path(directory)
     tensors = _read_safetensors(directory / "model.safetensors")
     params = {}
-    for name, shape in spec.param_shapes().items():
+    for name, shape in shapes.items():
         key = hf_name(name)
         if key not in tensors and key.startswith("transformer."):
             key = key[len("transformer."):]  # saved from GPT2Model, without the prefix
@@ -117,7 +125,7 @@ def load_pretrained(directory: str | os.PathLike,
             raise ToolkitError(f"{hf_name(name)} has shape {value.shape}, not {shape}",
                                "the config.json and the tensors disagree")
         params[name] = np.ascontiguousarray(value, dtype=dtype)
-    return spec, params
+    return params
 
 
 def _write_safetensors(tensors: dict[str, np.ndarray], path: Path) -> None:

@@ -17,18 +17,8 @@ import math
 import numpy as np
 
 from toolkit.errors import ToolkitError
-from toolkit.models.gpt import GPT  # imports specs only inside its functions: no cycle
-
-ACTIVATIONS = ("relu", "tanh")
-LOSSES = ("cross_entropy", "mse")
-DTYPES = ("float32", "float64")
-
-
-def check_choice(kind: str, value: object, valid: tuple[str, ...]) -> object:
-    """``value``; a ToolkitError naming it when it is not one of ``valid``."""
-    if value not in valid:
-        raise ToolkitError(f"unknown {kind} {value!r}", f"use one of: {', '.join(valid)}")
-    return value
+from toolkit.models.choices import ACTIVATIONS, DTYPES, LOSSES, check_choice
+from toolkit.models.gpt import GPT
 
 
 def _exact(a: np.ndarray) -> np.ndarray:

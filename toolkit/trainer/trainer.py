@@ -81,7 +81,11 @@ class Trainer(StopsTogether):
             norm over the whole model (every shard, stage and split part once); the norm before
             clipping goes to the metrics log (``grad_norm``) and the interval line.
         precision: a ``toolkit.precision`` policy (``"32"``, ``"bf16-mixed"``, ...); None:
-            the adapter's. activation_checkpointing: each block (hidden layer) recomputes its
+            the adapter's. init_scale, growth_interval: ``"fp16-mixed"``'s dynamic loss
+            scale, its first value (a power of two; default 65536) and the clean steps after
+            which it doubles (default 2000), as torch's ``GradScaler`` takes them; recorded
+            with the run's settings, so a resume with others needs ``allow_changes``.
+            activation_checkpointing: each block (hidden layer) recomputes its
             activations in the backward pass (True) or nothing does (False); None: the layout's
             choice, False but in horovod-tf's ZeRO-3, which recomputes (docs/memory.md).
         checkpoint_dir: where checkpoints go (shared storage for multi-node jobs);
@@ -144,6 +148,8 @@ class Trainer(StopsTogether):
         accumulation_steps: int = 1,
         clip_grad_norm: float | None = None,
         precision: str | None = None,
+        init_scale: float | None = None,
+        growth_interval: int | None = None,
         activation_checkpointing: bool | None = None,
         device: str = "auto",
         checkpoint_dir: str | os.PathLike | None = None,
@@ -191,6 +197,9 @@ class Trainer(StopsTogether):
         self.lr_scaling, self.accumulation_steps = lr_scaling, accumulation_steps
         self.clip_grad_norm = check_clip(clip_grad_norm)
         self.precision = use_precision(adapter, precision)
+        if init_scale is not None or growth_interval is not None:
+            self.precision = use_precision(
+                adapter, self.precision.with_scaling(init_scale, growth_interval))
         self.activation_checkpointing = activation_checkpointing  # (None: the layout's)
         self.metrics_log = Path(metrics_log) if metrics_log else None
         self.log_every, self.progress = log_every, progress
@@ -272,7 +281,8 @@ class Trainer(StopsTogether):
                 model=model, optimizer=optimizer, global_batch_size=self.global_batch_size,
                 seed=self.seed, shuffle=self.shuffle, drop_last=self.drop_last,
                 lr_scaling=self.lr_scaling, backend=self.adapter.name, layout=self.layout.name,
-                world_size=self.env.world_size, clip_grad_norm=self.clip_grad_norm),
+                world_size=self.env.world_size, clip_grad_norm=self.clip_grad_norm,
+                loss_scaling=self.precision.scaling_settings()),
         }
 
     def _say_what_runs(self, samples: int) -> None:

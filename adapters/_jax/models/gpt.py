@@ -34,7 +34,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from adapters._jax.models.spec import dense
+from adapters._jax.models.layers import dense
 
 _BLOCK = re.compile(r"blocks_(\d+)")
 
@@ -128,8 +128,8 @@ def causal_softmax(jax, s, causal):
 
 class _Dense(nn.Module):
     """``z @ kernel (+ bias)`` as one 2-D matmul: XLA's CPU dots with (B, T) leading axes (and
-    their transposed gradients) ran about 1.3x slower for the whole step than the flattened
-    (B*T, in) @ (in, out); the parameters are nn.Dense's (``kernel`` (in, out), ``bias``)."""
+    their transposed gradients) are slower than the flattened (B*T, in) @ (in, out); the
+    parameters are nn.Dense's (``kernel`` (in, out), ``bias``)."""
 
     features: int
     use_bias: bool = True
@@ -140,7 +140,7 @@ class _Dense(nn.Module):
         init = nn.initializers.normal(0.02)
         kernel = self.param("kernel", init, (z.shape[-1], self.features), self.param_dtype)
         flat = z.reshape(-1, z.shape[-1])
-        if self.use_bias:  # (rounded once: spec.dense)
+        if self.use_bias:  # (rounded once: layers.dense)
             out = dense(jnp, flat, kernel, self.param("bias", nn.initializers.zeros,
                                                       (self.features,), self.param_dtype))
         else:

@@ -16,8 +16,10 @@ from __future__ import annotations
 import inspect
 from typing import Any
 
+from adapters._common import check_per_sample
+from adapters._jax.models.layers import dense
 from adapters._jax.models.nnx import NnxModule, is_nnx
-from toolkit import CNN, ToolkitError
+from toolkit import CNN, GPT, ToolkitError
 from toolkit.models.specs import ModelSpec
 
 
@@ -34,10 +36,8 @@ class JaxModel:
         self.state: dict[str, Any] = {}
         self.gpt = None
         if not self.native:
-            from toolkit.models.gpt import GPT
-
             if isinstance(model, GPT):
-                from adapters._jax.models import gpt as flax_gpt
+                from adapters._jax.models import gpt as flax_gpt  # (it imports Flax)
 
                 self.gpt, self.module = flax_gpt, flax_gpt.FlaxGPT(model, recompute=recompute)
             else:
@@ -133,14 +133,6 @@ def in_compute(jax, tree, dtype):
         lambda a: a.astype(dtype) if jnp.issubdtype(a.dtype, jnp.floating) else a, tree)
 
 
-def dense(jnp, h, kernel, bias):
-    """``h @ kernel + bias`` rounded once to ``h``'s dtype: the products summed and the bias
-    added in float32 (or wider), the mixed-precision contract's dense layer (docs/precision.md);
-    for float32 or float64 inputs, the plain arithmetic."""
-    acc = jnp.promote_types(h.dtype, jnp.float32)
-    return (jnp.dot(h, kernel, preferred_element_type=acc) + bias.astype(acc)).astype(h.dtype)
-
-
 def _flax_module(nn, spec, recompute: bool = False):
     class _Dense(nn.Module):  # nn.Dense's parameters, :func:`dense`'s arithmetic
         features: int
@@ -195,8 +187,6 @@ def _flax_module(nn, spec, recompute: bool = False):
 
 def per_sample_loss(jnp, loss: Any, out, y):
     """One loss per sample; a token-level loss is averaged over the sample's tokens."""
-    from adapters._common import check_per_sample
-
     if callable(loss):
         losses = loss(out, y)
         check_per_sample(losses.shape, out.shape[0])

@@ -13,7 +13,8 @@ tied head reads the same ``tok_emb`` variable, so the tape sums both uses.
 
 GELU is written out (``_gelu``) rather than ``tf.nn.gelu(approximate=True)``, which is about
 1e-9 off in float64 (its 0.044715 goes through float32); the two agree in float32. Dense layers
-are flattened to 2-D matmuls, about 2x faster on CPU than TF's broadcasting batched matmul.
+are flattened to 2-D matmuls: one GEMM, where TF's broadcasting batched matmul of a 3-D input by a
+2-D kernel is slower on CPU.
 
 Works eagerly, inside ``tf.function`` (T may be dynamic: it is read with ``tf.shape``) and under
 ``tf.GradientTape``; the arithmetic runs in the variables' dtype (float32 or float64).
@@ -23,7 +24,7 @@ from __future__ import annotations
 
 import math
 
-from adapters.horovod_tf.models.spec import matmul
+from adapters.horovod_tf.models.layers import checkpointed, matmul
 
 
 def _lookup(tf, table, ids):
@@ -75,7 +76,7 @@ def _gelu(tf, z):
 
 def _dense(tf, v, name, z):
     """z @ kernel + bias as one 2-D matmul (TF's batched matmul of (B, T, in) by a 2-D kernel
-    runs at about half the speed of the flattened one on CPU)."""
+    is slower on CPU than the flattened one)."""
     kernel = v[f"{name}.kernel"]
     flat = matmul(tf, tf.reshape(z, [-1, tf.shape(kernel)[0]]), kernel,
                   bias=v.get(f"{name}.bias"))
@@ -100,10 +101,8 @@ def _block(tf, spec, v, b: str, h, causal):
 
 def run_block(tf, spec, v, i: int, h, causal, recompute: bool = False):
     """Block ``i`` on the residual stream ``h``; with ``recompute``, under ``tf.recompute_grad``
-    (``models/spec.checkpointed``, the block's parameters its arguments). The data-parallel
+    (``models/layers.checkpointed``, the block's parameters its arguments). The data-parallel
     forward and the pipeline's and ZeRO's units (``models/units.py``) run their blocks here."""
-    from adapters.horovod_tf.models.spec import checkpointed
-
     b = f"blocks.{i}"
 
     def block(p, h):

@@ -28,7 +28,8 @@ from typing import Any
 
 import numpy as np
 
-from adapters._common import step_seed
+from adapters._common import step_seed, unique_names
+from adapters.horovod_tf.keras_optim import named_slots
 from toolkit import ToolkitError
 
 
@@ -52,19 +53,6 @@ def _renames(layers) -> dict[str, str]:
         for i, (_, old) in enumerate(sorted(found)):
             renames[old] = base if i == 0 else f"{base}_{i}"
     return renames
-
-
-def _unique(names: list[str]) -> list[str]:
-    """Appends ``_<k>`` to repeated names (first one kept), so every name is a distinct key."""
-    seen: set[str] = set()
-    out = []
-    for name in names:
-        new, k = name, 1
-        while new in seen:
-            new, k = f"{name}_{k}", k + 1
-        seen.add(new)
-        out.append(new)
-    return out
 
 
 def _np_dtype(var) -> np.dtype:
@@ -144,7 +132,8 @@ class KerasNative:
         return "/".join(self._renames.get(part, part) for part in var.path.split("/"))
 
     def _named(self, variables) -> dict[str, Any]:
-        return dict(zip(_unique([self.name_of(v) for v in variables]), variables, strict=True))
+        return dict(zip(unique_names([self.name_of(v) for v in variables]), variables,
+                        strict=True))
 
     # ---------------------------------------------------------------------- randomness
     def seeds(self, seed: int, step: int, rank: int) -> np.ndarray:
@@ -180,8 +169,6 @@ class KerasNative:
                     "model.trainable_variables), or build it over exactly those")
         else:
             optimizer.build(trainable)
-        from adapters.horovod_tf.keras_optim import named_slots
-
         return named_slots(optimizer, self._named(trainable))
 
 

@@ -8,6 +8,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from adapters.horovod_tf.models.gpt import _dense, _layer_norm, _lookup, run_block
+from adapters.horovod_tf.models.layers import matmul
+from adapters.horovod_tf.models.spec import cnn_conv, cnn_head, mlp_layer
 from toolkit import CNN, GPT, MLP
 
 
@@ -27,8 +30,6 @@ def unit_functions(tf, spec: Any, count: int,
 
 
 def _mlp_unit(tf, spec: MLP, i: int, recompute: bool) -> Callable:
-    from adapters.horovod_tf.models.spec import mlp_layer
-
     def fn(v, h, x):  # the data-parallel forward's layer i
         return mlp_layer(tf, spec, v, i, x if h is None else h, recompute)
 
@@ -36,8 +37,6 @@ def _mlp_unit(tf, spec: MLP, i: int, recompute: bool) -> Callable:
 
 
 def _cnn_unit(tf, spec: CNN, i: int, last: bool) -> Callable:
-    from adapters.horovod_tf.models.spec import cnn_conv, cnn_head
-
     def fn(v, h, x):  # the data-parallel forward's conv i (and the head in the last unit)
         h = x if h is None else h
         if i < len(spec.channels):
@@ -50,9 +49,6 @@ def _cnn_unit(tf, spec: CNN, i: int, last: bool) -> Callable:
 def _gpt_unit(tf, spec: GPT, i: int, recompute: bool) -> Callable:
     """Block ``i`` of ``models/gpt.gpt_forward`` (the same ops in the same order), with the
     embeddings before block 0 and ``ln_f``/``head`` after the last block."""
-    from adapters.horovod_tf.models.gpt import _dense, _layer_norm, _lookup, run_block
-    from adapters.horovod_tf.models.spec import matmul
-
     first, last = i == 0, i == spec.layers - 1
 
     def fn(v, h, x):

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 
-from adapters.horovod_torch.models.spec import recomputing, same
+from adapters.horovod_torch.models.layers import recomputing, same
 
 
 def build_gpt(torch, spec, *, sdpa: bool = True, recompute: bool = False):
@@ -28,7 +28,7 @@ def build_gpt(torch, spec, *, sdpa: bool = True, recompute: bool = False):
 
     Returns ``(net, layout)``: ``net(x)`` maps token ids ``(B, T)`` (``T <= spec.context``) to
     logits ``(B, T, vocab)``; ``layout`` is a list of ``(neutral_name, parameter, to_torch,
-    from_torch)`` in the contract's order, as ``_torch_models.build_spec_model``'s (here every
+    from_torch)`` in the contract's order, as ``models/spec.build_spec_model``'s (here every
     conversion is the identity). Parameters are created uninitialised in torch's default dtype:
     move the net to its dtype and copy ``spec.init(seed, dtype)`` in through the layout.
     """

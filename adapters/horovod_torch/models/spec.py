@@ -5,11 +5,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from toolkit import MLP
-
-
-def same(a):
-    return a
+from adapters.horovod_torch.models.gpt import build_gpt
+from adapters.horovod_torch.models.layers import recomputing, same
+from toolkit import GPT, MLP
 
 
 def _T(a):
@@ -35,20 +33,6 @@ def from_host(torch, a, to_torch, dtype, device):
     return torch.tensor(np.asarray(to_torch(np.asarray(a))), dtype=dtype, device=device)
 
 
-def recomputing(torch, module, enabled: bool):
-    """``module``'s call, or under ``enabled`` (activation checkpointing) while gradients are
-    taken, the same call through ``torch.utils.checkpoint`` (only its input kept; its forward
-    run again in the backward pass, with the same random state)."""
-    from torch.utils.checkpoint import checkpoint
-
-    def call(*args):
-        if enabled and torch.is_grad_enabled():
-            return checkpoint(module, *args, use_reentrant=False)
-        return module(*args)
-
-    return call
-
-
 def saved_bytes(torch, forward) -> int:
     """The bytes autograd keeps for the backward pass while ``forward()`` runs (every tensor
     it saves, counted as it is packed): what activation checkpointing reduces."""
@@ -68,11 +52,7 @@ def build_spec_model(torch, spec, recompute: bool = False):
     """A torch module for a spec, and the (neutral name, parameter, to torch, from torch)
     layout that maps between the spec's arrays and torch's own layouts; ``recompute``: each
     GPT block or MLP layer recomputes its activations in the backward pass."""
-    from toolkit.models.gpt import GPT
-
     if isinstance(spec, GPT):
-        from adapters.horovod_torch.models.gpt import build_gpt
-
         return build_gpt(torch, spec, recompute=recompute)
     nn = torch.nn
     if isinstance(spec, MLP):
