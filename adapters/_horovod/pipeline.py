@@ -218,16 +218,13 @@ class HvdPipeline(RoundMessages, StrategyBase):
         A backward's message to the previous stage then goes out before its gradient sums are
         made, and the sums fill the wait for the next message instead of delaying it: in 1F1B's
         steady state every stage waits for a neighbour's message once per micro-batch, and at
-        S = 2 the whole message time is on the critical path. (The sums of one 4096 x 4096
-        float32 matrix take 5-7 ms, a message 2-4 ms from one stage's compute to the next's.)
-        The timeline records the sums as a second part of the backward (an action in parts:
-        ``toolkit.parallel.pipeline.timeline``).
+        S = 2 the whole message time is on the critical path. The timeline records the sums as
+        a second part of the backward (an action in parts: ``toolkit.parallel.pipeline.timeline``).
 
         horovod-tf uses it; horovod-torch does not: its autograd adds each parameter's gradient
         to ``.grad`` in place during the backward, and deferring that
-        (``torch.autograd.grad``, then ``add_``) made the adds slower (11 ms a 4096 x 4096
-        matrix later, against about 8 inside the backward) and the steps 2-4% longer (medians
-        of five runs, S = 2, M = 8)."""
+        (``torch.autograd.grad``, then ``add_``) makes the adds slower and the steps longer
+        (docs/benchmarks.md, the executors' choices)."""
         self.deferred = (action, gradients)
 
     def _await(self, action: Any = None) -> None:
@@ -237,7 +234,7 @@ class HvdPipeline(RoundMessages, StrategyBase):
             self.deferred = None
             start = time.time()
             self._sum(gradients)
-            del gradients  # freed here, within the record: 2-3 ms for 64 MB (munmap)
+            del gradients  # freed here, within the record (a large free takes a while)
             self.recorder.add(done, start, time.time(), self.steps)
         super()._await(action)
 
