@@ -75,7 +75,8 @@ class TFDataParallel(StrategyBase):
         """(hook) The variables and optimizer slots, rank 0's on every rank."""
         tf, state = self.tf, self.state
         if self.native:
-            self.keras_model = KerasNative(model, self.runtime.dtype_name, "horovod-tf")
+            self.keras_model = KerasNative(model, self.runtime.dtype_name, "horovod-tf",
+                                           self.precision)
             if self.sync_batchnorm:
                 from adapters.horovod_tf.models.keras_sync_bn import convert_sync_batchnorm
 

@@ -33,13 +33,9 @@ class TFOps:
         self.metrics = dict(metrics or {})
         self.native = not isinstance(model, ModelSpec)
         self.is_gpt = isinstance(model, GPT)
-        mixed = precision is not None and precision.mixed
+        # (a Keras model computes under its layers' dtype policy: keras_native.apply_precision)
+        mixed = precision is not None and precision.mixed and not self.native
         self.compute = getattr(self.tf, precision.compute_dtype) if mixed else None
-        if mixed and self.native:
-            raise ToolkitError(
-                f"horovod-tf runs precision {precision.name!r} for the toolkit's spec models, "
-                f"not for the Keras model {describe(model)}",
-                "train it with precision '32', or use toolkit.MLP/CNN/GPT")
 
     def in_compute(self, tree: Any) -> Any:
         """``tree``'s floating tensors in the compute dtype (cast inside the step, so their

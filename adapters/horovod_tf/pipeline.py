@@ -101,7 +101,7 @@ class TFPipeline(HvdPipeline):
         self.ops = TFOps(self.runtime, model, loss, metrics, self.precision)
         self.metric_names, self.seed = tuple(self.ops.metrics), seed
         self.cut = cut_model(self.tf, model, self.layout, self.stage, self.runtime, seed,
-                             recompute, self.ops.in_compute)
+                             recompute, self.ops.in_compute, self.precision)
         self.keras_model, self.native = self.cut.keras, self.cut.native
         self.rule = UpdateRule(optimizer, clip_grad_norm, skip_nonfinite, self.precision)
         state = self.state = TFState(self.tf, self.native, self.rule)

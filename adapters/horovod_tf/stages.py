@@ -73,13 +73,15 @@ class CutModel:
 
 
 def cut_model(tf, model: Any, layout, stage: int, runtime, seed: int,
-              recompute: bool = False, cast: Callable = lambda tree: tree) -> CutModel:
+              recompute: bool = False, cast: Callable = lambda tree: tree,
+              precision: Any = None) -> CutModel:
     """The pieces of ``model`` that ``stage`` holds under the ``toolkit.Pipeline`` ``layout``
     (``runtime``: the started ``TFRuntime``, for its dtype and rank 0's broadcast; ``seed``
     initialises a spec; ``recompute``: a spec's blocks and hidden layers recompute their
     activations in the backward pass, ``adapters._common.check_recompute`` having refused it
     for any other model; ``cast``: a spec piece's variables and input in the compute dtype,
-    ``ops.TFOps.in_compute``, under mixed precision)."""
+    ``ops.TFOps.in_compute``, under mixed precision; a Keras model's layers take the Keras
+    policy of ``precision`` instead: ``keras_native.apply_precision``)."""
     if isinstance(model, ModelSpec):
         return _cut_spec(tf, model, layout, stage, model.init(seed, runtime.dtype_name),
                          recompute, cast)
@@ -88,7 +90,7 @@ def cut_model(tf, model: Any, layout, stage: int, runtime, seed: int,
     except ImportError:  # pragma: no cover - horovod-tf installs Keras with TensorFlow
         keras = None
     if keras is not None and isinstance(model, keras.Sequential):
-        return _cut_sequential(tf, model, layout, stage, runtime)
+        return _cut_sequential(tf, model, layout, stage, runtime, precision)
     if keras is not None and isinstance(model, keras.Layer):
         raise ToolkitError(f"horovod-tf cannot cut the Keras model {model.name!r} "
                            f"({type(model).__name__}) into pipeline stages: it is not a "
@@ -156,11 +158,11 @@ def _spec_forward(fns: list[Callable], variables: dict, first: bool,
     return forward
 
 
-def _cut_sequential(tf, model, layout, stage: int, runtime) -> CutModel:
+def _cut_sequential(tf, model, layout, stage: int, runtime, precision: Any) -> CutModel:
     from adapters.horovod_tf.models.keras_native import KerasNative, _np_dtype
     from adapters.horovod_tf.ops import TFState
 
-    native = KerasNative(model, runtime.dtype_name, "horovod-tf")
+    native = KerasNative(model, runtime.dtype_name, "horovod-tf", precision)
     whole = TFState(tf, native=True)  # rank 0's initial values on every rank, then cut
     whole.vars, whole.buffers = native.params, native.buffers
     whole.broadcast(runtime.hvd)

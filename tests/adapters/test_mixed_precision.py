@@ -268,11 +268,74 @@ def test_a_native_model_trains_in_bf16_mixed_as_in_float32(backend):
     assert deviation(losses["bf16-mixed"], losses["32"]).max() > 1e-6, losses
 
 
-def test_a_keras_model_in_mixed_precision_is_refused_with_the_reason():
+@pytest.mark.parametrize("layout", ["data", "pipeline:1:4"])
+def test_a_keras_model_runs_the_toolkits_precision_through_its_layers_policies(layout):
+    """A Keras model under --precision bf16-mixed computes as Keras' mixed_bfloat16 policy
+    (set on its layers; float32 variables), within a percent of float32 and not float32 itself;
+    the start-up block says so."""
     x, y = data()
-    trainer = toolkit.Trainer(adapters.get("horovod-tf", precision="bf16-mixed"),
-                              _native_model("horovod-tf"), optimizer(), global_batch_size=BATCH,
-                              max_steps=1, progress=False)
-    with pytest.raises(ToolkitError, match="not for the Keras model Sequential") as err:
-        trainer.fit(x, y)
-    assert "precision '32'" in err.value.hint
+    losses = {}
+    for precision in ("32", "bf16-mixed"):
+        model = _native_model("horovod-tf")
+        adapter = adapters.get("horovod-tf", precision=precision)
+        trainer = toolkit.Trainer(adapter, model, optimizer(), layout=layout,
+                                  global_batch_size=BATCH, max_steps=10, seed=0, progress=False)
+        losses[precision] = np.asarray(trainer.fit(x, y).losses)
+        assert {layer.dtype_policy.name for layer in model.layers} == \
+            {"32": {"float32"}, "bf16-mixed": {"mixed_bfloat16"}}[precision]
+        assert all(v.dtype == np.float32 for k, v in adapter.state_dict().items()
+                   if k.startswith("params/"))
+    assert deviation(losses["bf16-mixed"], losses["32"]).max() < 1e-2, losses
+    assert deviation(losses["bf16-mixed"], losses["32"]).max() > 1e-6, losses
+
+
+def test_a_keras_model_in_fp16_mixed_has_the_toolkits_loss_scaler():
+    """mixed_float16 layers, the toolkit's scaler: a first scale of 2**24 overflows float16,
+    the first steps are skipped and the scale halved until it fits (and again at any later
+    overflow); the clean steps then train as float32's do."""
+    x, y = data()
+    steps = 30
+    history = toolkit.Trainer(
+        adapters.get("horovod-tf", precision="fp16-mixed"), _native_model("horovod-tf"),
+        optimizer(), global_batch_size=BATCH, max_steps=steps, seed=0, progress=False,
+        init_scale=2 ** 24).fit(x, y)
+    overflows = history.overflow_steps
+    first = next(s for s in range(1, steps + 1) if s not in overflows) - 1
+    assert first >= 1 and overflows[:first] == list(range(1, first + 1)), overflows
+    assert history.loss_scales == [2.0 ** 24 / 2 ** sum(o < s for o in overflows)
+                                   for s in range(1, steps + 1)]
+    assert history.losses[-1] < history.losses[first] - 0.5  # (trains once the scale fits)
+    # the skipped steps changed nothing: after them the parameters are the initial ones
+    model = _native_model("horovod-tf")
+    initial = [v.numpy().copy() for v in model.trainable_variables]
+    toolkit.Trainer(adapters.get("horovod-tf", precision="fp16-mixed"), model, optimizer(),
+                    global_batch_size=BATCH, max_steps=first, seed=0, progress=False,
+                    init_scale=2 ** 24).fit(x, y)
+    assert all(np.array_equal(v.numpy(), before)
+               for v, before in zip(model.trainable_variables, initial, strict=True))
+
+
+def test_a_keras_model_built_under_a_mixed_policy_needs_that_precision():
+    import keras
+
+    x, y = data()
+    keras.mixed_precision.set_global_policy("mixed_bfloat16")
+    try:
+        model = _native_model("horovod-tf")
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+    refused = toolkit.Trainer(adapters.get("horovod-tf"), model, optimizer(),
+                              global_batch_size=BATCH, max_steps=1, progress=False)
+    with pytest.raises(ToolkitError, match="built under the mixed precision policy "
+                                           "'mixed_bfloat16', but horovod-tf runs precision "
+                                           "'32'") as err:
+        refused.fit(x, y)
+    assert "--precision bf16-mixed" in err.value.hint
+    with pytest.raises(ToolkitError, match="'mixed_bfloat16', but horovod-tf runs precision "
+                                           "'fp16-mixed'"):
+        toolkit.Trainer(adapters.get("horovod-tf", precision="fp16-mixed"), model, optimizer(),
+                        global_batch_size=BATCH, max_steps=1, progress=False).fit(x, y)
+    history = toolkit.Trainer(adapters.get("horovod-tf", precision="bf16-mixed"), model,
+                              optimizer(), global_batch_size=BATCH, max_steps=3,
+                              progress=False).fit(x, y)
+    assert len(history.losses) == 3 and np.isfinite(history.losses).all()

@@ -59,6 +59,37 @@ def _np_dtype(var) -> np.dtype:
     return np.dtype(getattr(var.dtype, "as_numpy_dtype", var.dtype))
 
 
+def apply_precision(model: Any, layers: list, precision: Any, backend: str) -> None:
+    """Sets the Keras dtype policy that computes as the run's ``precision`` (``bf16-mixed``:
+    ``mixed_bfloat16``, ``fp16-mixed``: ``mixed_float16``, with the toolkit's loss scaler in
+    the update) on every layer of ``model`` that computes in its variables' dtype; a layer
+    already under that policy (a model built under the global policy) stays as it is. A layer
+    under another mixed policy is refused: a model built under
+    ``keras.mixed_precision.set_global_policy("mixed_bfloat16")`` runs with ``--precision
+    bf16-mixed``, never silently in a precision the start-up block does not state."""
+    target = KERAS_POLICIES.get(precision.compute_dtype) \
+        if precision is not None and precision.mixed else None
+    policies = [getattr(layer, "dtype_policy", None) for layer in layers]
+    mixed = sorted({p.name for p in policies
+                    if p is not None and p.compute_dtype != p.variable_dtype})
+    if any(name != target for name in mixed):
+        wanted = {v: k for k, v in KERAS_POLICIES.items()}
+        run = {"bfloat16": "bf16-mixed", "float16": "fp16-mixed"}
+        fixes = [f"--precision {run[wanted[m]]}" for m in mixed if m in wanted]
+        raise ToolkitError(
+            f"the Keras model {model.name!r} was built under the mixed precision policy "
+            f"{', '.join(map(repr, mixed))}, but {backend} runs precision "
+            f"{'32' if precision is None else precision.name!r}",
+            f"pass {' or '.join(fixes) or 'a matching --precision'} (precision=...), which "
+            "runs that policy with the toolkit's loss scaling for float16, or build the model "
+            "under keras.mixed_precision.set_global_policy('float32')")
+    if target is None:
+        return
+    for layer, policy in zip(layers, policies, strict=True):
+        if policy is not None and policy.name != target:
+            layer.dtype_policy = target
+
+
 def to_host(var) -> np.ndarray:
     return np.array(np.asarray(var.numpy()), copy=True)
 
@@ -67,10 +98,16 @@ def assign(var, value) -> None:
     var.assign(np.asarray(value, _np_dtype(var)))
 
 
-class KerasNative:
-    """A built Keras model, its variables by stable name and its random generators."""
+# the Keras dtype policy that computes as a toolkit policy does (float32 variables)
+KERAS_POLICIES = {"bfloat16": "mixed_bfloat16", "float16": "mixed_float16"}
 
-    def __init__(self, model: Any, dtype: str, backend: str):
+
+class KerasNative:
+    """A built Keras model, its variables by stable name and its random generators. Under a
+    mixed ``precision`` its layers compute as Keras' own mixed policy does (float32 variables
+    cast to the compute dtype inside each layer's call): :func:`apply_precision`."""
+
+    def __init__(self, model: Any, dtype: str, backend: str, precision: Any = None):
         import keras
 
         self.keras = keras
@@ -90,17 +127,7 @@ class KerasNative:
                                "unfreeze some layers (layer.trainable = True)")
         self.model = model
         layers = list(model._flatten_layers(include_self=True, recursive=True))
-        mixed = sorted({layer.dtype_policy.name for layer in layers
-                        if getattr(layer, "dtype_policy", None) is not None
-                        and layer.dtype_policy.compute_dtype != layer.dtype_policy.variable_dtype})
-        if mixed:  # (its layers would compute in 16 bits, unseen by the toolkit's precision)
-            raise ToolkitError(
-                f"the Keras model {model.name!r} was built under the mixed precision policy "
-                f"{', '.join(map(repr, mixed))}: its layers compute in 16 bits, and fp16 would "
-                f"run without loss scaling, while {backend} reports and reduces in {dtype}; "
-                "Keras precision policies are not run by the toolkit yet",
-                "build the model under keras.mixed_precision.set_global_policy('float32'), "
-                "or use a toolkit.MLP/CNN/GPT spec with --precision bf16-mixed|fp16-mixed")
+        apply_precision(model, layers, precision, backend)
         self._renames = _renames(layers)
         floats = sorted({str(v.dtype) for v in model.variables if "float" in str(v.dtype)})
         if floats and floats != [dtype]:
