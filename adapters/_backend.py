@@ -26,6 +26,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from adapters._precision import PrecisionPlugin
 from toolkit import ToolkitError
 from toolkit.contract import StepResult
 from toolkit.launch.env import LaunchEnv
@@ -118,9 +119,7 @@ class Backend:
                 f"precision {chosen.name!r} keeps its parameters in {chosen.param_dtype}, but "
                 f"this {self.name} backend was made for {self.dtype_name} parameters",
                 f"make it with adapters.get({self.name!r}, precision={chosen.name!r})")
-        self._precision = chosen
-        if self.strategy is not None:
-            self.strategy.precision = chosen
+        self._precision = chosen  # (the strategy takes it at its build)
 
     @property
     def layouts(self) -> tuple[str, ...]:
@@ -143,8 +142,8 @@ class Backend:
         strategy_class = load(self.strategies[kind])
         strategy_class.check_layout(layout)  # refused before any communicator starts
         self.runtime.setup(env, layout, device)
-        self.strategy, self.layout = strategy_class(self.runtime, layout), layout
-        self.strategy.precision = self.precision
+        self.strategy = strategy_class(self.runtime, layout, self.precision)
+        self.layout = layout
 
     def _started(self) -> Any:
         if self.strategy is None:
@@ -156,6 +155,8 @@ class Backend:
     # ------------------------------------------------------------------ the strategy's
     def build(self, model: Any, optimizer: Any, loss: Any, **options: Any) -> None:
         strategy = self._started()
+        if strategy.precision.policy != self.precision:  # (set since setup: a fresh strategy)
+            strategy = self.strategy = type(strategy)(self.runtime, self.layout, self.precision)
         if options.get("clip_grad_norm") is not None and not strategy.clips:
             raise ToolkitError(
                 f"{self.name} does not clip gradients under {self.layout.name} "
@@ -241,10 +242,15 @@ class StrategyBase:
     compresses = False  # whether it takes a Horovod runtime's gradient compression
     recomputes = False  # whether build takes activation_checkpointing
 
-    def __init__(self, runtime: Any, layout: Any):
+    plugin: type = PrecisionPlugin  # its family's precision plugin (adapters/_precision.py)
+
+    def __init__(self, runtime: Any, layout: Any, precision: Any = None):
+        """``precision``: the backend's policy (None: the plain one of the runtime's dtype),
+        or a plugin to share (a pipeline executor's with the strategy it computes with)."""
         self.runtime, self.layout, self.env = runtime, layout, runtime.env
-        # the backend's policy replaces this one (Backend.setup)
-        self.precision = Precision.of(None, runtime.dtype_name)
+        if not isinstance(precision, PrecisionPlugin):
+            precision = self.plugin(precision or Precision.of(None, runtime.dtype_name), runtime)
+        self.precision = precision
 
     @staticmethod
     def check_layout(layout: Any) -> None:

@@ -24,7 +24,7 @@ from adapters._common import nonfinite
 from toolkit import SGD, Adam
 from toolkit.contract import StepResult
 from toolkit.models.reference import adam_scalars
-from toolkit.precision import Precision
+from toolkit.precision import LossScaler
 
 
 class StepScalars(NamedTuple):
@@ -68,6 +68,8 @@ class UpdateRule:
             and scalars are kept here) or a native one (its framework counts).
         clip: ``clip_grad_norm`` (None: no clipping).
         skip: ``skip_nonfinite``: a step whose gradient norm is not finite changes nothing.
+        scaler: the precision plugin's loss scaler (fp16-mixed), whose scale each step
+            carries and which this rule halves or grows after the step (None: no scaling).
 
     Example:
         >>> rule = UpdateRule(Adam(lr=0.1), clip=1.0, skip=True)
@@ -78,9 +80,9 @@ class UpdateRule:
     """
 
     def __init__(self, optimizer: Any = None, clip: float | None = None, skip: bool = False,
-                 precision: Precision | None = None):
+                 scaler: LossScaler | None = None):
         self.spec = optimizer if isinstance(optimizer, SGD | Adam) else None
-        self.scaler = None if precision is None else precision.scaler()
+        self.scaler = scaler  # the precision plugin's (adapters/_precision.py), or None
         # skip: a step whose gradient is not finite changes nothing (asked for, or the
         # scaler's, which then lowers the scale: StepResult.overflow)
         self.clip, self.skip = clip, bool(skip) or self.scaler is not None

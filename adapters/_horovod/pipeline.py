@@ -113,10 +113,10 @@ class HvdPipeline(RoundMessages, StrategyBase):
     skips = True  # build takes skip_nonfinite (then the StepResult says skipped)
     rule = UpdateRule()  # the build's (the subclass sets it)
 
-    def __init__(self, runtime, layout: Pipeline):
+    def __init__(self, runtime, layout: Pipeline, precision: Any = None):
         """``runtime``: the started Horovod runtime (``env``, ``dtype_name``, ``barrier``,
         ``process_sets`` registered at ``hvd.init``)."""
-        super().__init__(runtime, layout)  # (StrategyBase: runtime, env, layout, precision)
+        super().__init__(runtime, layout, precision)  # (StrategyBase: runtime, env, layout)
         env = runtime.env
         self.grid = check_pipeline(layout, env.world_size)
         self.stage = self.grid.stage_of(env.rank)

@@ -17,6 +17,7 @@ import numpy as np
 from adapters._backend import StrategyBase
 from adapters._common import check_build, check_recompute, check_spec_optimizer, loss_name
 from adapters._jax.native_optax import StageOptimizer
+from adapters._jax.precision import JaxPrecision
 from adapters._jax.programs import LocalComputes, StagePrograms
 from adapters._jax.rounds import RoundPlan
 from adapters._jax.stages import eval_sums, stage_model
@@ -87,6 +88,7 @@ class PipelineExecutor(StrategyBase):
     clips = True  # build takes clip_grad_norm
     skips = True  # build takes skip_nonfinite; its StepResult then says skipped
     precisions = PRECISIONS  # (StagePrograms' compute)
+    plugin = JaxPrecision  # (adapters/_precision.py)
     recomputes = True  # activation_checkpointing: each piece's forward again in its backward
     position: tuple[int, int] = (0, 0)  # this process's (stage, replica), known at build
 
@@ -94,15 +96,17 @@ class PipelineExecutor(StrategyBase):
     def check_layout(layout: Pipeline) -> None:
         """Refused at ``build`` (the devices decide what fits)."""
 
-    def __init__(self, runtime: Any, layout: Pipeline, samples: str = "replica",
-                 keep_steps: int = 4):
+    def __init__(self, runtime: Any, layout: Pipeline, precision: Any = None,
+                 samples: str = "replica", keep_steps: int = 4):
         if samples not in ("replica", "process"):
             raise ToolkitError(f"samples={samples!r}", "use 'replica' or 'process'")
         if not isinstance(layout, Pipeline):
             raise ToolkitError(f"{describe(layout)} is not a toolkit.Pipeline",
                                "pass toolkit.Pipeline(stages=..., micro_batches=...)")
-        super().__init__(runtime, layout)  # (StrategyBase: runtime, env, layout, precision)
-        self.host, self.keep_steps, self.samples = JaxStrategy(runtime, layout), keep_steps, samples
+        super().__init__(runtime, layout, precision)  # (StrategyBase: runtime, env, layout)
+        # the strategy it computes with shares its precision plugin (one loss scaler)
+        self.host = JaxStrategy(runtime, layout, self.precision)
+        self.keep_steps, self.samples = keep_steps, samples
         self.schedule = pipeline_schedule(layout.schedule, layout.stages, layout.micro_batches,
                                           layout.chunks)
         self.plan = RoundPlan(self.schedule)
@@ -118,7 +122,6 @@ class PipelineExecutor(StrategyBase):
         self.recompute = bool(check_recompute(name, model, activation_checkpointing))
         if not is_native(optimizer):  # (an optax transformation: StageOptimizer checks it)
             check_spec_optimizer(name, "pipeline", optimizer)
-        a.precision = self.precision  # (the Backend gave it to this executor)
         devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
         if len(devices) % S:
             raise ToolkitError(
@@ -174,7 +177,7 @@ class PipelineExecutor(StrategyBase):
         progs = StagePrograms(jax, self.staged, self.loss_fn, self.tx, self._collectives(), M,
                               mb, 1.0 / n if gather else S / n, gather,
                               jax.ShapeDtypeStruct((mb,) + tuple(x_shape[1:]), x_dtype),
-                              self.host.dtype, self.host.rule, self.host.compute_dtype,
+                              self.host.dtype, self.host.rule, self.host.precision.compute,
                               self.recompute)
         self.local = LocalComputes(jax, progs)
         return progs
@@ -336,7 +339,7 @@ class PipelineExecutor(StrategyBase):
         params = self._named(self.params)
         if not hasattr(self, "_jeval"):
             self._jeval = self.host.jax.jit(eval_sums(self.staged, self.loss_fn, self.loss_name,
-                                                   self.metrics, self.host.compute_dtype))
+                                                   self.metrics, self.host.precision.compute))
         sums = self._jeval(params, self.host.inputs(x), self.host.labels(y))
         return {**{k: float(v) for k, v in sums.items()}, "count": float(len(x))}
 

@@ -9,7 +9,8 @@ import numpy as np
 
 from adapters._backend import StrategyBase
 from adapters._common import check_per_sample, loss_name, step_seed
-from adapters._jax.models.spec import JaxModel, correct_per_sample, in_compute, per_sample_loss
+from adapters._jax.models.spec import JaxModel, correct_per_sample, per_sample_loss
+from adapters._jax.precision import JaxPrecision
 from adapters._jax.runtime import gloo_connect_line_silenced
 from adapters._jax.update import make_optimizer
 from adapters._update import StepScalars, UpdateRule
@@ -44,9 +45,10 @@ class JaxStrategy(StrategyBase):
 
     clips = True  # build takes clip_grad_norm
     skips = True  # build takes skip_nonfinite; its StepResult then says skipped
+    plugin = JaxPrecision  # (adapters/_precision.py)
 
-    def __init__(self, runtime, layout):
-        super().__init__(runtime, layout)
+    def __init__(self, runtime, layout, precision: Any = None):
+        super().__init__(runtime, layout, precision)
         self.name = runtime.backend
         self.jax, self.jnp = runtime.jax, runtime.jnp
         self.dtype, self.dtype_name = runtime.dtype, runtime.dtype_name
@@ -66,7 +68,7 @@ class JaxStrategy(StrategyBase):
         ``labels`` and ``optimizer_scalars`` then work as after ``_build_common``."""
         self.loss_name, self.loss_fn = loss_name(loss), loss
         self.opt_spec = optimizer if isinstance(optimizer, SGD | Adam) else None
-        self.rule = UpdateRule(optimizer, clip, skip, self.precision)
+        self.rule = UpdateRule(optimizer, clip, skip, self.precision.scaler)
         self.steps = 0
 
     def count_step(self) -> None:
@@ -115,7 +117,7 @@ class JaxStrategy(StrategyBase):
 
     def loss_scale(self, scalars):
         """(in the step) The loss scale among the step's ``scalars``; None without scaling."""
-        return self.rule.step_loss_scale(StepScalars.of(scalars))
+        return self.precision.step_scale(StepScalars.of(scalars))
 
     def _step_seed(self) -> np.ndarray:
         """The seed of this step's dropout key, from (seed, step): a resume draws the same."""
@@ -167,18 +169,18 @@ class JaxStrategy(StrategyBase):
             def forward(params, model_state, xb, rng):
                 return self.model.apply(params, model_state, xb, train=True, rng=rng)
 
-        compute = self.compute_dtype
+        compute = self.precision.compute
 
         def loss_fn(params, model_state, xb, yb, rng):  # mean for the gradient, per sample too
             if compute is not None:  # mixed precision: the arithmetic in the compute dtype
                 # (cast_params False: ``forward`` casts them, once gathered)
-                params = self._in_compute(params) if cast_params else params
-                xb = self._in_compute(xb)
+                params = self.precision.in_compute(params) if cast_params else params
+                xb = self.precision.in_compute(xb)
             out, model_state = forward(params, model_state, xb, rng)
             # the loss in the parameters' dtype (float32 under mixed precision)
             losses = per_sample_loss(jnp, self.loss_fn, out.astype(self.dtype), yb)
             mean = jnp.mean(losses)
-            return (mean if scale is None else mean * scale), (losses, model_state)
+            return self.precision.scale_loss(mean, scale), (losses, model_state)
 
         if k == 1:  # (no zeros to add the one gradient to)
             (_, (losses, model_state)), grads = jax.value_and_grad(loss_fn, has_aux=True)(
@@ -195,23 +197,10 @@ class JaxStrategy(StrategyBase):
             per_sample.append(losses)
         return grads, jnp.concatenate(per_sample), model_state
 
-    @property
-    def compute_dtype(self) -> Any:
-        """The compute dtype of a mixed precision policy (None: the parameters' own)."""
-        return getattr(self.jnp, self.precision.compute_dtype) if self.precision.mixed \
-            else None
-
-    def _in_compute(self, tree):
-        """``tree``'s floating leaves in the compute dtype (gathered shards included: what a
-        sharded layout gathers is then half as many bytes under bfloat16); without a compute
-        dtype, ``tree`` itself."""
-        dtype = self.compute_dtype
-        return tree if dtype is None else in_compute(self.jax, tree, dtype)
-
     def _eval_fn(self, params, model_state, x, y):
         jnp = self.jnp
-        if self.compute_dtype is not None:  # evaluated in the arithmetic it trains in
-            params, x = self._in_compute(params), self._in_compute(x)
+        if self.precision.compute is not None:  # evaluated in the arithmetic it trains in
+            params, x = self.precision.in_compute(params), self.precision.in_compute(x)
         out, _ = self.model.apply(params, model_state, x, train=False)
         out = out.astype(self.dtype)
         sums = {"loss_sum": jnp.sum(per_sample_loss(jnp, self.loss_fn, out, y))}

@@ -32,6 +32,7 @@ from adapters._update import StepScalars, UpdateRule
 from adapters.horovod_tf.models.keras_native import KerasNative
 from adapters.horovod_tf.models.spec import spec_forward
 from adapters.horovod_tf.ops import TFOps, TFState
+from adapters.horovod_tf.precision import TFPrecision
 from adapters.horovod_tf.update import apply_update, sum_squares, update
 from toolkit.contract import StepResult
 from toolkit.precision import PRECISIONS
@@ -46,10 +47,11 @@ class TFDataParallel(StrategyBase):
     # mixed: the spec model's forward on its variables and inputs cast to the compute dtype
     # (TFOps.in_compute), each product rounded once (models/layers.matmul), the loss in float32
     precisions = PRECISIONS
+    plugin = TFPrecision  # (adapters/_precision.py)
     recomputes = True  # activation_checkpointing: tf.recompute_grad in the spec forward
 
-    def __init__(self, runtime, layout):
-        super().__init__(runtime, layout)
+    def __init__(self, runtime, layout, precision: Any = None):
+        super().__init__(runtime, layout, precision)
         self.tf, self.hvd, self.dtype = runtime.tf, runtime.hvd, runtime.dtype
 
     # -------------------------------------------------------------------------- build
@@ -59,8 +61,8 @@ class TFDataParallel(StrategyBase):
               skip_nonfinite: bool = False, activation_checkpointing: bool | None = None) -> None:
         tf = self.tf
         self.recompute = check_recompute("horovod-tf", model, activation_checkpointing)
-        self.rule = UpdateRule(optimizer, clip_grad_norm, skip_nonfinite, self.precision)
-        self.ops = TFOps(self.runtime, model, loss, metrics, self.precision)
+        self.rule = UpdateRule(optimizer, clip_grad_norm, skip_nonfinite, self.precision.scaler)
+        self.ops = TFOps(self.runtime, model, loss, metrics)
         self.spec, self.native = model, self.ops.native
         self.accumulation_steps, self.seed = accumulation_steps, seed
         self.sync_batchnorm = sync_batchnorm and self.native
@@ -93,9 +95,9 @@ class TFDataParallel(StrategyBase):
         """(hook) The model's outputs."""
         if self.native:
             return self.keras_model.model(x, training=training)
-        ops = self.ops
-        return spec_forward(self.tf, self.spec, ops.in_compute(self.state.vars),
-                            ops.in_compute(x), self.recompute and training)
+        cast = self.precision.in_compute
+        return spec_forward(self.tf, self.spec, cast(self.state.vars), cast(x),
+                            self.recompute and training)
 
     def local_grads(self, x, y, variables, scale=None):
         """This rank's gradients w.r.t. ``variables``, summed over the micro-batches, and its
@@ -108,7 +110,7 @@ class TFDataParallel(StrategyBase):
             with tf.GradientTape() as tape:
                 losses = self.ops.per_sample_loss(self._forward(xc, training=True), yc)
                 loss = tf.cast(tf.reduce_mean(losses), self.dtype) / k
-                target = loss if scale is None else loss * scale
+                target = self.precision.scale_loss(loss, scale)
             new = tape.gradient(target, variables)
             grads = [a if b is None else a + tf.convert_to_tensor(b)
                      for a, b in zip(grads, new, strict=True)]
@@ -125,7 +127,7 @@ class TFDataParallel(StrategyBase):
         variables = [state.vars[n] for n in names]
         kept = ([(b, tf.identity(b)) for b in state.buffers.values()]
                 if self.rule.skip else [])
-        scale = self.rule.step_loss_scale(s)
+        scale = self.precision.step_scale(s)
         grads, total = self.local_grads(x, y, variables, scale)
         compression = self.runtime.compressor()
         grads = [hvd.allreduce(g, op=hvd.Average, name=f"grad_{i}", compression=compression)

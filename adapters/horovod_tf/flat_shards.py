@@ -81,7 +81,8 @@ class ShardedTF:
         local_grads: ``(x, y, variables, scale) -> (gradients, mean loss)`` of this rank's
             batch (the gradients of the loss times ``scale`` under loss scaling).
         keras_opt: the user's Keras optimizer, or None.
-        compute: the compute dtype under mixed precision (stage 3 gathers in it), or None.
+        precision: the strategy's precision plugin (``TFPrecision``): its compute dtype under
+            mixed precision (stage 3 gathers in it) and the step's loss scale.
         recompute: ``activation_checkpointing`` (None: the layout's choice); stage 3 keeps
             each unit's forward tape for its backward when False (``keep``), else recomputes.
 
@@ -92,9 +93,10 @@ class ShardedTF:
 
     def __init__(self, runtime: Any, layout: Sharded, spec: Any, rule: UpdateRule,
                  init: dict[str, np.ndarray], local_grads: Callable, keras_opt: Any = None,
-                 compute: Any = None, recompute: bool | None = None):
+                 precision: Any = None, recompute: bool | None = None):
         tf, hvd = runtime.tf, runtime.hvd
-        self.compute, self.keep = compute, recompute is False
+        self.precision, self.keep = precision, recompute is False
+        self.compute = None if precision is None else precision.compute
         self.rule, optimizer = rule, rule.spec
         self.tf, self.hvd, self.local_grads = tf, hvd, local_grads
         self.dtype, self.np_dtype = runtime.dtype, runtime.dtype_name
@@ -262,7 +264,7 @@ class ShardedTF:
         del seeds  # spec models draw no randomness
         s = StepScalars.of(scalars)
         tf, hvd = self.tf, self.hvd
-        scale = self.rule.step_loss_scale(s)
+        scale = self.precision.step_scale(s)
         if self.stage == 3:
             grads, total = self.local_grads(x, y, [self.params[u] for u in self.units], scale)
         else:

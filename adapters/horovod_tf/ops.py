@@ -23,32 +23,15 @@ def _is_int(a: np.ndarray) -> bool:
 
 class TFOps:
     """The loss (``cross_entropy``, ``mse`` or a callable) and metrics of one build of
-    ``model`` (a spec or a Keras model), in the runtime's ``dtype``; under a mixed
-    ``precision`` the forward's compute dtype (``compute``, :meth:`in_compute`)."""
+    ``model`` (a spec or a Keras model), in the runtime's ``dtype`` (the forward's precision is
+    the strategy's plugin's: ``precision.py``)."""
 
-    def __init__(self, runtime, model: Any, loss: Any, metrics: dict[str, Any] | None = None,
-                 precision: Any = None):
+    def __init__(self, runtime, model: Any, loss: Any, metrics: dict[str, Any] | None = None):
         self.tf, self.dtype = runtime.tf, runtime.dtype
         self.loss_name, self.loss_fn = loss_name(loss), loss
         self.metrics = dict(metrics or {})
         self.native = not isinstance(model, ModelSpec)
         self.is_gpt = isinstance(model, GPT)
-        # (a Keras model computes under its layers' dtype policy: keras_native.apply_precision)
-        mixed = precision is not None and precision.mixed and not self.native
-        self.compute = getattr(self.tf, precision.compute_dtype) if mixed else None
-
-    def in_compute(self, tree: Any) -> Any:
-        """``tree``'s floating tensors in the compute dtype (cast inside the step, so their
-        gradients come back in the parameters' dtype); as they are without one."""
-        tf = self.tf
-        if self.compute is None:
-            return tree
-
-        def cast(t):
-            t = tf.convert_to_tensor(t)
-            return tf.cast(t, self.compute) if t.dtype.is_floating else t
-        return tf.nest.map_structure(cast, tree)
-
 
     def inputs(self, x, y):
         """Float inputs in the backend's dtype; integer ones (token ids) stay integers, except

@@ -45,6 +45,7 @@ from adapters.horovod_tf.in_order import InOrderRounds, Spinner, Submitted
 from adapters.horovod_tf.keras_optim import check_elementwise, for_stage
 from adapters.horovod_tf.models.keras_native import assign, is_keras_optimizer
 from adapters.horovod_tf.ops import TFOps, TFState
+from adapters.horovod_tf.precision import TFPrecision
 from adapters.horovod_tf.stages import compiled_pieces, cut_model
 from adapters.horovod_tf.update import apply_update, sum_squares, update
 from toolkit.contract import StepResult
@@ -65,13 +66,14 @@ class TFPipeline(HvdPipeline):
     # parallel), 16-bit activations sent as they are (rounds.pack), fp16's loss scaled on the
     # last stage
     precisions = PRECISIONS
+    plugin = TFPrecision  # (adapters/_precision.py)
 
     @staticmethod
     def check_layout(layout: Pipeline) -> None:
         """Refused before Horovod starts (the grid needs the world size: at ``__init__``)."""
 
-    def __init__(self, runtime, layout: Pipeline):
-        super().__init__(runtime, layout)
+    def __init__(self, runtime, layout: Pipeline, precision: Any = None):
+        super().__init__(runtime, layout, precision)
         self.tf, self.hvd, self.dtype = runtime.tf, runtime.hvd, runtime.dtype
         self._rounds: InOrderRounds | None = None  # made at the first round
         # The rounds' alltoalls run on an asynchronous executor of their own: a call enqueues
@@ -98,12 +100,12 @@ class TFPipeline(HvdPipeline):
             optimizer = for_stage(optimizer)
         else:
             check_spec_optimizer("horovod-tf", "pipeline", optimizer)
-        self.ops = TFOps(self.runtime, model, loss, metrics, self.precision)
+        self.ops = TFOps(self.runtime, model, loss, metrics)
         self.metric_names, self.seed = tuple(self.ops.metrics), seed
         self.cut = cut_model(self.tf, model, self.layout, self.stage, self.runtime, seed,
-                             recompute, self.ops.in_compute, self.precision)
+                             recompute, self.precision.in_compute, self.precision)
         self.keras_model, self.native = self.cut.keras, self.cut.native
-        self.rule = UpdateRule(optimizer, clip_grad_norm, skip_nonfinite, self.precision)
+        self.rule = UpdateRule(optimizer, clip_grad_norm, skip_nonfinite, self.precision.scaler)
         state = self.state = TFState(self.tf, self.native, self.rule)
         state.vars, state.buffers = self.cut.variables, dict(self.cut.buffers)
         # zero slots over this stage's variables (a spec's), or the Keras optimizer's
@@ -235,15 +237,14 @@ class TFPipeline(HvdPipeline):
         first, last = piece.index == 0, self._is_last(c)
         if action.kind == "F":
             inp = self.xs[m] if first else self.inbox_f.pop(key)
-            scale = self.rule.loss_scale  # (fp16: the last stage's loss scaled)
             with tf.GradientTape() as tape:
                 if not first:
                     tape.watch(inp)
                 out = (self.loss_of[c](inp, self.ys[m], True) if last else
                        self.forwards[c](inp, True))
                 loss = out
-                if last and scale is not None:
-                    out = out * tf.constant(scale, out.dtype)
+                if last:  # (fp16: the last stage's loss scaled)
+                    out = self.precision.scale_loss(out)
             if last:
                 self.loss += float(loss)
             else:
@@ -293,7 +294,7 @@ class TFPipeline(HvdPipeline):
         _, norm = update(tf, self.rule, [grads[n] for n in names],
                          lambda g: self._sum_of_squares(dict(zip(names, g, strict=True))),
                          lambda g: self.update(dict(zip(names, g, strict=True)), scalars), kept,
-                         self.rule.step_loss_scale(StepScalars.of(scalars)))
+                         self.precision.step_scale(StepScalars.of(scalars)))
         result = self.rule.result(loss, norm)  # (a skip takes the count back)
         self.steps += 1
         self.xs = self.ys = self.sums = grads = None

@@ -58,13 +58,13 @@ class TFSharded(TFDataParallel):
         keras_opt = for_stage(optimizer) if is_keras_optimizer(optimizer) else None
         self.shards = ShardedTF(self.runtime, self.layout, model, self.rule,
                                 model.init(seed, self.runtime.dtype_name), self.local_grads,
-                                keras_opt, self.ops.compute, self.recompute)
+                                keras_opt, self.precision, self.recompute)
         self.state.vars = self.shards.vars  # stages 1/2: the full parameters; 3: none
         self.state.keras_opt = keras_opt
 
     def _forward(self, x, training: bool):
         if self.shards.stage == 3:  # parameters gathered unit by unit
-            return self.shards.forward(self.ops.in_compute(x))
+            return self.shards.forward(self.precision.in_compute(x))
         return super()._forward(x, training)
 
     def _step_fn(self, x, y, scalars, seeds):

@@ -39,6 +39,7 @@ from adapters.horovod_torch.ops import (
     set_lr,
     zero_slots,
 )
+from adapters.horovod_torch.precision import TorchPrecision
 from adapters.horovod_torch.scheduler import load_scheduler_state, scheduler_state, split_scheduler
 from adapters.horovod_torch.torch_optim import built_over
 from adapters.horovod_torch.update import norm_of_norms, update
@@ -58,11 +59,12 @@ class TorchDataParallel(StrategyBase):
     recomputes = True  # activation_checkpointing: the spec model's blocks (models/spec.py)
     # mixed: torch autocast (ops.TorchOps.computing); fp16 with the update path's loss scaler
     precisions = PRECISIONS
+    plugin = TorchPrecision  # (adapters/_precision.py)
 
     scheduler = None  # a torch LR scheduler given with a native optimizer, after build
 
-    def __init__(self, runtime, layout):
-        super().__init__(runtime, layout)
+    def __init__(self, runtime, layout, precision: Any = None):
+        super().__init__(runtime, layout, precision)
         self.torch, self.hvd, self.dtype = runtime.torch, runtime.hvd, runtime.dtype
         self.dev = runtime.dev  # the rank's GPU, or the CPU
 
@@ -72,7 +74,7 @@ class TorchDataParallel(StrategyBase):
               metrics: Any = None, clip_grad_norm: float | None = None,
               skip_nonfinite: bool = False, activation_checkpointing: bool | None = None) -> None:
         torch = self.torch
-        self.ops = TorchOps(self.runtime, loss, metrics, self.precision)
+        self.ops = TorchOps(self.runtime, loss, metrics)
         self.accumulation_steps, self.seed = accumulation_steps, seed
         self.native = not isinstance(model, ModelSpec)
         check_recompute("horovod-torch", model, activation_checkpointing)
@@ -94,7 +96,7 @@ class TorchDataParallel(StrategyBase):
         optimizer = built_over(torch, optimizer, [p for _, p, _, _ in self.params])
         optimizer, self.scheduler = split_scheduler(torch, optimizer)
         self.rule = UpdateRule(optimizer if self.counts else None, clip_grad_norm, skip_nonfinite,
-                               self.precision)
+                               self.precision.scaler)
         self._build_optimizer(model, optimizer, seed)
 
     def _build_optimizer(self, model: Any, optimizer: Any, seed: int) -> None:
@@ -162,12 +164,11 @@ class TorchDataParallel(StrategyBase):
         self._zero_grad()
         losses = []
         for xc, yc in zip(xt.chunk(k), yt.chunk(k), strict=True):
-            with self._forwarding(), self.ops.computing():
+            with self._forwarding(), self.precision.forward_context():
                 loss = self.ops.mean_loss(self.net(xc), yc)
             if k > 1:
                 loss = loss / k
-            scale = self.rule.loss_scale  # (fp16: the loss scaled, the update unscales)
-            (loss if scale is None else loss * scale).backward()
+            self.precision.scale_loss(loss).backward()  # (fp16: the update unscales)
             losses.append(loss.detach())
         norm, skipped = self._apply(lr)
         # read after the update is queued: on a GPU the first read waits for the step (as a
@@ -183,7 +184,7 @@ class TorchDataParallel(StrategyBase):
     def evaluate(self, x: np.ndarray, y: np.ndarray) -> dict[str, float]:
         self.net.eval()
         xt, yt = self.ops.tensors(x, y)
-        with self.torch.no_grad(), self._forwarding(), self.ops.computing():
+        with self.torch.no_grad(), self._forwarding(), self.precision.forward_context():
             return self.ops.sums(self.net(xt), yt)
 
     def sync_state(self) -> None:

@@ -4,7 +4,6 @@ specs (with their slots filled from step 0)."""
 
 from __future__ import annotations
 
-import contextlib
 from typing import Any
 
 import numpy as np
@@ -22,22 +21,10 @@ class TorchOps:
     """The loss (``cross_entropy``, ``mse`` or a callable) and metrics of one build, in the
     runtime's ``dtype``."""
 
-    def __init__(self, runtime, loss: Any, metrics: dict[str, Any] | None = None,
-                 precision: Any = None):
+    def __init__(self, runtime, loss: Any, metrics: dict[str, Any] | None = None):
         self.torch, self.dtype, self.arrive = runtime.torch, runtime.dtype, runtime.arrive
         self.loss_name, self.loss_fn = loss_name(loss), loss
         self.metrics = dict(metrics or {})
-        mixed = precision is not None and precision.mixed
-        self.autocast = getattr(self.torch, precision.compute_dtype) if mixed else None
-        self.device_type = runtime.dev.type if runtime.dev is not None else "cpu"
-
-    def computing(self):
-        """What a forward pass runs inside: torch autocast to the compute dtype under a mixed
-        precision policy (matmuls and convolutions in it, the parameters float32), else
-        nothing."""
-        if self.autocast is None:
-            return contextlib.nullcontext()
-        return self.torch.autocast(self.device_type, dtype=self.autocast)
 
     def tensors(self, x: np.ndarray, y: np.ndarray):
         """``(x, y)`` (host arrays, or a batch the runtime staged on the GPU) as tensors on the

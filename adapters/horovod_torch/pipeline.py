@@ -39,6 +39,7 @@ from adapters.horovod_torch.ops import (
     set_lr,
     zero_slots,
 )
+from adapters.horovod_torch.precision import TorchPrecision
 from adapters.horovod_torch.scheduler import load_scheduler_state, scheduler_state, split_scheduler
 from adapters.horovod_torch.stages import cut_model
 from adapters.horovod_torch.torch_optim import (
@@ -92,14 +93,15 @@ class TorchPipeline(HvdPipeline):
     # mixed: each stage's forward under torch autocast (as data parallel), 16-bit activations
     # sent as they are (pack_tensors), fp16's loss scaled on the last stage
     precisions = PRECISIONS
+    plugin = TorchPrecision  # (adapters/_precision.py)
     recomputes = True  # activation_checkpointing: each piece's blocks (stages.cut_model)
 
     @staticmethod
     def check_layout(layout: Pipeline) -> None:
         """Refused before Horovod starts (the grid needs the world size: at ``__init__``)."""
 
-    def __init__(self, runtime, layout: Pipeline):
-        super().__init__(runtime, layout)
+    def __init__(self, runtime, layout: Pipeline, precision: Any = None):
+        super().__init__(runtime, layout, precision)
         self.torch, self.hvd, self.dtype = runtime.torch, runtime.hvd, runtime.dtype
 
     # ------------------------------------------------------------------------------ build
@@ -108,10 +110,10 @@ class TorchPipeline(HvdPipeline):
               metrics: Any = None, clip_grad_norm: float | None = None,
               skip_nonfinite: bool = False, activation_checkpointing: bool | None = None) -> None:
         # (torch.optim counts its own steps)
-        self.rule = UpdateRule(None, clip_grad_norm, skip_nonfinite, self.precision)
+        self.rule = UpdateRule(None, clip_grad_norm, skip_nonfinite, self.precision.scaler)
         torch, hvd = self.torch, self.hvd
         check_build(accumulation_steps, sync_batchnorm)
-        self.ops = TorchOps(self.runtime, loss, metrics, self.precision)
+        self.ops = TorchOps(self.runtime, loss, metrics)
         self.metric_names = tuple(self.ops.metrics)
         self.seed = seed
         if isinstance(model, torch.nn.Sequential):  # rank 0's initial values, then cut
@@ -209,7 +211,7 @@ class TorchPipeline(HvdPipeline):
         last = self._is_last(c)
         if action.kind == "F":
             inp = self.xs[m] if k == 0 else self.inbox_f.pop(key)
-            with self.ops.computing():
+            with self.precision.forward_context():
                 out = self.cut.pieces[c].forward(inp)
             if last:
                 out = self.ops.per_sample(out, self.ys[m]).mean() / self.layout.micro_batches
@@ -220,9 +222,8 @@ class TorchPipeline(HvdPipeline):
             self.peak_activations = max(self.peak_activations, len(self.outputs))
         else:
             out, inp = self.outputs.pop(key), self.inputs.pop(key)
-            scale = self.rule.loss_scale  # (fp16: the last stage's loss scaled)
-            if last:
-                (out if scale is None else out * scale).backward()
+            if last:  # (fp16: the last stage's loss scaled)
+                self.precision.scale_loss(out).backward()
             else:
                 out.backward(self.inbox_b.pop(key))
             if k > 0:
@@ -280,7 +281,7 @@ class TorchPipeline(HvdPipeline):
             for module in piece.modules:
                 module.eval()
         h = ops.tensors(xs, np.zeros(0))[0] if xs is not None else None
-        with torch.no_grad(), ops.computing():
+        with torch.no_grad(), self.precision.forward_context():
             h = self._through(h, lambda c, h: self.cut.pieces[c].forward(h))
             if not self._is_eval_output():
                 return self._empty_sums()

@@ -49,7 +49,7 @@ class TorchSharded(TorchDataParallel):
         self.shards = ShardedParameters(self.torch, self.hvd, self.net, self.params, arrays,
                                         units, self.layout.stage, optimizer, self.dtype,
                                         self.runtime.dev,
-                                        None if self.native else self.ops.autocast)
+                                        None if self.native else self.precision.autocast)
         self.params = []  # the module's parameters are gone: the flat buffers hold them
 
     def _forwarding(self):

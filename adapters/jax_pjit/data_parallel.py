@@ -35,7 +35,7 @@ class PjitDataParallel(JaxStrategy):
               metrics: Any = None, clip_grad_norm: float | None = None,
               skip_nonfinite: bool = False, activation_checkpointing: bool | None = None) -> None:
         self._compiled_for = None  # the step compiles anew for this model
-        self.rule = UpdateRule(optimizer, clip_grad_norm, skip_nonfinite, self.precision)
+        self.rule = UpdateRule(optimizer, clip_grad_norm, skip_nonfinite, self.precision.scaler)
         self.recompute = check_recompute(self.name, model, activation_checkpointing)
         self._build_layout(model, optimizer, loss, seed, accumulation_steps, metrics)
 

@@ -137,7 +137,7 @@ class PmapSharded(PmapDataParallel):
         names = list(layouts)
         tied_extra = self.model.gpt is not None and self.spec.tied
 
-        gather = compute_gather(jax, AXIS, self.compute_dtype, self.dtype)
+        gather = compute_gather(jax, AXIS, self.precision.compute, self.dtype)
 
         # the backward gathers each unit again; without activation checkpointing it keeps the
         # unit's matrix products and recomputes only the elementwise operations between them
@@ -156,7 +156,7 @@ class PmapSharded(PmapDataParallel):
                 if with_embedding:
                     named["tok_emb"] = unit_named(layouts[names[0]],
                                                   gather(embedding_shard))["tok_emb"]
-                return unit_forward(self.spec, unit, self._in_compute(named), h)
+                return unit_forward(self.spec, unit, self.precision.in_compute(named), h)
 
             return jax.checkpoint(run, policy=policy)
 

@@ -30,6 +30,7 @@ import numpy as np
 import pytest
 
 import toolkit
+from adapters._precision import PrecisionPlugin
 from adapters._update import StepScalars, UpdateRule
 from toolkit.models.reference import (
     adam_scalars,
@@ -56,10 +57,11 @@ def start(spec):
 
 
 def rule_of(optimizer="sgd", clip=None, skip=False, scale=None, growth_interval=INTERVAL):
-    """A rule as a build makes one (``scale``: fp16-mixed's loss scaler starting there)."""
-    precision = None if scale is None else Precision.of("fp16-mixed").with_scaling(
-        init_scale=scale, growth_interval=growth_interval)
-    return UpdateRule(OPTIMIZERS[optimizer](), clip=clip, skip=skip, precision=precision)
+    """A rule as a build makes one (``scale``: fp16-mixed's loss scaler starting there, the
+    precision plugin's)."""
+    plugin = PrecisionPlugin(Precision.of("fp16-mixed").with_scaling(
+        init_scale=scale, growth_interval=growth_interval) if scale else Precision.of("32"))
+    return UpdateRule(OPTIMIZERS[optimizer](), clip=clip, skip=skip, scaler=plugin.scaler)
 
 
 def replay(spec, params, slots, grads, clip=None, scale=None):

@@ -34,8 +34,8 @@ def attach(adapter, layout, samples="replica"):
     its own samples, e.g. one process holding both stages on two devices)."""
     adapter.setup(adapter.env, layout)
     if samples != "replica":
-        adapter.strategy = type(adapter.strategy)(adapter.runtime, layout, samples=samples)
-        adapter.strategy.precision = adapter.precision  # (as setup hands it on)
+        adapter.strategy = type(adapter.strategy)(adapter.runtime, layout, adapter.precision,
+                                                  samples=samples)
     executor, setup = adapter.strategy, adapter.setup
 
     def keep(env, given=None):  # the runtime stays set up; the executor stays the strategy

@@ -40,10 +40,13 @@ def test_a_backend_hands_its_policy_to_the_strategy():
     with pytest.raises(ToolkitError, match="this horovod-torch backend was made for float32"):
         adapter.precision = "64"
     adapter.setup(toolkit.current_env())  # (Horovod stays started for the process)
-    assert adapter.strategy.precision is adapter.precision
-    adapter.precision = "bf16-mixed"
-    assert adapter.strategy.precision.name == "bf16-mixed"
-    adapter.build(toolkit.MLP((4, 3)), toolkit.SGD(lr=0.1), "cross_entropy")  # it runs it
+    made = adapter.strategy  # made with the backend's policy, in its family's plugin
+    assert made.precision.policy is adapter.precision
+    assert type(made.precision).__name__ == "TorchPrecision"
+    adapter.precision = "bf16-mixed"  # set after setup: the strategy is never changed live,
+    assert made.precision.name == "32"  # the build makes a fresh one for the new policy
+    adapter.build(toolkit.MLP((4, 3)), toolkit.SGD(lr=0.1), "cross_entropy")
+    assert adapter.strategy is not made and adapter.strategy.precision.name == "bf16-mixed"
 
 
 def _digits_run(adapter, **options):
