@@ -89,11 +89,6 @@ class UpdateRule:
         self.count = 0  # optimizer steps of a spec optimizer (Adam's t)
 
     @property
-    def loss_scale(self) -> float | None:
-        """The scale of the next step's loss (None without loss scaling)."""
-        return None if self.scaler is None else self.scaler.scale
-
-    @property
     def needs_norm(self) -> bool:
         """Whether a step computes the gradient norm (to clip, or to know a skip): it
         reads every gradient once more, a cost worth paying only then (docs/equivalence.md)."""
@@ -109,10 +104,6 @@ class UpdateRule:
         return StepScalars(lr, step_size, c2_sqrt,
                            1.0 if self.scaler is None else self.scaler.scale)
 
-    def step_loss_scale(self, scalars: StepScalars) -> Any:
-        """(in a compiled step) The loss scale among the step's ``scalars``; None without loss
-        scaling, so that an unscaled step has no multiplication at all."""
-        return None if self.scaler is None else scalars.loss_scale
 
     def result(self, loss: Any, norm: Any, skipped: bool | None = None) -> StepResult:
         """The step's :class:`StepResult` from its ``loss`` and gradient ``norm`` (a framework

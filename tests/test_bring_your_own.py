@@ -89,7 +89,7 @@ def test_example_learns_and_resumes_bit_for_bit(script, launch, tmp_path):
 # two names of that optimizer's state in the checkpoint (a moment's prefix, the step count)
 LAYOUTS = {"torch_cnn.py": (("sharded:3", "pipeline:2:2"), ("opt/mu/", "opt/count")),
            "keras_cnn.py": (("pipeline:2:2",), ("opt/momentum/", "opt/iteration")),
-           "flax_cnn.py": (("sharded:3",), ("opt/0.mu.", "opt/0.count"))}
+           "flax_cnn.py": (("sharded:3", "pipeline:2:2"), ("opt/0.mu.", "opt/0.count"))}
 
 
 @pytest.mark.slow
@@ -98,13 +98,16 @@ LAYOUTS = {"torch_cnn.py": (("sharded:3", "pipeline:2:2"), ("opt/mu/", "opt/coun
 def test_example_learns_under_other_layouts(script, layout, launch, tmp_path):
     """The example's own optimizer (its class and settings as the user wrote them) under a
     sharded or pipeline layout on 2 ranks: it learns, and its checkpoint holds the optimizer
-    state under the neutral names."""
+    state under the neutral names and the BatchNorm statistics training moved (running means
+    start at zero)."""
     out = run(launch, "mpirun", script, tmp_path, 1, ["--layout", layout])
     done = re.search(r"val_accuracy (\S+)", out)
     assert done and float(done.group(1)) > 0.9, out
     state = CheckpointStore(tmp_path).load("latest").tensors
     moment, count = LAYOUTS[script][1]
     assert any(k.startswith(moment) for k in state) and count in state, sorted(state)
+    assert any(k.startswith("buffers/") and k.endswith("mean") and np.any(state[k] != 0)
+               for k in state), sorted(state)
 
 
 @pytest.mark.slow

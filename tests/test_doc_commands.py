@@ -105,6 +105,11 @@ SMOKE: dict[str, Smoke] = {
         (r"^horovod-\w+ pipeline:\S+ \S+: numpy held at most [\d.]+ MB during a step; the "
          r"stage's gradient is [\d.]+ MB \(0\.0\dx\)",),  # (a host update: about 3x)
         options={"--windows": "1"}),
+    "benchmarks/update_modes.py": Smoke(
+        (r"^layout\s+mode\s+ms/step\s+vs 32", r"^data\s+32, skip\s+[\d.]+\s+[\d.]+",
+         r"^data\s+fp16-mixed\s+[\d.]+\s+[\d.]+"),
+        options={"--steps": "1", "--windows": "1", "--layouts": "data", "--layers": "1",
+                 "--width": "32", "--heads": "2", "--context": "16", "--batch": "4"}),
     "benchmarks/pipeline_recompute.py": Smoke(
         (r"^recompute\s+kept for backward \(stage 0\)\s+step ms", r"^no\s+[\d,]+\s+[\d.]+",
          r"^recomputing takes [\d.]+x"),

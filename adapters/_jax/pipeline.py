@@ -3,6 +3,12 @@
 ``PipelineExecutor``: checks, the staged state, the step's round loop with its
 ``toolkit.StageRecorder`` timing, evaluation and checkpoints; a subclass places arrays and wraps
 ``adapters._jax.programs.StagePrograms`` in its mechanism: the pipeline layout's strategy.
+
+A native model's state (BatchNorm statistics) is held per device as each stage's flat state
+vector (``state``), moved by the step's forwards and settled by the update (averaged over the
+stage's replicas, or kept when the step is skipped: ``programs.py``); it is checkpointed under
+data parallelism's names (``buffers/<collection>/<path>``), and a native model's step count as
+``rng/step`` (its dropout keys derive from it), so a checkpoint moves between layouts.
 """
 
 from __future__ import annotations
@@ -15,17 +21,25 @@ from typing import Any, Protocol
 import numpy as np
 
 from adapters._backend import StrategyBase
-from adapters._common import check_build, check_recompute, check_spec_optimizer, loss_name
+from adapters._common import (
+    check_build,
+    check_recompute,
+    check_spec_optimizer,
+    loss_name,
+    step_seed,
+)
 from adapters._jax.native_optax import StageOptimizer
 from adapters._jax.precision import JaxPrecision
 from adapters._jax.programs import LocalComputes, StagePrograms
 from adapters._jax.rounds import RoundPlan
+from adapters._jax.runtime import gloo_connect_line_silenced
 from adapters._jax.stages import eval_sums, stage_model
 from adapters._jax.strategy import JaxStrategy, LocalMean
 from adapters._jax.update import is_native, make_optimizer
 from toolkit import Pipeline, ToolkitError
 from toolkit.contract import StepResult
 from toolkit.errors import describe
+from toolkit.models.specs import ModelSpec
 from toolkit.parallel.pipeline.partition import micro_batch_size
 from toolkit.parallel.pipeline.schedules import pipeline_schedule
 from toolkit.parallel.pipeline.timeline import TIMELINE_ENV, StageRecorder, append_timeline
@@ -47,6 +61,10 @@ class StagePlacement(Protocol):
     def _per_stage(self, host: np.ndarray) -> Any:
         """A host array with a leading stage axis, placed one row per stage."""
 
+    def _per_device(self, host: np.ndarray) -> Any:
+        """A host array with a leading stage axis, a copy of its stage's row on every device
+        (placed as :meth:`_zeros` places: each device may then hold its own values)."""
+
     def _zeros(self, shape: tuple[int, ...]) -> Any:
         """Zeros of ``shape`` on every local device."""
 
@@ -57,7 +75,8 @@ class StagePlacement(Protocol):
         """The optimizer scalars (``JaxStrategy.optimizer_scalars``) placed for the update."""
 
     def _full(self, flat: Any) -> np.ndarray:
-        """Every stage's flat parameter vector on the host, ``(S, L)``."""
+        """Every stage's flat vector on the host, ``(S, L)`` (of replica 0, for an array placed
+        per device)."""
 
     def _compile(self, n: int, xi: np.ndarray, yi: np.ndarray) -> None:
         """Compiles for a local batch of ``n``: sets ``_prepare``, ``_exchange`` and
@@ -135,6 +154,7 @@ class PipelineExecutor(StrategyBase):
                 f"stages", f"launch a multiple of {S} processes (the sampler gives each "
                 "pipeline replica of processes its samples)")
         self.staged = stage_model(model, self.layout, seed, a.dtype_name, name)
+        self.seed, self.native = seed, not isinstance(model, ModelSpec)
         self.loss_name, self.loss_fn = loss_name(loss), loss
         # its labels, optimizer_scalars and update rule read them
         a.start_counting(loss, optimizer, clip_grad_norm, skip_nonfinite)
@@ -146,14 +166,18 @@ class PipelineExecutor(StrategyBase):
         self._setup_devices(devices)
         self._index_of = dict(zip(self.local_devices, self.where, strict=True))
         self._stage_of = {d: self.grid.stage_of(i) for d, i in self._index_of.items()}
+        self._replica_of = {d: self.grid.replica_of(i) for d, i in self._index_of.items()}
         host = self.staged.flatten(self.staged.init, a.dtype_name)
-        if a.env.world_size > 1:  # rank 0's initial parameters become everyone's
+        state = self.staged.flatten_state(self.staged.state_init, a.dtype_name)
+        if a.env.world_size > 1:  # rank 0's initial parameters and state become everyone's
             from jax.experimental import multihost_utils
 
-            host = np.asarray(multihost_utils.broadcast_one_to_all(host))
+            with gloo_connect_line_silenced():  # (maybe the first cross-process collective)
+                host, state = (np.asarray(t) for t in
+                               multihost_utils.broadcast_one_to_all((host, state)))
         # a spec's slots, or the user's elementwise optax transformation on each stage's vector
         self.opt = StageOptimizer(name, self.layout, optimizer, self.tx, self.staged, model)
-        self._set_state(host, self.opt.init(host))
+        self._set_state(host, self.opt.init(host), state)
         self.grads = self._zeros((self.staged.length,))
         self.ctrl = [[self._per_stage(w.ctrl) for w in r.waves] for r in self.plan.rounds]
         local = [(self.grid.stage_of(i), self.grid.replica_of(i)) for i in self.where]
@@ -163,9 +187,10 @@ class PipelineExecutor(StrategyBase):
                           for s in self.local_stages}
         self._compiled_for = None
 
-    def _set_state(self, params: np.ndarray, opt: Any) -> None:
+    def _set_state(self, params: np.ndarray, opt: Any, state: np.ndarray) -> None:
         self.params = self._per_stage(params)
         self.opt_state = self.host.jax.tree_util.tree_map(self._per_stage, opt)
+        self.state = self._per_device(state)
 
     def _programs(self, n: int, x_shape, x_dtype) -> StagePrograms:
         """The bodies for a global batch of ``n`` rows (each process's ``n / P`` rows)."""
@@ -177,8 +202,8 @@ class PipelineExecutor(StrategyBase):
         progs = StagePrograms(jax, self.staged, self.loss_fn, self.tx, self._collectives(), M,
                               mb, 1.0 / n if gather else S / n, gather,
                               jax.ShapeDtypeStruct((mb,) + tuple(x_shape[1:]), x_dtype),
-                              self.host.dtype, self.host.rule, self.host.precision.compute,
-                              self.recompute)
+                              self.host.dtype, self.host.rule, self.precision,
+                              self.recompute, D)
         self.local = LocalComputes(jax, progs)
         return progs
 
@@ -203,13 +228,35 @@ class PipelineExecutor(StrategyBase):
         if fresh:
             self._compile(n, xi, yi)
             self._compiled_for = shapes
-            self._like = [(t.shape, t.sharding, [sh.device for sh in t.addressable_shards])
-                          for t in (self.grads, self.box, self.losses)]
+            self._like = {i: (t.shape, t.sharding, [sh.device for sh in t.addressable_shards])
+                          for i, t in ((1, self.grads), (2, self.box), (3, self.losses),
+                                       (6, self.state))}
+        if not (fresh and a.env.world_size > 1):
+            return self._step(xi, yi, lr, fresh)
+        # The first step's collectives connect Gloo groups of their own (a stage's one
+        # replica, say), and Gloo prints "[Gloo] Rank 0 is connected to 0 peer ranks" to the
+        # C-level stdout as each connects: silenced until the step has run on the devices.
+        with gloo_connect_line_silenced():
+            result = self._step(xi, yi, lr, fresh)
+            jax.block_until_ready((self.params, self.state, self.grads))
+        return result
+
+    def _step(self, xi: np.ndarray, yi: np.ndarray, lr: float | None, fresh: bool) -> StepResult:
+        """The step of ``train_step`` (its inputs and labels checked and converted; ``fresh``:
+        its programs were just compiled)."""
+        a, jax = self.host, self.host.jax
         step, clock = self.step_index, time.time
-        scale = a.rule.loss_scale  # (fp16: a power of two, 2 ** exp)
+        scale = self.precision.loss_scale  # (fp16: a power of two, 2 ** exp)
         exp = np.asarray([0 if scale is None else math.frexp(scale)[1] - 1], np.int32)
+        # the step's seed (its dropout keys: programs.py), from (seed, step) as data
+        # parallelism's, its uint32 bits carried in the int32 row; then the device's replica
+        seed = np.asarray([step_seed(self.seed, a.steps, 0)], np.uint32).view(np.int32)
+        tails = {d: np.concatenate([exp, seed, [self._replica_of[d]]]).astype(np.int32)
+                 for d in self.local_devices}
         xs, ys = self._prepare[0](self._batch(xi)), self._prepare[1](self._batch(yi))
-        blocks = self._blocks(self.params, self.grads, self.box, self.losses, xs, ys)
+        # (the state's blocks: the step's old state, which each forward replaces on its device)
+        blocks = self._blocks(self.params, self.grads, self.box, self.losses, xs, ys,
+                              self.state)
         named = self._named_params()
         for device, b in blocks.items():
             b[0] = named[device]
@@ -228,7 +275,7 @@ class PipelineExecutor(StrategyBase):
         for waves, rnd in zip(self.ctrl, self.plan.rounds, strict=True):
             start = clock()
             ran = self.local.run(
-                lambda d, r=rnd: np.concatenate([r.ctrl[self._stage_of[d]], exp]), blocks)
+                lambda d, r=rnd: np.concatenate([r.ctrl[self._stage_of[d]], tails[d]]), blocks)
             if waves:
                 # Queued at once, the first wave starts on the devices as the computes end,
                 # not after a trip through the host. The computes have ended when their
@@ -255,7 +302,8 @@ class PipelineExecutor(StrategyBase):
             if waves:
                 for shard in self.box.addressable_shards:
                     blocks[shard.device][2] = shard.data
-        self.grads, self.box, self.losses = (self._joined(blocks, i) for i in (1, 2, 3))
+        self.grads, self.box, self.losses, moved = (self._joined(blocks, i)
+                                                    for i in (1, 2, 3, 6))
         # This step's by-name parameters go before the next step's are sliced (behind the
         # update), so a stage never holds two such copies.
         for block in blocks.values():
@@ -264,8 +312,9 @@ class PipelineExecutor(StrategyBase):
         self._sliced = None
         scalars = self._scalars(a.optimizer_scalars(lr))
         a.count_step()
-        self.params, self.opt_state, self.grads, loss, norm = self._update(
-            self.params, self.opt_state, self.grads, self.losses, scalars)
+        self.params, self.opt_state, self.grads, loss, norm, self.state = self._update(
+            self.params, self.opt_state, self.grads, self.losses, scalars, self.state, moved)
+        del moved
         self._named_params()  # the next step's, queued behind the update (see there)
         self.step_index += 1
         folder = os.environ.get(TIMELINE_ENV)
@@ -303,8 +352,9 @@ class PipelineExecutor(StrategyBase):
         return out
 
     def _joined(self, blocks: dict, i: int):
-        """The global array of the grads (1), box (2) or losses (3) from the local blocks."""
-        shape, sharding, devices = self._like[i - 1]
+        """The global array of the grads (1), box (2), losses (3) or state (6) from the local
+        blocks."""
+        shape, sharding, devices = self._like[i]
         return self.host.jax.make_array_from_single_device_arrays(
             shape, sharding, [blocks[d][i] for d in devices])
 
@@ -332,7 +382,19 @@ class PipelineExecutor(StrategyBase):
 
     # ------------------------------------------------------------------ evaluation, state
     def _named(self, flat) -> dict[str, np.ndarray]:
-        return self.staged.unflatten(self._full(flat))
+        return self.staged.unflatten(self._gathered(flat))
+
+    def _named_state(self) -> dict[str, np.ndarray]:
+        """The model state by name (replica 0's: after a step every replica's is the same)."""
+        return self.staged.unflatten_state(self._gathered(self.state))
+
+    def _gathered(self, flat) -> np.ndarray:
+        """``_full(flat)``; its gather may connect a Gloo group of its own (a replica's stages,
+        under jax-pjit), whose connect line is silenced as the first step's (``train_step``)."""
+        if self.host.env.world_size == 1:
+            return self._full(flat)
+        with gloo_connect_line_silenced():
+            return self._full(flat)
 
     def evaluate(self, x: np.ndarray, y: np.ndarray) -> dict[str, float]:
         """Local sums over ``x`` (the whole model on this process's first device)."""
@@ -340,24 +402,36 @@ class PipelineExecutor(StrategyBase):
         if not hasattr(self, "_jeval"):
             self._jeval = self.host.jax.jit(eval_sums(self.staged, self.loss_fn, self.loss_name,
                                                    self.metrics, self.host.precision.compute))
-        sums = self._jeval(params, self.host.inputs(x), self.host.labels(y))
+        sums = self._jeval(params, self._named_state(), self.host.inputs(x),
+                           self.host.labels(y))
         return {**{k: float(v) for k, v in sums.items()}, "count": float(len(x))}
 
     def state_dict(self) -> dict[str, np.ndarray]:
         """Full tensors under the neutral names, on every process."""
         out = {f"params/{n}": v for n, v in self._named(self.params).items()}
-        out.update(self.opt.named(self.opt_state, self._full))
-        return {**out, **self.host.rule.counters()}
+        out.update(self.opt.named(self.opt_state, self._gathered))
+        out.update({f"buffers/{n}": v for n, v in self._named_state().items()})
+        return {**out, **self.host.rule.counters(), **self._replicated()}
+
+    def _replicated(self) -> dict[str, np.ndarray]:
+        """A native model's step count, as data parallelism saves it (``rng/step``: the next
+        step's dropout keys derive from it)."""
+        return {"rng/step": np.asarray(self.host.steps, np.int64)} if self.native else {}
 
     def load_state_dict(self, state: dict[str, np.ndarray]) -> None:
         dtype, names = self.host.dtype_name, self.staged.names()
-        missing = [f"params/{n}" for n in names if f"params/{n}" not in state]
+        kept = self.staged.state_names_all()
+        missing = [f"params/{n}" for n in names if f"params/{n}" not in state] + [
+            f"buffers/{n}" for n in kept if f"buffers/{n}" not in state]
         if missing:
             raise ToolkitError(f"the state lacks {missing[:3]} (of {len(missing)})",
                                "load a checkpoint of the same model")
         params = self.staged.flatten({n: state[f"params/{n}"] for n in names}, dtype)
-        self._set_state(params, self.opt.load(state, dtype, self.opt_state))
+        model_state = self.staged.flatten_state({n: state[f"buffers/{n}"] for n in kept}, dtype)
+        self._set_state(params, self.opt.load(state, dtype, self.opt_state), model_state)
         self.host.rule.load(state)
+        if self.native and "rng/step" in state:
+            self.host.steps = int(state["rng/step"])
 
     def _replica0_rows(self, arr) -> dict[int, np.ndarray]:
         """Stage -> its flat vector, for the stages whose replica 0 is a local device."""
@@ -370,16 +444,20 @@ class PipelineExecutor(StrategyBase):
 
     def sharded_state(self):
         """``(replicated, pieces)`` for a checkpoint: replica 0 of each stage gives each of its
-        parameters (and optimizer slots) whole as one flat piece, a shared one only from its
-        first holder; every other process gives an empty piece of every name."""
+        parameters (and optimizer slots, and model state) whole as one flat piece, a shared one
+        only from its first holder; every other process gives an empty piece of every name."""
         replicated, stacked = self.opt.stores(self.opt_state)
-        replicated.update(self.host.rule.counters())
+        replicated.update({**self.host.rule.counters(), **self._replicated()})
         pieces = {}
-        for key, arr in [(lambda n: f"params/{n}", self.params), *stacked]:
+        for key, arr, names, tables in [
+                (lambda n: f"params/{n}", self.params, None, self.staged.offsets),
+                *((k, a, None, self.staged.offsets) for k, a in stacked),
+                (lambda n: f"buffers/{n}", self.state, self.staged.state_names_all(),
+                 self.staged.state_offsets)]:
             mine = self._replica0_rows(arr)
-            for name in self.staged.names():
+            for name in self.staged.names() if names is None else names:
                 s = self.staged.owner_stage(name)
-                off, shape = self.staged.offsets[s][name]
+                off, shape = tables[s][name]
                 piece = (mine[s][off:off + int(np.prod(shape))].copy() if s in mine
                          else np.zeros(0, self.host.dtype_name))
                 pieces[key(name)] = (piece, 0, shape)
@@ -401,4 +479,5 @@ class PipelineExecutor(StrategyBase):
         return out
 
     def sync_state(self) -> None:
-        """Nothing to synchronise: pipeline stages carry parameters only."""
+        """Nothing to synchronise: each step's update leaves a stage's replicas the same model
+        state (averaged over them, as jax-pmap's data parallelism averages it)."""

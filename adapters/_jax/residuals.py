@@ -10,8 +10,9 @@ Not every residual is worth holding. Of the leaves of the piece's vjp:
 - those that depend on the parameters only (a weight, its 16-bit cast under mixed
   precision) the backward program computes again: cheap, and held once per micro-batch
   they would multiply the stage's parameter bytes by the micro-batches in flight;
-- those that are an input of the piece (its activation, which the box still holds, or the
-  labels) the backward program reads as it does when it recomputes;
+- those that are an input of the piece (its activation, which the box still holds, the
+  labels, its model state or its dropout key) the backward program reads as it does when it
+  recomputes;
 - the rest (products, nonlinearities, softmax probabilities: what depends on the input) are
   kept.
 
@@ -28,13 +29,15 @@ from typing import Any
 
 
 def kept_leaves(jax, f: Callable, params: Any, h: Any, rest: tuple) -> list[bool]:
-    """For each leaf of ``jax.vjp(lambda p, h: f(p, h, *rest), params, h)``'s vjp function:
+    """For each leaf of ``jax.vjp(lambda p, h: f(p, h, *rest), params, h, has_aux=True)``'s
+    vjp function (``f`` returns its output and, as the auxiliary value, its new model state):
     whether it is computed from ``h`` or ``rest`` (and is not one of them)."""
     def struct(t):
         return jax.ShapeDtypeStruct(t.shape, t.dtype)
 
     def leaves(p, hh, *r):
-        return jax.tree_util.tree_leaves(jax.vjp(lambda a, b: f(a, b, *r), p, hh)[1])
+        return jax.tree_util.tree_leaves(jax.vjp(lambda a, b: f(a, b, *r), p, hh,
+                                                 has_aux=True)[1])
 
     closed = jax.make_jaxpr(leaves)(*jax.tree_util.tree_map(struct, (params, h, *rest)))
     jaxpr, n_params = closed.jaxpr, len(jax.tree_util.tree_leaves(params))
@@ -74,9 +77,9 @@ def _inner(eqn):
 
 
 class Residuals:
-    """Per piece, the vjp of ``f(params, h, *rest)`` split once into the leaves the forward
-    keeps and those the backward computes again (see the module docstring); with
-    ``recompute`` the forward keeps none and the backward computes every one."""
+    """Per piece, the vjp of ``f(params, h, *rest) -> (output, aux)`` split once into the
+    leaves the forward keeps and those the backward computes again (see the module docstring);
+    with ``recompute`` the forward keeps none and the backward computes every one."""
 
     def __init__(self, jax, recompute: bool = False):
         self.jax, self.recompute, self.kept = jax, recompute, {}
@@ -86,19 +89,19 @@ class Residuals:
             self.kept[k] = kept_leaves(self.jax, f, params, h, rest)
         return self.kept[k]
 
-    def forward(self, k: int, f: Callable, params, h, *rest) -> tuple[Any, list]:
-        """``(f's output, the leaves kept for the backward)`` of piece ``k``."""
+    def forward(self, k: int, f: Callable, params, h, *rest) -> tuple[Any, Any, list]:
+        """``(f's output, its aux, the leaves kept for the backward)`` of piece ``k``."""
         if self.recompute:
-            return f(params, h, *rest), []
-        out, vjp = self.jax.vjp(lambda a, b: f(a, b, *rest), params, h)
+            return (*f(params, h, *rest), [])
+        out, vjp, aux = self.jax.vjp(lambda a, b: f(a, b, *rest), params, h, has_aux=True)
         mask = self._mask(k, f, params, h, rest)
-        return out, [leaf for leaf, keep in zip(self.jax.tree_util.tree_leaves(vjp), mask,
-                                                strict=True) if keep]
+        return out, aux, [leaf for leaf, keep in zip(self.jax.tree_util.tree_leaves(vjp), mask,
+                                                     strict=True) if keep]
 
     def backward(self, k: int, f: Callable, params, h, rest: tuple, kept: list, cotangent):
         """``(d params, d h)`` of piece ``k`` from the forward's ``kept`` leaves."""
         tree_util = self.jax.tree_util
-        _, vjp = self.jax.vjp(lambda a, b: f(a, b, *rest), params, h)
+        _, vjp, _ = self.jax.vjp(lambda a, b: f(a, b, *rest), params, h, has_aux=True)
         if self.recompute:
             return vjp(cotangent)
         leaves, tree = tree_util.tree_flatten(vjp)

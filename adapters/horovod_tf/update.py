@@ -42,7 +42,7 @@ def update(tf, rule, grads: list, sum_squares: Callable[[list], Any],
             layout adds up its ranks' shares); called only when ``rule.needs_norm``.
         apply: the optimizer's update of what this rank holds, given the clipped ``grads``.
         keep: what a skipped step assigns back.
-        scale: the loss scale (``UpdateRule.step_loss_scale``) the gradients were computed
+        scale: the loss scale (``PrecisionPlugin.step_scale``) the gradients were computed
             with, or None.
 
     Returns:

@@ -14,7 +14,8 @@ Execution. One step is three kinds of jitted programs over the mesh, each called
 in the same order: ``prepare`` (the gather of the inputs and labels), one ``exchange`` per wave of
 messages (``ppermute`` forward and/or backward over ``stage``; its time is the send/receive,
 waiting for the neighbour included), and ``update`` (``psum`` of gradients over ``data``, the tied
-embedding's over the holders on ``stage``, the elementwise optimizer). The bodies are
+embedding's over the holders on ``stage``, the elementwise optimizer, a native model's state
+averaged over ``data``). The bodies are
 ``adapters._jax.programs.StagePrograms``, shared with jax-pmap; here each is wrapped in
 ``shard_map`` (one device's block of every array, leading ``(1, 1)`` or ``(1,)`` axes dropped).
 A round's forwards and backwards take no collective: each process runs its own devices' actions
@@ -86,6 +87,9 @@ class PjitPipeline(PipelineExecutor):
     def _per_stage(self, host: np.ndarray):
         return self._place(host, ("stage",))
 
+    def _per_device(self, host: np.ndarray):
+        return self._place(np.repeat(host[:, None], self.D, axis=1), ("stage", "data"))
+
     def _zeros(self, shape: tuple[int, ...], dtype=None):
         S, D = self.layout.stages, self.D
         return self._place(np.zeros((S, D) + tuple(shape), dtype or self.host.dtype_name),
@@ -105,7 +109,8 @@ class PjitPipeline(PipelineExecutor):
         return self._place(host, ())
 
     def _full(self, flat) -> np.ndarray:
-        return np.asarray(self._jfull(flat).addressable_data(0))
+        full = np.asarray(self._jfull(flat).addressable_data(0))
+        return full[:, 0] if full.ndim == 3 else full  # (per device: replica 0's)
 
     def _compile(self, n: int, xi: np.ndarray, yi: np.ndarray) -> None:
         """Builds and compiles the step's programs for a global batch of ``n`` rows shaped like
@@ -127,15 +132,17 @@ class PjitPipeline(PipelineExecutor):
 
         tmap = jax.tree_util.tree_map
 
-        def update(p, opt, g, ls, scalars):  # (opt: a spec's slots, or an optax state)
-            p, opt, g, loss, norm = progs.update(p[0], tmap(lambda v: v[0], opt), g[0, 0],
-                                                 ls[0, 0], scalars)
-            return p[None], tmap(lambda v: v[None], opt), g[None, None], loss, norm
+        def update(p, opt, g, ls, scalars, old, moved):  # (opt: a spec's slots, or optax's)
+            p, opt, g, loss, norm, state = progs.update(
+                p[0], tmap(lambda v: v[0], opt), g[0, 0], ls[0, 0], scalars, old[0, 0],
+                moved[0, 0])
+            return (p[None], tmap(lambda v: v[None], opt), g[None, None], loss, norm,
+                    state[None, None])
 
         opt_specs = tmap(lambda _: st, self.opt_state)
         prep = jax.jit(smap(prepare, in_specs=sd, out_specs=sd))
-        upd = jax.jit(smap(update, in_specs=(st, opt_specs, sd, sd, spec()),
-                           out_specs=(st, opt_specs, sd, spec(), spec())),
+        upd = jax.jit(smap(update, in_specs=(st, opt_specs, sd, sd, spec(), sd, sd),
+                           out_specs=(st, opt_specs, sd, spec(), spec(), sd)),
                       donate_argnums=(0, 1, 2))
         self.box = self._zeros(progs.box_shape(self.plan.slots), progs.box_dtype)
         self.losses = self._zeros((self.layout.micro_batches, progs.mb))
@@ -150,5 +157,5 @@ class PjitPipeline(PipelineExecutor):
                           if (f or b) and wave is not None}
         scalars = self._place(self.host.scalars_like(), ())
         self._update = upd.lower(self.params, self.opt_state, self.grads, self.losses,
-                                 scalars).compile()
+                                 scalars, self.state, self.state).compile()
         self.host.barrier()

@@ -7,7 +7,7 @@ consecutive indices, checked at build) sits where the layout's ``toolkit.Pipelin
 the devices puts it (``executor.grid``), as in jax-pjit's ``(stage, data)`` mesh, so a run
 moves between the two backends unchanged.
 Every array has the local devices on its leading axis: a device holds its stage's flat
-parameter vector (a copy per replica), its own gradient, box and losses.
+parameter vector (a copy per replica), its own gradient, box, losses and model state.
 
 Collectives (``DeviceAxisCollectives``, the mechanism of
 ``adapters._jax.programs.StagePrograms``, whose bodies jax-pjit runs under
@@ -113,6 +113,9 @@ class PmapPipeline(PipelineExecutor):
     def _per_stage(self, host: np.ndarray):
         return self._stacked(np.stack([host[self.grid.stage_of(i)] for i in self.where]))
 
+    def _per_device(self, host: np.ndarray):
+        return self._per_stage(host)  # (every array here is a row per device)
+
     def _zeros(self, shape: tuple[int, ...], dtype=None):
         return self._stacked(np.zeros((len(self.where),) + tuple(shape),
                                       dtype or self.host.dtype_name))
@@ -140,7 +143,7 @@ class PmapPipeline(PipelineExecutor):
         self._exchange = {(f, b): _FirstCallBarrier(pmap(progs.exchange(f, b),
                                                          donate_argnums=(0,)), barrier)
                           for f in (False, True) for b in (False, True) if f or b}
-        self._update = _FirstCallBarrier(pmap(progs.update, in_axes=(0, 0, 0, 0, None),
+        self._update = _FirstCallBarrier(pmap(progs.update, in_axes=(0, 0, 0, 0, None, 0, 0),
                                               donate_argnums=(0, 1, 2)), barrier)
         self.box = self._zeros(progs.box_shape(self.plan.slots), progs.box_dtype)
         self.losses = self._zeros((self.layout.micro_batches, progs.mb))

@@ -3,6 +3,7 @@
     python examples/bring_your_own/flax_cnn.py                         # one process
     horovodrun -np 2 python examples/bring_your_own/flax_cnn.py        # or: mpirun -np 2 ...
     srun -n 2 --mpi=pmix python examples/bring_your_own/flax_cnn.py    # inside a Slurm job
+    mpirun -np 2 python examples/bring_your_own/flax_cnn.py --layout pipeline:2:2  # or sharded:3
 
 With --checkpoint-dir DIR, kill it at any moment and rerun with --resume latest to continue.
 """
@@ -18,21 +19,44 @@ import toolkit
 from toolkit.datasets import load_digits
 
 
-class CNN(nn.Module):
-    """Conv-BatchNorm-ReLU twice, pooling, dropout, a dense head. The backends pass
-    ``train=True`` (batch statistics, dropout) in steps and ``train=False`` in evaluation."""
+class ConvBlock(nn.Module):
+    """Conv, BatchNorm, ReLU: batch statistics (and their running averages updated) when
+    ``train``, the running averages otherwise."""
 
+    width: int
     batchnorm_axis: str | None = None  # "batch": jax-pmap normalises over every device
 
     @nn.compact
     def __call__(self, x, train: bool = False):
-        for width in (16, 32):
-            x = nn.Conv(width, (3, 3))(x)
-            x = nn.BatchNorm(use_running_average=not train, momentum=0.9,
-                             axis_name=self.batchnorm_axis)(x)
-            x = nn.relu(x)
-        x = nn.max_pool(x, (2, 2), strides=(2, 2)).reshape((x.shape[0], -1))
+        x = nn.Conv(self.width, (3, 3))(x)
+        x = nn.BatchNorm(use_running_average=not train, momentum=0.9,
+                         axis_name=self.batchnorm_axis)(x)
+        return nn.relu(x)
+
+
+class Head(nn.Module):
+    """Dropout (when ``train``), then a dense layer to the 10 classes."""
+
+    @nn.compact
+    def __call__(self, x, train: bool = False):
         return nn.Dense(10)(nn.Dropout(0.2, deterministic=not train)(x))
+
+
+def pool(x):
+    return nn.max_pool(x, (2, 2), strides=(2, 2)).reshape((x.shape[0], -1))
+
+
+class CNN(nn.Sequential):
+    """Conv-BatchNorm-ReLU twice, pooling, dropout, a dense head: a Sequential of layers, so a
+    pipeline can cut it into stages, each holding its layers' parameters and BatchNorm
+    statistics. The backends pass ``train=True`` (batch statistics, dropout) in steps and
+    ``train=False`` in evaluation; this hands it on to every layer (``nn.Sequential`` gives
+    its arguments to the first layer only), as a pipeline stage does with the layers it runs."""
+
+    def __call__(self, x, train: bool = False):
+        for layer in self.layers:
+            x = layer(x, train=train) if isinstance(layer, nn.Module) else layer(x)
+        return x
 
 
 def smoothed_cross_entropy(logits, labels):
@@ -61,7 +85,7 @@ def main() -> None:
     # Under jax-pmap a BatchNorm with an axis name normalises over every device's samples;
     # jax-pjit runs one program over the global batch, so its statistics are global anyway.
     sync_axis = "batch" if args.sync_batchnorm and args.backend == "jax-pmap" else None
-    module = CNN(batchnorm_axis=sync_axis)
+    module = CNN([ConvBlock(16, sync_axis), ConvBlock(32, sync_axis), pool, Head()])
     variables = module.init(jax.random.key(args.seed), x[:1])  # params and batch_stats
     trainer = toolkit.Trainer(
         backend, (module, variables), optax.adamw(args.lr, weight_decay=1e-4),

@@ -3,9 +3,10 @@ against the float64 numpy reference.
 
 In this process (2 CPU devices, conftest), both backends: S = 2 stages, D = 1, every schedule,
 state round trips, activations held and bad input; jax-pjit also native models, checkpoint
-pieces and timelines. Under mpirun (slow): the stages in different processes, D = 1 and
-D = 2 (4 devices), ppermute across processes (jax-pjit; jax-pmap at D = 2 with two devices per
-process).
+pieces and timelines; native models with BatchNorm statistics and dropout (S = 2, and S = 1
+with D = 2) against data parallelism. Under mpirun (slow): the stages in different
+processes, D = 1 and D = 2 (4 devices), ppermute across processes (jax-pjit; jax-pmap at D = 2
+with two devices per process).
 """
 
 from __future__ import annotations
@@ -260,7 +261,7 @@ def check_a_sequential_mlp(backend, make, first, second, pieces):
 def test_a_flax_sequential_pipelines_under_data_parallels_names(backend):
     """A ``(flax.linen.Sequential, variables)`` pair, as data parallelism takes it, is cut by
     layer (its ``nn.relu`` a function, no parameters), its parameters under the Sequential's
-    own names (``layers_0.kernel``)."""
+    own names (``layers_0.kernel``); integer model state is refused, naming it."""
     import flax.linen as nn
     import jax
 
@@ -273,11 +274,18 @@ def test_a_flax_sequential_pipelines_under_data_parallels_names(backend):
     check_a_sequential_mlp(backend, lambda: (seq, variables), "layers_0", "layers_2",
                            [("layers_0.kernel", "layers_0.bias"),
                             ("layers_2.kernel", "layers_2.bias")])
-    normed = nn.Sequential([nn.Dense(4), nn.BatchNorm(use_running_average=True)])
-    with pytest.raises(toolkit.ToolkitError, match=r"layer 1 \(BatchNorm\) has model state "
-                                                   r"\['batch_stats'\]"):
+
+    class Counted(nn.Module):  # model state a flat floating vector cannot carry
+        @nn.compact
+        def __call__(self, h):
+            self.variable("counts", "n", lambda: jax.numpy.zeros((), jax.numpy.int32))
+            return h
+
+    counted = nn.Sequential([nn.Dense(4), Counted()])
+    with pytest.raises(toolkit.ToolkitError, match=r"layer 1 \(Counted\) holds the int32 "
+                                                   r"model state counts/layers_1.n"):
         pipelined("pipeline:2:4", backend=backend)[0].build(
-            (normed, normed.init(jax.random.key(0), np.zeros((1, 3)))), toolkit.SGD(lr=0.1),
+            (counted, counted.init(jax.random.key(0), np.zeros((1, 3)))), toolkit.SGD(lr=0.1),
             "cross_entropy")
 
 
@@ -307,6 +315,157 @@ def test_an_nnx_sequential_pipelines_under_data_parallels_names(backend):
     with pytest.raises(toolkit.ToolkitError, match="cannot cut the NNX module Linear"):
         pipelined("pipeline:2:4", backend=backend)[0].build(
             nnx.Linear(2, 2, rngs=nnx.Rngs(0)), toolkit.SGD(lr=0.1), "cross_entropy")
+
+
+# ---------------------------------------------------------------- model state (BatchNorm)
+def batchnorm_sequential(dtype: str = "float64"):
+    """A ``(Sequential, variables)`` pair of 8 layers: two Dense-BatchNorm-ReLU blocks, dropout
+    and a dense head, as an ``nn.Sequential`` subclass that hands the mode to its BatchNorm and
+    Dropout layers (data parallelism passes ``train`` to the model; a plain ``nn.Sequential``
+    would give it to its first layer only)."""
+    import flax.linen as nn
+    import jax
+
+    class Sequential(nn.Sequential):
+        def __call__(self, x, train: bool = False):
+            for layer in self.layers:
+                if isinstance(layer, nn.BatchNorm):
+                    x = layer(x, use_running_average=not train)
+                elif isinstance(layer, nn.Dropout):
+                    x = layer(x, deterministic=not train)
+                else:
+                    x = layer(x)
+            return x
+
+    kind = getattr(jax.numpy, dtype)
+    seq = Sequential([nn.Dense(32, param_dtype=kind), nn.BatchNorm(momentum=0.8, param_dtype=kind),
+                      nn.relu, nn.Dense(32, param_dtype=kind),
+                      nn.BatchNorm(momentum=0.8, param_dtype=kind), nn.relu, nn.Dropout(0.2),
+                      nn.Dense(10, param_dtype=kind)])
+    return seq, seq.init(jax.random.key(0), np.zeros((1, 64), dtype))
+
+
+def fit_alike(adapter, model, accumulation_steps=1, steps=STEPS):
+    """Losses, the state after ``steps`` and the evaluation sums over 100 samples."""
+    x, y = load_data("mlp", "float64")
+    trainer = toolkit.Trainer(adapter, model, toolkit.SGD(lr=0.05, momentum=0.9),
+                              global_batch_size=BATCH, max_steps=steps, seed=0, progress=False,
+                              accumulation_steps=accumulation_steps)
+    losses = trainer.fit(x, y).losses
+    return losses, adapter.state_dict(), adapter.evaluate(x[:100], y[:100])
+
+
+def check_equals_data_parallel(backend, layout, data, make):
+    """``make()`` under ``layout`` (this process's two devices) against ``data``'s data
+    parallelism with ``M`` accumulation steps (programs.py's rule: one pipeline replica is
+    jax-pjit's global micro-batches, two are jax-pmap's devices): every loss, parameter,
+    optimizer slot and BatchNorm statistic, the evaluation (with the running averages) alike,
+    under the same names, the statistics moved from their start."""
+    adapter, _ = pipelined(layout, backend=backend)
+    losses, state, evaluation = fit_alike(adapter, make())
+    want = fit_alike(adapters.get(data, dtype="float64"), make(),
+                     toolkit.parse_layout(layout).micro_batches)
+    np.testing.assert_allclose(losses, want[0], rtol=1e-10)
+    assert sorted(state) == sorted(want[1])
+    stats = [n for n in state if n.startswith("buffers/")]
+    assert len(stats) == 4, sorted(state)
+    for name in state:
+        np.testing.assert_allclose(state[name], want[1][name], rtol=0, atol=1e-10, err_msg=name)
+    for name in stats:  # (a running mean starts at 0, a running variance at 1)
+        assert not np.allclose(state[name], 0.0 if name.endswith("mean") else 1.0), name
+    assert evaluation == pytest.approx(want[2], rel=1e-10)
+
+
+@pytest.mark.parametrize("backend,layout,data", [
+    ("jax-pjit", "pipeline:2:4:1f1b", "jax-pjit"),
+    ("jax-pmap", "pipeline:1:2", "jax-pmap"),  # two replicas: their statistics averaged
+    # two chunks a stage: both of stage 0's pieces hold BatchNorm statistics
+    ("jax-pjit", "pipeline:2:4:interleaved-1f1b:2", "jax-pjit"),
+    # (make test-long: the other backend of each)
+    pytest.param("jax-pmap", "pipeline:2:4:gpipe", "jax-pjit", marks=pytest.mark.long),
+    pytest.param("jax-pjit", "pipeline:1:2", "jax-pmap", marks=pytest.mark.long)])
+def test_batchnorm_statistics_in_stages_equal_data_parallel(backend, layout, data):
+    """A Linen Sequential with BatchNorm and dropout: each stage holds its layers' statistics,
+    each micro-batch's forward moves them in order (as accumulation steps do), the replicas of
+    a stage average them after the step, and a layer draws the dropout mask data parallelism
+    draws: the pipeline equals data parallel (float64, 1e-10)."""
+    check_equals_data_parallel(backend, layout, data, batchnorm_sequential)
+
+
+@pytest.mark.parametrize("backend", [  # (jax-pjit with make test-long: the same mechanism)
+    pytest.param("jax-pjit", marks=pytest.mark.long), "jax-pmap"])
+def test_an_nnx_sequential_with_batchnorm_equals_data_parallel(backend):
+    """An ``nnx.Sequential`` with ``nnx.BatchNorm`` (its ``nnx.BatchStat`` checkpointed as
+    ``buffers/state/...``) and two ``nnx.Dropout`` on different stages: each layer's random
+    stream is numbered as in the whole model, so it draws data parallelism's masks."""
+    import jax.numpy as jnp
+    from flax import nnx
+
+    def make():
+        r, f64 = nnx.Rngs(0), jnp.float64
+        return nnx.Sequential(
+            nnx.Linear(64, 32, param_dtype=f64, rngs=r),
+            nnx.BatchNorm(32, momentum=0.8, param_dtype=f64, rngs=r), nnx.relu,
+            nnx.Dropout(0.3, rngs=r), nnx.Linear(32, 32, param_dtype=f64, rngs=r),
+            nnx.BatchNorm(32, momentum=0.8, param_dtype=f64, rngs=r), nnx.relu,
+            nnx.Dropout(0.2, rngs=r), nnx.Linear(32, 10, param_dtype=f64, rngs=r))
+
+    check_equals_data_parallel(backend, "pipeline:2:4:1f1b", "jax-pjit", make)
+
+
+def test_a_skipped_step_keeps_the_stages_batchnorm_statistics():
+    """``on_nonfinite="skip"``: a step whose batch holds a NaN changes no parameter, slot or
+    statistic (its forwards moved them on the devices); the next step moves them again."""
+    x, y = load_data("mlp", "float32")
+    x = np.array(x)
+    x[2 * BATCH + 5] = np.nan  # (no shuffling: the third step's batch)
+    adapter, _ = pipelined("pipeline:2:2", dtype="float32")
+    trainer = toolkit.Trainer(adapter, batchnorm_sequential("float32"), toolkit.Adam(lr=1e-2),
+                              global_batch_size=BATCH, max_steps=2, seed=0, progress=False,
+                              shuffle=False, on_nonfinite="skip")
+    trainer.fit(x, y)
+    before = adapter.state_dict()
+    trainer.max_steps = 3
+    assert trainer.fit(x, y).skipped_steps == [3]
+    at = adapter.state_dict()
+    assert before["rng/step"] == 2 and at["rng/step"] == 3  # (the next step's masks move on)
+    for name in before:
+        if name != "rng/step":
+            assert np.array_equal(before[name], at[name]), name
+    trainer.max_steps = 4
+    trainer.fit(x, y)
+    after = adapter.state_dict()
+    assert all(not np.array_equal(after[n], at[n]) for n in after if n.startswith("buffers/"))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_checkpoint_moves_between_data_parallel_and_the_stages(backend):
+    """Data parallel's state (``buffers/batch_stats/...``, ``rng/step``) loaded into a pipeline
+    continues as data parallel does; the pipeline's checkpoint pieces hold every statistic
+    whole, once, and the step count."""
+    x, y = load_data("mlp", "float64")
+    data = adapters.get("jax-pjit", dtype="float64")
+    data.setup(toolkit.current_env())
+    data.build(batchnorm_sequential(), toolkit.SGD(lr=0.05, momentum=0.9), "cross_entropy",
+               accumulation_steps=2)
+    for i in range(2):
+        data.train_step(x[i * BATCH:(i + 1) * BATCH], y[i * BATCH:(i + 1) * BATCH], 0.05)
+    adapter, pipe = pipelined("pipeline:2:2", backend=backend)
+    adapter.build(batchnorm_sequential(), toolkit.SGD(lr=0.05, momentum=0.9), "cross_entropy")
+    adapter.train_step(x[-BATCH:], y[-BATCH:], 0.05)  # (what it loads must replace all this)
+    adapter.load_state_dict(data.state_dict())
+    batch = x[2 * BATCH:3 * BATCH], y[2 * BATCH:3 * BATCH]
+    assert float(adapter.train_step(*batch, 0.05)) == pytest.approx(
+        float(data.train_step(*batch, 0.05)), rel=1e-12)
+    state, want = adapter.state_dict(), data.state_dict()
+    assert sorted(state) == sorted(want) and state["rng/step"] == want["rng/step"] == 3
+    for name in want:
+        np.testing.assert_allclose(state[name], want[name], rtol=0, atol=1e-12, err_msg=name)
+    replicated, pieces = pipe.sharded_state()
+    assert replicated == {"rng/step": 3}
+    assert set(pieces) == set(state) - {"rng/step"}
+    for name, (piece, axis, shape) in pieces.items():  # (one process holds both stages here)
+        assert axis == 0 and np.array_equal(piece.reshape(shape), state[name]), name
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -56,6 +56,11 @@ def start(spec):
     return params, slots, {n: rng.normal(size=p.shape) for n, p in params.items()}
 
 
+def step_scale(rule, scalars):
+    """The step's loss scale as a compiled step reads it (``PrecisionPlugin.step_scale``)."""
+    return None if rule.scaler is None else scalars.loss_scale
+
+
 def rule_of(optimizer="sgd", clip=None, skip=False, scale=None, growth_interval=INTERVAL):
     """A rule as a build makes one (``scale``: fp16-mixed's loss scaler starting there, the
     precision plugin's)."""
@@ -119,7 +124,7 @@ def tf_update(rule, scalars, params, slots, grads):
             tf_apply_update(tf, rule.spec, variables, slot_vars, named, s)
 
         return update(tf, rule, gs, lambda g: sum_squares(tf, g), apply,
-                      scale=rule.step_loss_scale(s))[1]
+                      scale=step_scale(rule, s))[1]
 
     norm = step([tf.constant(grads[n]) for n in NAMES], tf.constant(scalars.vector("float64")))
     return ({n: v.numpy() for n, v in variables.items()},
@@ -149,7 +154,7 @@ def jax_update(rule, scalars, params, slots, grads):
             return apply_optimizer(rule, tx, clipped, opt_state, p, vector)
 
         return update(jnp, rule, g, lambda g: squares(jnp, g), apply, (p, opt_state),
-                      rule.step_loss_scale(StepScalars.of(vector)))
+                      step_scale(rule, StepScalars.of(vector)))
 
     (p, opt_state), norm = step({n: jnp.asarray(v) for n, v in params.items()}, state,
                                 {n: jnp.asarray(v) for n, v in grads.items()},
@@ -220,7 +225,7 @@ def test_a_nonfinite_gradient_changes_nothing(family, optimizer, bad, scale):
     assert rule.count == count == INTERVAL - 1
     if scale is not None:
         assert good == INTERVAL - 1 and result.overflow and result.loss_scale == scale
-        assert rule.loss_scale == scale / 2 and rule.scaler.good_steps == 0
+        assert rule.scaler.scale == scale / 2 and rule.scaler.good_steps == 0
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -245,7 +250,7 @@ def test_the_loss_scale_doubles_after_exactly_growth_interval_clean_steps(interv
     rule = rule_of(scale=SCALE, growth_interval=interval)
     used = [clean_step(rule) for _ in range(2 * interval)]  # the scale each step used
     assert used == [SCALE] * interval + [2 * SCALE] * interval
-    assert rule.loss_scale == 4 * SCALE and rule.scaler.good_steps == 0  # the next step's
+    assert rule.scaler.scale == 4 * SCALE and rule.scaler.good_steps == 0  # the next step's
 
 
 @pytest.mark.parametrize("k", [1, INTERVAL - 1])

@@ -37,12 +37,24 @@ class NnxModule:
         ['bias', 'kernel']
     """
 
-    def __init__(self, model: Any):
+    def __init__(self, model: Any, first_stream: int = 0):
         from flax import nnx
 
         self.nnx, self.name = nnx, type(model).__name__
         self.graphdef, self.params, self.streams, self.rest = nnx.split(
             model, nnx.Param, nnx.RngState, ...)
+        # A layer a pipeline runs by itself numbers its streams after those of the layers
+        # before it, so each draws the key it draws in the whole model (see ``_drawn``).
+        self.first_stream = first_stream
+
+    @property
+    def stream_count(self) -> int:
+        """How many random streams (keys) the module holds."""
+        import jax
+        from flax import traverse_util
+
+        return sum(jax.dtypes.issubdtype(v.dtype, jax.dtypes.prng_key) for v in
+                   traverse_util.flatten_dict(self.nnx.to_pure_dict(self.streams)).values())
 
     def variables(self) -> dict[str, Any]:
         """``{"params": ..., "state": ...}`` as nested dicts of arrays (``state`` only when
@@ -60,7 +72,7 @@ class NnxModule:
         nnx = self.nnx
         streams = self.streams
         if train and rngs and rngs.get("dropout") is not None:
-            streams = _drawn(self.streams, rngs["dropout"])
+            streams = _drawn(self.streams, rngs["dropout"], self.first_stream)
         model = nnx.merge(self.graphdef, _filled(self.params, variables["params"]), streams,
                           _filled(self.rest, variables.get("state", {})))
         if train:
@@ -86,16 +98,16 @@ def _filled(template: Any, pure: dict[str, Any]) -> Any:
     return state
 
 
-def _drawn(streams: Any, key: Any) -> Any:
+def _drawn(streams: Any, key: Any, first: int = 0) -> Any:
     """``streams`` (the module's ``nnx.RngState``) with every stream's key drawn from ``key``
-    (the i-th stream's: ``fold_in(key, i)``) and its count at 0."""
+    (the i-th stream's: ``fold_in(key, first + i)``) and its count at 0."""
     import jax
     from flax import nnx, traverse_util
 
     if not jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key):
         key = jax.random.wrap_key_data(key)
     flat = traverse_util.flatten_dict(nnx.to_pure_dict(streams))
-    fresh, i = {}, 0
+    fresh, i = {}, first
     for path, value in flat.items():
         if jax.dtypes.issubdtype(value.dtype, jax.dtypes.prng_key):
             fresh[path], i = jax.random.fold_in(key, i), i + 1
