@@ -204,4 +204,19 @@ FAULTS: list[Fault] = [
           "bx.at[out].set(self._pack(jnp.zeros_like(gh)))",
           (f"{JAX_PIPELINE}[pipeline:2:4:gpipe-1-jax-pjit]",),
           "zeros sent back to the previous stage (shared adapters/_jax/programs.py)"),
+    # -------------------------------------------------------------- 8. the device's counters
+    Fault("skip-not-counted", "jax-pjit", "adapters/_update.py",
+          "c.skips + xp.where(finite, zero, zero + 1)",
+          "c.skips + xp.where(finite, zero, zero)",
+          ("tests/adapters/test_update_seam.py::"
+           "test_a_deferred_step_equals_a_step_read_on_the_host_bit_for_bit",),
+          "a deferred step does not count its skip: the next steps take the wrong Adam "
+          "scalars and the host's count goes wrong (adapters/_update.py: every deferring family)"),
+    Fault("growth-one-step-early", "jax-pjit", "adapters/_update.py",
+          "grown = good + 1 >= scaler.growth_interval",
+          "grown = good + 2 >= scaler.growth_interval",
+          ("tests/adapters/test_update_seam.py::"
+           "test_a_deferred_rule_restored_from_a_checkpoint_goes_on_as_an_uninterrupted_one",),
+          "the device's loss scale doubles one clean step early (adapters/_update.py: every "
+          "deferring family)"),
 ]

@@ -48,7 +48,6 @@ from adapters._jax.models.spec import per_sample_loss
 from adapters._jax.residuals import Residuals
 from adapters._jax.stages import computing
 from adapters._jax.update import apply_optimizer, update
-from adapters._update import StepScalars
 
 
 class StagePrograms:
@@ -223,11 +222,10 @@ class StagePrograms:
                 sq = sq - repeat * jnp.sum(jnp.square(g[:shared]))
             return coll.holder_sum(sq)
 
-        scale = self.precision.step_scale(StepScalars.of(scalars))
         (p, opt, state), norm = update(
             jnp, self.rule, g, squares,
             lambda g: (*apply_optimizer(self.rule, self.tx, g, opt, p, scalars), moved),
-            (p, opt, old), scale)
+            (p, opt, old), scalars)
         return p, opt, jnp.zeros_like(g), coll.total(jnp.sum(ls)) * self.inv_b, norm, state
 
 

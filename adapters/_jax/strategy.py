@@ -12,8 +12,8 @@ from adapters._common import check_per_sample, loss_name, step_seed
 from adapters._jax.models.spec import JaxModel, correct_per_sample, per_sample_loss
 from adapters._jax.precision import JaxPrecision
 from adapters._jax.runtime import gloo_connect_line_silenced
-from adapters._jax.update import make_optimizer
-from adapters._update import StepScalars, UpdateRule
+from adapters._jax.update import make_optimizer, step_scalars
+from adapters._update import UpdateRule
 from toolkit import SGD, Adam, ToolkitError
 
 
@@ -103,21 +103,22 @@ class JaxStrategy(StrategyBase):
         return a.astype(self.dtype_name) if np.issubdtype(a.dtype, np.floating) else a
 
     def optimizer_scalars(self, lr: float | None) -> np.ndarray:
-        """This step's ``StepScalars`` as one vector (the step reads them by name:
-        ``StepScalars.of``); a spec optimizer needs ``lr``, a native optax one keeps its own."""
+        """This step's scalars (``UpdateRule.step_scalars``: a ``StepScalars`` vector, or
+        ``Deferred`` ones; the step reads them by name: ``_jax/update.py`` ``step_scalars``);
+        a spec optimizer needs ``lr``, a native optax one keeps its own."""
         if self.opt_spec is not None and lr is None:
             raise ToolkitError(f"{self.name} needs the learning rate of each step",
                                "pass an optimizer spec (toolkit.SGD/Adam)")
-        return self.rule.scalars(lr).vector(self.dtype_name)
+        return self.rule.step_scalars(lr, self.dtype_name)
 
-    def scalars_like(self) -> np.ndarray:
+    def scalars_like(self) -> Any:
         """Zeros shaped as each step's ``optimizer_scalars`` (for compiling ahead; counts
         nothing)."""
-        return StepScalars.zeros(self.dtype_name)
+        return self.rule.deferred_like(self.dtype_name)
 
     def loss_scale(self, scalars):
         """(in the step) The loss scale among the step's ``scalars``; None without scaling."""
-        return self.precision.step_scale(StepScalars.of(scalars))
+        return self.precision.step_scale(step_scalars(scalars))
 
     def _step_seed(self) -> np.ndarray:
         """The seed of this step's dropout key, from (seed, step): a resume draws the same."""

@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from adapters._update import StepScalars
+from adapters._update import Deferred, Report, StepScalars, advance
 from toolkit import SGD, Adam, ToolkitError
 from toolkit.errors import describe
 from toolkit.models.reference import optimizer_slots
@@ -77,13 +77,23 @@ def make_optimizer(spec: Any, backend: str):
     return optax.GradientTransformationExtraArgs(init, update)
 
 
+def step_scalars(scalars) -> StepScalars:
+    """(in a step) The step's :class:`StepScalars` by name, of a plain vector or of
+    :class:`Deferred` scalars (``Deferred.read``)."""
+    import jax.numpy as jnp
+
+    if not isinstance(scalars, Deferred):
+        return StepScalars.of(scalars)
+    return scalars.read(lambda table, skips: table[skips.astype(jnp.int32)])
+
+
 def apply_optimizer(rule, tx, grads, opt_state, params, scalars):
     """One update with either our transformation (``rule.spec``: the step's ``StepScalars``
     vector ``scalars`` gives its learning rate and Adam's scalars) or a native optax one."""
     import optax
 
     if rule.spec is not None:
-        s = StepScalars.of(scalars)
+        s = step_scalars(scalars)
         updates, opt_state = tx.update(grads, opt_state, params, lr=s.lr,
                                        step_size=s.step_size, c2_sqrt=s.c2_sqrt)
     else:
@@ -125,18 +135,25 @@ def keep_if_finite(jnp, norm, new, old):
 
 
 def update(jnp, rule, grads, sum_squares: Callable[[Any], Any], apply: Callable[[Any], Any],
-           old: Any, scale: Any = None) -> tuple[Any, Any]:
+           old: Any, scalars: Any) -> tuple[Any, Any]:
     """``(new state, norm)``: ``apply(clipped grads)`` returns the new state (a tree shaped
     like ``old``: parameters, optimizer state and whatever else a skipped step keeps), under
     ``rule`` (``adapters._update.UpdateRule``: its ``clip`` and ``skip``). ``sum_squares(g)``
     adds up the squares of the whole gradient ``g`` (a zero stands for the norm unless
-    ``rule.needs_norm``). With a loss ``scale`` (fp16), ``grads`` are those of the scaled loss:
-    unscaled first (exactly: a power of two), so the norm, clip and update see the true ones."""
-    if scale is not None:
+    ``rule.needs_norm``). Under a loss scaler (fp16), ``grads`` are those of the loss times the
+    step's scale (``scalars``'): unscaled first (exactly: a power of two), so the norm, clip and
+    update see the true ones. With :class:`Deferred` ``scalars`` the norm's place holds the
+    step's :class:`Report`, its counters advanced on the device."""
+    scale = step_scalars(scalars).loss_scale
+    if rule.scaler is not None:
         import jax
 
         inverse = 1.0 / scale
         grads = jax.tree_util.tree_map(lambda g: g * inverse.astype(g.dtype), grads)
     grads, norm = clip_by_norm(jnp, grads, lambda: sum_squares(grads), rule.clip, rule.skip)
     new = apply(grads)
-    return (keep_if_finite(jnp, norm, new, old) if rule.skip else new), norm
+    new = keep_if_finite(jnp, norm, new, old) if rule.skip else new
+    if not isinstance(scalars, Deferred):
+        return new, norm
+    finite = jnp.isfinite(norm)
+    return new, Report(norm, advance(jnp, rule.scaler, scalars.counters, finite), ~finite, scale)

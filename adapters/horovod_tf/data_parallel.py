@@ -28,12 +28,12 @@ import numpy as np
 
 from adapters._backend import StrategyBase
 from adapters._common import check_recompute, unwrapped_toolkit_errors
-from adapters._update import StepScalars, UpdateRule
+from adapters._update import UpdateRule
 from adapters.horovod_tf.models.keras_native import KerasNative
 from adapters.horovod_tf.models.spec import spec_forward
 from adapters.horovod_tf.ops import TFOps, TFState
 from adapters.horovod_tf.precision import TFPrecision
-from adapters.horovod_tf.update import apply_update, sum_squares, update
+from adapters.horovod_tf.update import apply_update, step_scalars, sum_squares, update
 from toolkit.contract import StepResult
 from toolkit.precision import PRECISIONS
 
@@ -49,6 +49,7 @@ class TFDataParallel(StrategyBase):
     precisions = PRECISIONS
     plugin = TFPrecision  # (adapters/_precision.py)
     recomputes = True  # activation_checkpointing: tf.recompute_grad in the spec forward
+    defers = True  # the step advances the update's counters itself (adapters/_update.py)
 
     def __init__(self, runtime, layout, precision: Any = None):
         super().__init__(runtime, layout, precision)
@@ -61,7 +62,8 @@ class TFDataParallel(StrategyBase):
               skip_nonfinite: bool = False, activation_checkpointing: bool | None = None) -> None:
         tf = self.tf
         self.recompute = check_recompute("horovod-tf", model, activation_checkpointing)
-        self.rule = UpdateRule(optimizer, clip_grad_norm, skip_nonfinite, self.precision.scaler)
+        self.rule = UpdateRule(optimizer, clip_grad_norm, skip_nonfinite, self.precision.scaler,
+                               defer=self.defers)
         self.ops = TFOps(self.runtime, model, loss, metrics)
         self.spec, self.native = model, self.ops.native
         self.accumulation_steps, self.seed = accumulation_steps, seed
@@ -119,7 +121,7 @@ class TFDataParallel(StrategyBase):
 
     def _step_fn(self, x, y, scalars, seeds):
         """(hook) One compiled step."""
-        s = StepScalars.of(scalars)  # (one vector: one host copy per step)
+        s = step_scalars(self.tf, scalars)  # (one host copy per step)
         tf, hvd, state = self.tf, self.hvd, self.state
         if self.native:
             self.keras_model.reseed(seeds)
@@ -140,7 +142,8 @@ class TFDataParallel(StrategyBase):
                 apply_update(tf, self.rule.spec, state.vars, state.slots,
                              dict(zip(names, grads, strict=True)), s)
 
-        _, norm = update(tf, self.rule, grads, lambda g: sum_squares(tf, g), apply, kept, scale)
+        _, norm = update(tf, self.rule, grads, lambda g: sum_squares(tf, g), apply, kept,
+                         scalars=scalars)
         return total, norm
 
     def _eval_fn(self, x, y):

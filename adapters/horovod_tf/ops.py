@@ -148,14 +148,16 @@ class TFState:
         self.rule.load({"opt/count": np.asarray(count)})
 
     def scalars(self, lr: float | None, dtype) -> Any:
-        """Counts the step and returns its ``StepScalars`` as one tensor (one host copy per
-        step; the step reads them by name: ``StepScalars.of``); ``lr`` is ignored with a Keras
-        optimizer (its own rate or schedule)."""
+        """Counts the step and returns its scalars as tensors (``UpdateRule.step_scalars``:
+        one host copy per step; the step reads them by name: ``update.step_scalars``); ``lr``
+        is ignored with a Keras optimizer (its own rate or schedule)."""
         if lr is None and self.rule.spec is not None:
             raise ToolkitError("horovod-tf needs the learning rate of each step",
                                "pass an optimizer spec (toolkit.SGD/Adam) to the Trainer, which "
                                "evaluates its schedule, or a Keras optimizer")
-        return self.tf.constant([float(v) for v in self.rule.scalars(lr)], dtype)
+        tf = self.tf
+        return tf.nest.map_structure(lambda a: tf.convert_to_tensor(a, dtype),
+                                     self.rule.step_scalars(lr, dtype.as_numpy_dtype))
 
     def counters(self) -> dict[str, np.ndarray]:
         """``opt/count`` (Adam) and ``rng/step`` (native models), as the checkpoint names them."""

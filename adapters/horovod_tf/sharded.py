@@ -40,6 +40,7 @@ class TFSharded(TFDataParallel):
 
     shards: ShardedTF
     compresses = False  # (its reductions are the flat shards')
+    defers = False  # (its step reads the update's counters on the host: flat_shards.py)
 
     @staticmethod
     def check_layout(layout: Sharded) -> None:

@@ -21,14 +21,22 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from adapters._update import StepScalars
+from adapters._update import Deferred, Report, StepScalars, advance
 from toolkit import SGD
 from toolkit.models.reference import optimizer_slots
 
 
+def step_scalars(tf, scalars) -> StepScalars:
+    """(in a step) The step's :class:`StepScalars` by name, of a plain vector or of
+    :class:`Deferred` scalars (``Deferred.read``)."""
+    if not isinstance(scalars, Deferred):
+        return StepScalars.of(scalars)
+    return scalars.read(lambda table, skips: tf.gather(table, tf.cast(skips, tf.int32)))
+
+
 def update(tf, rule, grads: list, sum_squares: Callable[[list], Any],
            apply: Callable[[list], None], keep: list | tuple = (),
-           scale: Any = None) -> tuple[list, Any]:
+           scale: Any = None, scalars: Any = None) -> tuple[list, Any]:
     """Inside a compiled step: ``apply(grads)`` with the gradient clipped under ``rule``
     (``adapters._update.UpdateRule``: its ``clip`` and ``skip``). Under ``rule.skip`` a step
     whose norm is not finite applies nothing and assigns back each ``(variable, value)`` of
@@ -44,11 +52,16 @@ def update(tf, rule, grads: list, sum_squares: Callable[[list], Any],
         keep: what a skipped step assigns back.
         scale: the loss scale (``PrecisionPlugin.step_scale``) the gradients were computed
             with, or None.
+        scalars: the step's scalars; the loss scale is theirs (under a loss scaler), and
+            with :class:`Deferred` ones the norm's place holds the step's :class:`Report`,
+            its counters advanced on the device.
 
     Returns:
         ``(clipped grads, norm)``: the norm before clipping (a zero unless
         ``rule.needs_norm``).
     """
+    if scalars is not None and rule.scaler is not None:
+        scale = step_scalars(tf, scalars).loss_scale
     if scale is not None:
         grads = [g * tf.cast(1.0 / scale, g.dtype) for g in grads]
     grads, norm = clip_by_norm(tf, grads, sum_squares, rule.clip, rule.skip)
@@ -56,7 +69,12 @@ def update(tf, rule, grads: list, sum_squares: Callable[[list], Any],
         update_if_finite(tf, norm, lambda: apply(grads), keep)
     else:
         apply(grads)
-    return grads, norm
+    if not isinstance(scalars, Deferred):
+        return grads, norm
+    finite = tf.math.is_finite(norm)
+    counters = advance(tf, rule.scaler, scalars.counters, finite)
+    return grads, Report(norm, counters, tf.logical_not(finite),
+                         step_scalars(tf, scalars).loss_scale)
 
 
 def sum_squares(tf, grads: list) -> Any:

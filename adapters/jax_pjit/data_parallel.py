@@ -35,7 +35,9 @@ class PjitDataParallel(JaxStrategy):
               metrics: Any = None, clip_grad_norm: float | None = None,
               skip_nonfinite: bool = False, activation_checkpointing: bool | None = None) -> None:
         self._compiled_for = None  # the step compiles anew for this model
-        self.rule = UpdateRule(optimizer, clip_grad_norm, skip_nonfinite, self.precision.scaler)
+        # (defer: the skip and the loss scale stay on the device, read at the Trainer's flush)
+        self.rule = UpdateRule(optimizer, clip_grad_norm, skip_nonfinite, self.precision.scaler,
+                               defer=True)
         self.recompute = check_recompute(self.name, model, activation_checkpointing)
         self._build_layout(model, optimizer, loss, seed, accumulation_steps, metrics)
 
@@ -79,7 +81,7 @@ class PjitDataParallel(JaxStrategy):
             jnp, self.rule, grads, lambda g: squares(jnp, g),
             lambda g: (*apply_optimizer(self.rule, self.tx, g, opt_state, params, scalars),
                        new_state),
-            before, scale)
+            before, scalars)
         return params, opt_state, model_state, losses, norm
 
     def _local_rows(self) -> int:

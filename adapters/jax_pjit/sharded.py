@@ -188,7 +188,7 @@ class PjitSharded(PjitDataParallel):
             jnp, self.rule, grads, lambda g: squares(jnp, g),
             lambda g: (*apply_optimizer(self.rule, self.tx, wsc(g, shards), opt_state,
                                         wsc(params, shards), scalars), new_state),
-            before, scale)
+            before, scalars)
         return params, opt_state, model_state, losses, grads, norm
 
     # ------------------------------------------------------------------ host side

@@ -29,7 +29,9 @@ class PmapDataParallel(JaxStrategy):
               metrics: Any = None, clip_grad_norm: float | None = None,
               skip_nonfinite: bool = False, activation_checkpointing: bool | None = None) -> None:
         self._compiled_for = None  # the step compiles anew for this model
-        self.rule = UpdateRule(optimizer, clip_grad_norm, skip_nonfinite, self.precision.scaler)
+        # (defer: the skip and the loss scale stay on the device, read at the Trainer's flush)
+        self.rule = UpdateRule(optimizer, clip_grad_norm, skip_nonfinite, self.precision.scaler,
+                               defer=True)
         self.recompute = check_recompute(self.name, model, activation_checkpointing)
         jax = self.jax
         from jax.sharding import Mesh, NamedSharding, PartitionSpec
@@ -68,7 +70,7 @@ class PmapDataParallel(JaxStrategy):
             jnp, self.rule, grads, lambda g: squares(jnp, g),
             lambda g: (*apply_optimizer(self.rule, self.tx, g, opt_state, params, scalars),
                        new_state),
-            before, scale)
+            before, scalars)
         return params, opt_state, model_state, jnp.mean(losses), norm
 
     def train_step(self, x: np.ndarray, y: np.ndarray, lr: float | None) -> StepResult:
@@ -90,7 +92,7 @@ class PmapDataParallel(JaxStrategy):
         self.params, self.opt_state, self.model_state, losses = out[:4]
         self._keep(out)
         # a mean per device; the norm is the same on every device
-        return self.rule.result(LocalMean([losses]), LocalMean([out[-1]]))
+        return self.rule.result(LocalMean([losses]), out[-1], stacked=True)
 
     def _keep(self, out) -> None:
         """(hook) What a layout keeps of the step's outputs beyond the state."""

@@ -206,7 +206,7 @@ class PmapSharded(PmapDataParallel):
             return tmap(lambda s: lax.all_gather(s, AXIS, tiled=True), updated), opt, new_state
 
         (params, opt_state, model_state), norm = update(jnp, self.rule, grads, sum_squares,
-                                                        apply, before, scale)
+                                                        apply, before, scalars)
         return params, opt_state, model_state, self.jnp.mean(losses), grads, norm
 
     # ------------------------------------------------------------------ host side

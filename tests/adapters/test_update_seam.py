@@ -153,8 +153,7 @@ def jax_update(rule, scalars, params, slots, grads):
         def apply(clipped):
             return apply_optimizer(rule, tx, clipped, opt_state, p, vector)
 
-        return update(jnp, rule, g, lambda g: squares(jnp, g), apply, (p, opt_state),
-                      step_scale(rule, StepScalars.of(vector)))
+        return update(jnp, rule, g, lambda g: squares(jnp, g), apply, (p, opt_state), vector)
 
     (p, opt_state), norm = step({n: jnp.asarray(v) for n, v in params.items()}, state,
                                 {n: jnp.asarray(v) for n, v in grads.items()},
@@ -292,3 +291,114 @@ def test_step_scalars_are_read_back_by_name(kind):
     s = rule_of("sgd").scalars(LR)  # SGD: no Adam scalars, no loss scale
     assert tuple(float(v) for v in StepScalars.of(as_vector(s.vector("float64")))) == \
         (LR, 0.0, 1.0, 1.0)
+
+
+# ------------------------------------------------------------------ deferred steps (JAX)
+def deferred_run(rule, grads_by_step, state=None, dtype="float64"):
+    """Steps of a JAX update under ``rule`` as the JAX strategies run them: the rule's
+    ``step_scalars`` in, its ``result`` out, from ``state`` (``(params, optimizer state)``;
+    None: ``start``'s). Returns the parameters after each step, the results, how many times
+    the host read the device's counters during the steps, and the last state."""
+    jax = jax_module()
+    import jax.numpy as jnp
+
+    from adapters._jax.update import apply_optimizer, make_optimizer, squares, update
+
+    tx = make_optimizer(rule.spec, "jax-pjit")
+    if state is None:
+        params, slots, _ = start(rule.spec)
+        state = ({n: jnp.asarray(v) for n, v in params.items()},
+                 {s: {n: jnp.asarray(slots[f"opt/{s}/{n}"]) for n in NAMES}
+                  for s in optimizer_slots(rule.spec)})
+
+    @jax.jit
+    def step(p, opt_state, g, scalars):
+        def apply(clipped):
+            return apply_optimizer(rule, tx, clipped, opt_state, p, scalars)
+
+        return update(jnp, rule, g, lambda g: squares(jnp, g), apply, (p, opt_state), scalars)
+
+    reads = []
+    sync = rule.sync
+    rule.sync = lambda: (reads.append(rule._device is not None), sync())[1]
+    history, results = [], []
+    for grads in grads_by_step:
+        state, out = step(*state, {n: jnp.asarray(v) for n, v in grads.items()},
+                          rule.step_scalars(LR, dtype))
+        results.append(rule.result(0.0, out))
+        history.append({n: np.asarray(v) for n, v in state[0].items()})
+    rule.sync = sync
+    return history, results, sum(reads), state
+
+
+def gradients(steps, bad_at, scale):
+    """Every step's gradient (``scale`` times a true one), not finite at the steps ``bad_at``."""
+    rng = np.random.default_rng(1)
+    out = []
+    for k in range(1, steps + 1):
+        g = {"w": rng.normal(size=(3, 2)) * scale, "b": rng.normal(size=(2,)) * scale}
+        if k in bad_at:
+            g["b"][0] = math.nan
+        out.append(g)
+    return out
+
+
+@pytest.mark.parametrize("optimizer, scale", [("adam", None), ("adam", SCALE), ("sgd", SCALE)])
+def test_a_deferred_step_equals_a_step_read_on_the_host_bit_for_bit(optimizer, scale):
+    """JAX steps whose skip, Adam count and loss scale stay on the device (``defer=True``)
+    against the same steps read back each step: equal parameters after every step, the same
+    skips, overflows, scales, count and scaler state; and over 45 steps (past ``WINDOW``) the
+    host read the device's counters only when Adam's table ran out (and once more, asked)."""
+    from adapters._update import WINDOW
+
+    bad = {2, 5, 6, 9, WINDOW + 4}  # (in the first window, three in a row, in the second)
+    grads = gradients(45, bad, scale or 1.0)
+    runs = []
+    for defer in (False, True):
+        rule = UpdateRule(OPTIMIZERS[optimizer](), clip=1.0, skip=True,
+                          scaler=rule_of(scale=scale).scaler, defer=defer)
+        history, results, reads, _ = deferred_run(rule, grads)
+        runs.append((history, results, reads, rule))
+    (host, host_results, _, host_rule), (dev, dev_results, reads, dev_rule) = runs
+    assert dev_rule.deferred and not host_rule.deferred
+    for k, (a, b) in enumerate(zip(host, dev, strict=True)):
+        assert all(a[n].tobytes() == b[n].tobytes() for n in NAMES), f"step {k + 1}"
+    assert [bool(r.skipped) for r in dev_results] == [r.skipped for r in host_results]
+    assert [k + 1 for k, r in enumerate(dev_results) if r.skipped] == sorted(bad)
+    assert [float(r.grad_norm).hex() for r in dev_results] == \
+        [float(r.grad_norm).hex() for r in host_results]
+    if scale is not None:
+        assert [float(r.loss_scale) for r in dev_results] == \
+            [r.loss_scale for r in host_results]
+        assert [bool(r.overflow) for r in dev_results] == [r.overflow for r in host_results]
+    assert reads == (1 if optimizer == "adam" else 0)  # step WINDOW + 1 needed the skips
+    assert dev_rule.counters().keys() == host_rule.counters().keys()
+    for name, value in host_rule.counters().items():
+        assert np.array_equal(dev_rule.counters()[name], value), name
+
+
+def test_a_deferred_rule_restored_from_a_checkpoint_goes_on_as_an_uninterrupted_one():
+    """Saved in the middle of a window with a skip in it, loaded into a fresh deferred rule
+    with the parameters and slots the steps left: every later step equals the uninterrupted
+    run's bit for bit, and so do the count and the scaler."""
+    grads = gradients(12, {3, 8}, SCALE)
+
+    def rule():
+        return UpdateRule(toolkit.Adam(lr=LR), clip=1.0, skip=True,
+                          scaler=rule_of(scale=SCALE, growth_interval=2).scaler, defer=True)
+
+    uninterrupted = rule()
+    whole, _, _, _ = deferred_run(uninterrupted, grads)
+    first = rule()
+    _, _, _, state = deferred_run(first, grads[:5])
+    saved = {k: np.array(v) for k, v in first.counters().items()}
+    # grown at 2, halved by the skip at 3, grown at 5: four optimizer steps
+    assert (int(saved["opt/count"]), float(saved["scaler/scale"]),
+            int(saved["scaler/good_steps"])) == (4, 2 * SCALE, 0)
+    resumed = rule()
+    resumed.load(saved)
+    history, _, _, _ = deferred_run(resumed, grads[5:], state)
+    for k, (a, b) in enumerate(zip(whole[5:], history, strict=True)):
+        assert all(a[n].tobytes() == b[n].tobytes() for n in NAMES), f"step {k + 6}"
+    for name, value in uninterrupted.counters().items():
+        assert np.array_equal(resumed.counters()[name], value), name

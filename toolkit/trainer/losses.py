@@ -30,8 +30,10 @@ class StepLosses:
         self.last_interval: dict[str, Any] | None = None  # the latest interval record
         self.pending: list[Any] = []  # local step losses not yet averaged across ranks
         self.norms: list[Any] = []  # their gradient norms (the same on every rank)
-        self.skipped: list[bool] = []  # whether each step was skipped (on_nonfinite="skip")
-        self.scales: list[tuple[float, bool]] = []  # fp16: each step's (loss scale, overflow)
+        # whether each step was skipped (on_nonfinite="skip") and, fp16, each step's (loss
+        # scale, overflow): framework values that may still be on the device, read at the flush
+        self.skipped: list[tuple[bool, Any, Any]] = []  # (the guard's to count, skipped, overflow)
+        self.scales: list[tuple[Any, Any]] = []
 
     def add(self, step: StepResult, guard_skips: bool = False, lr: float | None = None) -> None:
         """A step's result; ``guard_skips``: its skips are the divergence guard's to count
@@ -40,11 +42,11 @@ class StepLosses:
         self.times.append(None)
         self.lrs.append(lr)
         self.pending.append(step.loss)
-        self.skipped.append(guard_skips and bool(step.skipped) and not step.overflow)
+        self.skipped.append((guard_skips, step.skipped, step.overflow))
         if step.grad_norm is not None:
             self.norms.append(step.grad_norm)
         if step.loss_scale is not None:  # (a scale of 1.0 or below is still a scaler's)
-            self.scales.append((float(step.loss_scale), bool(step.overflow)))
+            self.scales.append((step.loss_scale, step.overflow))
         self._see_finished()
 
     def _see_finished(self) -> None:
@@ -84,8 +86,9 @@ class StepLosses:
         first = step - len(pending)
         history.losses.extend(float(v) for v in averaged)
         norms = [float(v) for v in self.norms] if len(self.norms) == len(pending) else []
-        skipped = list(self.skipped)
-        scales = list(self.scales) if len(self.scales) == len(pending) else []
+        skipped = [guard and bool(s) and not bool(o) for guard, s, o in self.skipped]
+        scales = [(float(s), bool(o)) for s, o in self.scales] \
+            if len(self.scales) == len(pending) else []
         history.grad_norms.extend(norms)
         history.skipped_steps.extend(first + i + 1 for i, s in enumerate(skipped) if s)
         history.loss_scales.extend(s for s, _ in scales)
