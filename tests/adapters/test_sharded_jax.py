@@ -223,12 +223,13 @@ def test_a_native_flax_module_is_sharded_by_top_level_submodule(backend, stage):
     assert list(adapter.strategy.units.layouts) == ["hidden", "out"]
 
 
+@pytest.mark.parametrize("backend", ["jax-pmap", "jax-pjit"])
 @pytest.mark.parametrize("stage", [1, 2, 3])
-def test_a_native_flax_module_holds_what_the_memory_estimate_says(stage):
-    """Every ZeRO stage of a native Flax module (jax-pmap, 2 devices): the losses equal data
-    parallel's, and the bytes the devices hold are ``toolkit.memory.estimate``'s for its
-    parameter count, plus only the flat shards' padding (each unit padded to a multiple of the
-    device count)."""
+def test_a_native_flax_module_holds_what_the_memory_estimate_says(stage, backend):
+    """Every ZeRO stage of a native Flax module (2 devices): the losses equal data parallel's,
+    and the bytes the devices hold are ``toolkit.memory.estimate``'s for its parameter count,
+    plus only the flat shards' padding (each unit padded to a multiple of the device
+    count)."""
     import flax.linen as nn
     import jax
 
@@ -245,7 +246,7 @@ def test_a_native_flax_module_holds_what_the_memory_estimate_says(stage):
     count = sum(a.size for a in jax.tree_util.tree_leaves(variables["params"]))
     runs = {}
     for layout in (toolkit.DataParallel(), toolkit.Sharded(stage=stage)):
-        adapter, _, history = train("jax-pmap", (module, variables), layout,
+        adapter, _, history = train(backend, (module, variables), layout,
                                     optimizer=toolkit.SGD(lr=0.1, momentum=0.9))
         runs[layout.name] = history.losses, adapter.memory_bytes()
     (data, _), (sharded, held) = runs.values()
