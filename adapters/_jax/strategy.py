@@ -46,6 +46,9 @@ class JaxStrategy(StrategyBase):
     clips = True  # build takes clip_grad_norm
     skips = True  # build takes skip_nonfinite; its StepResult then says skipped
     plugin = JaxPrecision  # (adapters/_precision.py)
+    # the data-parallel and sharded steps advance the update's counters themselves: the skip
+    # and the loss scale stay on the device until the Trainer's flush (adapters/_update.py)
+    defers = True
 
     def __init__(self, runtime, layout, precision: Any = None):
         super().__init__(runtime, layout, precision)

@@ -35,9 +35,8 @@ class PjitDataParallel(JaxStrategy):
               metrics: Any = None, clip_grad_norm: float | None = None,
               skip_nonfinite: bool = False, activation_checkpointing: bool | None = None) -> None:
         self._compiled_for = None  # the step compiles anew for this model
-        # (defer: the skip and the loss scale stay on the device, read at the Trainer's flush)
         self.rule = UpdateRule(optimizer, clip_grad_norm, skip_nonfinite, self.precision.scaler,
-                               defer=True)
+                               defer=self.defers)
         self.recompute = check_recompute(self.name, model, activation_checkpointing)
         self._build_layout(model, optimizer, loss, seed, accumulation_steps, metrics)
 
