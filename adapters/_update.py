@@ -106,7 +106,9 @@ class Deferred(NamedTuple):
         device has counted (``take(table, skips)``: the family's indexing by a device
         number), with the device's loss scale."""
         c = Counters.of(self.counters)
-        return StepScalars.of(take(self.table, c.skips))._replace(loss_scale=c.loss_scale)
+        # (one row: no count to tell apart, and the skips may pass the table's length)
+        row = self.table[0] if self.table.shape[0] == 1 else take(self.table, c.skips)
+        return StepScalars.of(row)._replace(loss_scale=c.loss_scale)
 
 
 def advance(xp, scaler: LossScaler | None, counters: Any, finite: Any) -> Any:

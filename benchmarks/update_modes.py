@@ -10,10 +10,10 @@ Skipping and loss scaling decide each step on the gradient's norm: where that de
 on the host, a step waits for its device before the next is queued, which a plain step does
 not. Where the layout's strategy keeps the decision on the device (``defers``:
 ``adapters/_update.py``), the modes marked "host" run the same step with the decision read on
-the host after each step instead, side by side. Each mode is its own Trainer (built and warmed up first); each window runs ``--steps``
-steps of every mode in turn, the order rotating between windows, so drift on a noisy machine
-hits them alike. Rank 0 prints each mode's median ms/step and the median of its per-window
-ratios to plain float32's.
+the host after each step instead, side by side. Each mode is its own Trainer (built and
+warmed up first); each window runs ``--steps`` steps of every mode in turn, the order rotating
+between windows, so drift on a noisy machine hits them alike. Rank 0 prints each mode's
+median ms/step and the median of its per-window ratios to plain float32's.
 """
 
 import argparse

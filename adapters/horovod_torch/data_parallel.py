@@ -26,11 +26,12 @@ import numpy as np
 
 from adapters._backend import StrategyBase
 from adapters._common import check_recompute, step_seed
-from adapters._update import UpdateRule
+from adapters._update import Deferred, StepScalars, UpdateRule
 from adapters.horovod_torch.models.spec import build_spec_model, from_host, same, to_host
 from adapters.horovod_torch.models.sync_bn import convert_sync_batchnorm
 from adapters.horovod_torch.ops import (
     NEUTRAL_SLOTS,
+    LossSum,
     TorchOps,
     count_like,
     kept_buffers,
@@ -42,7 +43,7 @@ from adapters.horovod_torch.ops import (
 from adapters.horovod_torch.precision import TorchPrecision
 from adapters.horovod_torch.scheduler import load_scheduler_state, scheduler_state, split_scheduler
 from adapters.horovod_torch.torch_optim import built_over
-from adapters.horovod_torch.update import norm_of_norms, update
+from adapters.horovod_torch.update import norm_of_norms, step_scalars, takes_found_inf, update
 from toolkit import ToolkitError
 from toolkit.contract import StepResult
 from toolkit.models.specs import ModelSpec
@@ -62,6 +63,7 @@ class TorchDataParallel(StrategyBase):
     plugin = TorchPrecision  # (adapters/_precision.py)
 
     scheduler = None  # a torch LR scheduler given with a native optimizer, after build
+    defers = True  # the update's counters on the device where the optimizer allows (build)
 
     def __init__(self, runtime, layout, precision: Any = None):
         super().__init__(runtime, layout, precision)
@@ -95,9 +97,12 @@ class TorchDataParallel(StrategyBase):
         # (a function of the parameters builds the optimizer over the model's)
         optimizer = built_over(torch, optimizer, [p for _, p, _, _ in self.params])
         optimizer, self.scheduler = split_scheduler(torch, optimizer)
-        self.rule = UpdateRule(optimizer if self.counts else None, clip_grad_norm, skip_nonfinite,
-                               self.precision.scaler)
         self._build_optimizer(model, optimizer, seed)
+        # the skip stays on the device where the optimizer takes it as a flag (torch's fused
+        # kernels: the spec optimizers on a GPU) and no scheduler must count the updates
+        defer = self.defers and self.scheduler is None and takes_found_inf(self.opt)
+        self.rule = UpdateRule(optimizer if self.counts else None, clip_grad_norm, skip_nonfinite,
+                               self.precision.scaler, defer=defer)
 
     def _build_optimizer(self, model: Any, optimizer: Any, seed: int) -> None:
         """(hook) Rank 0's initial model, and a Horovod ``DistributedOptimizer`` over it."""
@@ -139,17 +144,32 @@ class TorchDataParallel(StrategyBase):
         """(hook)"""
         self.opt.zero_grad()
 
-    def _apply(self, lr: float | None) -> tuple[Any, bool]:
-        """(hook) The update with this step's learning rate, through ``update.update``: the
-        averaged gradients (synchronized first, Horovod's documented way to clip), their norm,
-        clip and finite check, then the optimizer's step. Returns ``(norm, skipped)``."""
+    def _apply(self, lr: float | None, scalars: Any, kept: list) -> tuple[Any, bool | None]:
+        """(hook) The update with this step's learning rate and ``scalars`` (:meth:`_scalars`),
+        through ``update.update``: the averaged gradients (synchronized first, Horovod's
+        documented way to clip), their norm, clip and finite check, then the optimizer's step;
+        ``kept``: the buffers' values before the step, which a skipped one keeps. Returns
+        ``update``'s ``(norm, skipped)``."""
         set_lr(self.opt, lr)
         self.opt.synchronize()  # (what step() would do first: the same update)
         grads = [p.grad for p in self.net.parameters() if p.grad is not None]
         return update(self.torch, self.rule, grads, lambda: norm_of_norms(self.torch, grads),
-                      self._step_optimizer)
+                      self._step_optimizer, self._kept_pairs(kept), scalars)
 
-    def _step_optimizer(self) -> None:
+    def _scalars(self, lr: float | None) -> Any:
+        """Counts the step and returns its scalars (``UpdateRule.step_scalars``): host
+        ``StepScalars``, or deferred ones as tensors on the rank's device."""
+        scalars = self.rule.step_scalars(lr, self.runtime.dtype_name)
+        if not self.rule.deferred:
+            return StepScalars(*(float(v) for v in scalars))
+        return Deferred(*(self.torch.as_tensor(a, device=self.dev) for a in scalars))
+
+    def _kept_pairs(self, kept: list) -> list:
+        return [(b, old) for (_, b), old in zip(self.buffers, kept, strict=True)]
+
+    def _step_optimizer(self, found_inf: Any) -> None:
+        if found_inf is not None:  # (torch's fused kernels skip where it is set)
+            self.opt.found_inf, self.opt.grad_scale = found_inf, None
         with self.opt.skip_synchronize():
             self.opt.step()
 
@@ -161,6 +181,8 @@ class TorchDataParallel(StrategyBase):
         xt, yt = self.ops.tensors(x, y)
         k = self.accumulation_steps
         kept = kept_buffers(self.buffers, self.rule.skip)
+        scalars = self._scalars(lr)
+        scale = self.precision.step_scale(step_scalars(self.torch, scalars))
         self._zero_grad()
         losses = []
         for xc, yc in zip(xt.chunk(k), yt.chunk(k), strict=True):
@@ -168,12 +190,11 @@ class TorchDataParallel(StrategyBase):
                 loss = self.ops.mean_loss(self.net(xc), yc)
             if k > 1:
                 loss = loss / k
-            self.precision.scale_loss(loss).backward()  # (fp16: the update unscales)
+            self.precision.scale_loss(loss, scale).backward()  # (fp16: the update unscales)
             losses.append(loss.detach())
-        norm, skipped = self._apply(lr)
-        # read after the update is queued: on a GPU the first read waits for the step (as a
-        # hand-written loop's loss.item()), the others are ready; float64 sum, in order
-        total = sum(loss.item() for loss in losses)
+        norm, skipped = self._apply(lr, scalars, kept)
+        # read when the Trainer flushes its interval, not here: the host queues the next step
+        total = LossSum(self.torch, losses)
         if skipped:
             restore_buffers(self.torch, self.buffers, kept)
         if self.scheduler is not None and not skipped:  # (as Keras' and optax's own

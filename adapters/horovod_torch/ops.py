@@ -143,6 +143,33 @@ def count_like(torch, old, value) -> Any:
     return type(old)(value)
 
 
+class LossSum:
+    """A step's mean loss as the sum of its micro-batches' losses (tensors on the device),
+    read by ``float()`` only when the Trainer averages losses: until then the host queues the
+    next step. ``is_ready`` says whether the device has finished the step (a CUDA event), so
+    the Trainer times a step when it ends, not when it was queued."""
+
+    __slots__ = ("_losses", "_event")
+
+    def __init__(self, torch, losses: list):
+        self._losses, self._event = losses, None
+        if losses and losses[0].is_cuda:
+            self._event = torch.cuda.Event()
+            self._event.record()
+
+    def is_ready(self) -> bool:
+        return self._event is None or self._event.query()
+
+    def __float__(self) -> float:
+        return sum(loss.item() for loss in self._losses)  # (float64, in order)
+
+    def __format__(self, spec: str) -> str:
+        return format(float(self), spec)
+
+    def __repr__(self) -> str:
+        return f"LossSum({float(self)!r})"
+
+
 def kept_buffers(buffers: list, skip: bool) -> list:
     """Copies of ``buffers`` (``(name, tensor)``: BatchNorm statistics) that
     :func:`restore_buffers` puts back after a skipped step (none when steps are not skipped)."""

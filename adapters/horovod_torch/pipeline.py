@@ -263,7 +263,7 @@ class TorchPipeline(HvdPipeline):
         for n, p, _, _ in self.params:
             p.grad = grads[n]
 
-        def apply() -> None:
+        def apply(_) -> None:  # (the skip is known on the host here)
             self.opt.step()
             if self.scheduler is not None:
                 self.scheduler.step()

@@ -26,6 +26,9 @@ class TorchSharded(TorchDataParallel):
     shards: ShardedParameters
     compresses = False  # (its reductions are the flat shards')
     counts = True  # the spec optimizer's step count is the UpdateRule's
+    # the flat shards' arithmetic takes Adam's scalars as host numbers: the skip is read on
+    # the host (adapters/horovod_torch/update.py)
+    defers = False
 
     @staticmethod
     def check_layout(layout: Any) -> None:
@@ -58,13 +61,13 @@ class TorchSharded(TorchDataParallel):
     def _zero_grad(self) -> None:
         self.shards.zero_grad()
 
-    def _apply(self, lr: float | None) -> tuple[Any, bool]:
-        # the count advances here and UpdateRule.result takes it back for a skipped step
-        scalars = self.rule.scalars(lr)
+    def _apply(self, lr: float | None, scalars: Any, kept: list) -> tuple[Any, bool]:
+        # (the count advanced with the scalars; UpdateRule.result takes it back for a skipped
+        # step)
         shards = self.shards
         shards.reduce()
         return update(self.torch, self.rule, shards.grads, shards.norm,
-                      lambda: shards.step(scalars))
+                      lambda _: shards.step(scalars))  # (the skip is known on the host)
 
     def memory_bytes(self) -> dict[str, int]:
         return self.shards.memory_bytes()

@@ -4,16 +4,24 @@ Every ``horovod-torch`` layout hands :func:`update` this rank's reduced gradient
 whole gradient for data parallel and stage 1, this rank's shards for stages 2 and 3), how to
 take their global norm, and how to apply them; the rest is written once, here:
 
-    norm -> finite check (``skip_nonfinite``: a skipped step applies nothing) -> clip
-    (``clip / max(norm, clip)``) -> apply.
+    unscale (fp16-mixed: by the step's loss scale, exactly: a power of two) -> norm -> finite
+    check (``skip_nonfinite``: a skipped step applies nothing) -> clip
+    (``clip / max(norm, clip)``) -> apply -> the old state kept when skipped.
 
 The norm is the layout's, since where the gradient lives decides how its elements add up:
 data parallel takes the norm of the per-tensor norms (:func:`norm_of_norms`), the flat shards
 the square root of the sum of squares, summed across ranks for stages 2 and 3
 (``flat_shards.ShardedParameters.norm``). The host side (clip, skip, a spec optimizer's step
-count and scalars, the step's ``StepResult``) is ``adapters._update.UpdateRule``. Anything
-that changes the gradient before its norm (unscaling a scaled loss) goes at the top of
-:func:`update`, before the norm is taken.
+count and scalars, the step's ``StepResult``) is ``adapters._update.UpdateRule``.
+
+Where the finite check is decided: a torch optimizer's ``step()`` is host code, so a step
+that must not apply is either known on the host (the norm read after the backward pass, as
+``torch.amp.GradScaler`` reads its ``found_inf`` for most optimizers) or handed to an
+optimizer that takes it as a device flag: torch's fused kernels skip their update and their
+step count where ``found_inf`` is set (:func:`takes_found_inf`). With such an optimizer and
+:class:`~adapters._update.Deferred` scalars, nothing is read on the host: the update passes
+the flag, keeps the old statistics by a device-side select, and advances the rule's counters
+on the device.
 """
 
 from __future__ import annotations
@@ -22,7 +30,7 @@ from collections.abc import Callable
 from typing import Any
 
 from adapters._common import nonfinite
-from adapters._update import UpdateRule
+from adapters._update import Counters, Deferred, Report, StepScalars, UpdateRule, advance
 
 
 def norm_of_norms(torch, grads: list):
@@ -40,24 +48,71 @@ def clip_(torch, grads: list, norm, clip: float) -> None:
     torch._foreach_mul_(grads, clip / torch.clamp(norm, min=clip))
 
 
+def takes_found_inf(optimizer: Any) -> bool:
+    """Whether ``optimizer``'s ``step()`` takes a skip as a device flag (``found_inf``, as
+    ``torch.amp.GradScaler`` hands it to torch's fused Adam, AdamW and SGD): then a step's
+    skip need not be read on the host. Its param groups say it (``fused``): Horovod's
+    ``DistributedOptimizer`` remakes the optimizer from them, without the constructor's
+    ``_step_supports_amp_scaling``."""
+    groups = getattr(optimizer, "param_groups", None)
+    return bool(getattr(optimizer, "_step_supports_amp_scaling", False)) or bool(
+        groups and all(g.get("fused") for g in groups))
+
+
+def step_scalars(torch, scalars: Any) -> StepScalars:
+    """The step's :class:`StepScalars` by name: host numbers, or of :class:`Deferred` scalars
+    (tensors on the device) the table's row for the skips counted (``Deferred.read``)."""
+    if not isinstance(scalars, Deferred):
+        return scalars
+    return scalars.read(lambda table, skips: table[skips.long()])
+
+
 def update(torch, rule: UpdateRule, grads: list, norm: Callable[[], Any],
-           apply: Callable[[], None]) -> tuple[Any, bool]:
-    """One update under ``rule`` (its ``clip`` and ``skip``): ``norm()`` is the whole
-    gradient's norm (taken only when ``rule.needs_norm``: it reads every gradient once
-    more), ``grads`` are clipped in place, then ``apply()`` updates
-    the parameters from them. Returns ``(the norm before clipping, skipped)``: the norm a
-    tensor (None when not taken, or without gradients), skipped whether the norm was not
-    finite under ``skip``, in which case nothing was clipped or applied (the norm is global,
-    so every rank skips alike)."""
+           apply: Callable[[Any], None], keep: list | tuple = (),
+           scalars: Any = None) -> tuple[Any, bool | None]:
+    """One update under ``rule`` (its ``clip``, ``skip`` and loss scaler).
+
+    Args:
+        torch: the ``torch`` module.
+        rule: the build's ``UpdateRule``.
+        grads: the reduced gradient tensors, clipped (and unscaled) in place.
+        norm: ``norm()``, the whole gradient's norm (taken only when ``rule.needs_norm``: it
+            reads every gradient once more).
+        apply: the optimizer's update from ``grads``, given ``found_inf``: None (the step is
+            known to be finite), or with :class:`Deferred` scalars a float tensor, non-zero
+            where the step must change nothing (for the optimizer's fused kernel).
+        keep: ``(tensor, value before the step)`` pairs (BatchNorm statistics) that a
+            deferred skipped step puts back on the device (the caller restores them when a
+            host-read step says skipped).
+        scalars: the step's scalars (``UpdateRule.step_scalars``): host ``StepScalars``, or
+            :class:`Deferred` ones as tensors on the device.
+
+    Returns:
+        ``(norm, skipped)``: the norm before clipping (a tensor; None when not taken) and
+        whether the step was skipped (nothing was clipped or applied; the norm is global, so
+        every rank skips alike); deferred, ``(Report, None)``: nothing read on the host.
+    """
     if not rule.needs_norm:
-        apply()
+        apply(None)
         return None, False
+    deferred = isinstance(scalars, Deferred)
     if rule.scaler is not None:  # the gradients of the scaled loss, unscaled (exactly: a
-        torch._foreach_mul_(grads, 1.0 / rule.scaler.scale)  # power of two)
+        scale = step_scalars(torch, scalars).loss_scale if deferred else rule.scaler.scale
+        torch._foreach_mul_(grads, 1.0 / scale)  # power of two)
     value = norm()
-    if rule.skip and nonfinite(value):
-        return value, True
-    if rule.clip is not None and value is not None:
+    if not deferred:
+        if rule.skip and nonfinite(value):
+            return value, True
+        if rule.clip is not None and value is not None:
+            clip_(torch, grads, value, rule.clip)
+        apply(None)
+        return value, False
+    finite = torch.isfinite(value)
+    if rule.clip is not None:  # (not finite: the gradient is not applied)
         clip_(torch, grads, value, rule.clip)
-    apply()
-    return value, False
+    apply((~finite).to(value.dtype))
+    with torch.no_grad():
+        for tensor, before in keep:
+            tensor.copy_(torch.where(finite, tensor, before))
+    return Report(value, advance(torch, rule.scaler, scalars.counters, finite), ~finite,
+                  Counters.of(scalars.counters).loss_scale), None

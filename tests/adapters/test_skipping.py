@@ -138,3 +138,63 @@ def test_native_models_and_optimizers_skip_with_their_batchnorm_statistics(backe
     assert any(n.startswith("buffers/") for n in moved) and any(n.startswith("opt/")
                                                                  for n in moved), moved
     assert all(np.isfinite(v).all() for v in after.values() if v.dtype.kind == "f")
+
+
+def deferring_model(backend, optimizer):
+    """A model with BatchNorm for ``backend`` (a spec MLP where the optimizer is a spec), and
+    the optimizer: torch's fused Adam (its step takes the skip as a device flag)."""
+    if backend == "horovod-torch":
+        import torch
+
+        torch.manual_seed(0)
+        net = torch.nn.Sequential(torch.nn.Linear(64, 16), torch.nn.BatchNorm1d(16),
+                                  torch.nn.ReLU(), torch.nn.Linear(16, 10))
+        return net, torch.optim.Adam(net.parameters(), lr=1e-2, fused=True)
+    return toolkit.MLP((64, 16, 10)), optimizer
+
+
+@pytest.mark.parametrize("precision", [None, "fp16-mixed"])
+@pytest.mark.parametrize("backend, layout, optimizer", [
+    ("horovod-torch", "data", None), ("horovod-tf", "data", toolkit.SGD(lr=0.1, momentum=0.9)),
+    ("jax-pmap", "sharded:2", toolkit.SGD(lr=0.1, momentum=0.9)),
+    ("jax-pjit", "data", toolkit.Adam(lr=1e-2))])
+def test_a_skip_kept_on_the_device_equals_a_skip_read_on_the_host(backend, layout, optimizer,
+                                                                 precision, monkeypatch):
+    """The strategies whose step advances the update's counters itself (``defers``) against
+    the same step with the skip read on the host after each step: the same losses, norms,
+    skips, loss scales and overflows, and the same state bit for bit, over several skips
+    (three steps of a poisoned batch; under fp16 inputs large enough to overflow, with a scale
+    that grows back every second step)."""
+    from adapters._backend import load
+
+    (x, y), _ = load_digits()
+    x = np.array(x, np.float32)
+    batches = list(toolkit.GlobalBatchSampler(len(x), BATCH, world_size=1, rank=0,
+                                              shuffle=True, seed=0))
+    options = {}
+    if precision is None:
+        for k in (2, 3, 6):
+            x[batches[k - 1][0]] = np.nan
+    else:
+        x *= 30
+        options = {"precision": precision, "growth_interval": 2}
+    strategy = load(adapters.get(backend).strategies[toolkit.parse_layout(layout).kind])
+    runs = []
+    for defers in (True, False):
+        monkeypatch.setattr(strategy, "defers", defers)
+        model, opt = deferring_model(backend, optimizer)
+        adapter = adapters.get(backend, precision=options.get("precision"))
+        trainer = toolkit.Trainer(adapter, model, opt, layout=layout, global_batch_size=BATCH,
+                                  max_steps=10, progress=False, on_nonfinite="skip",
+                                  clip_grad_norm=1.0, **{k: v for k, v in options.items()
+                                                         if k != "precision"})
+        history = trainer.fit(x, y)
+        assert adapter.strategy.rule.deferred == defers
+        runs.append((history, adapter.state_dict()))
+    (device, device_state), (host, host_state) = runs
+    for field in ("losses", "grad_norms", "skipped_steps", "loss_scales", "overflow_steps"):
+        assert np.array_equal(getattr(device, field), getattr(host, field), equal_nan=True), field
+    assert (device.skipped_steps if precision is None else device.overflow_steps), "no skip"
+    assert device_state.keys() == host_state.keys()
+    for name, value in host_state.items():
+        assert np.asarray(value).tobytes() == np.asarray(device_state[name]).tobytes(), name

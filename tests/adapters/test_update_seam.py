@@ -99,7 +99,8 @@ def torch_update(rule, scalars, params, slots, grads):
         p.grad = torch.tensor(grads[name])
     set_lr(opt, scalars.lr)
     gs = [p.grad for p in tensors]
-    norm, skipped = update(torch, rule, gs, lambda: norm_of_norms(torch, gs), opt.step)
+    norm, skipped = update(torch, rule, gs, lambda: norm_of_norms(torch, gs),
+                           lambda _: opt.step())
     return ({n: p.detach().numpy() for n, p in zip(NAMES, tensors, strict=True)},
             {f"opt/{s}/{n}": opt.state[p][TORCH_SLOTS[s]].numpy()
              for s in optimizer_slots(rule.spec) for n, p in zip(NAMES, tensors, strict=True)},
