@@ -69,9 +69,13 @@ def main() -> None:
     for layout in args.layouts.split(","):
         strategy_class = load(adapters.get(args.backend).strategies[
             toolkit.parse_layout(layout).kind])
-        modes = {**MODES, **(HOST_MODES if getattr(strategy_class, "defers", False) else {})}
         trainers = {}
-        for mode, options in modes.items():
+        modes = dict(MODES)
+        for mode, options in [*MODES.items(), *HOST_MODES.items()]:
+            if mode in HOST_MODES:  # (only where the plain modes keep the skip on the device)
+                if not trainers["32, skip"].adapter.strategy.rule.deferred:
+                    continue
+                modes[mode] = options
             options = dict(options)
             adapter = adapters.get(args.backend, precision=options.pop("precision", None))
             trainers[mode] = toolkit.Trainer(
