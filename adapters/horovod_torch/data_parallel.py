@@ -100,7 +100,7 @@ class TorchDataParallel(StrategyBase):
         self._build_optimizer(model, optimizer, seed)
         # the skip stays on the device where the optimizer takes it as a flag (torch's fused
         # kernels: the spec optimizers on a GPU) and no scheduler must count the updates
-        defer = self.defers and self.scheduler is None and takes_found_inf(self.opt)
+        defer = self.defers and self.scheduler is None and self._skips_on_device()
         self.rule = UpdateRule(optimizer if self.counts else None, clip_grad_norm, skip_nonfinite,
                                self.precision.scaler, defer=defer)
 
@@ -155,6 +155,10 @@ class TorchDataParallel(StrategyBase):
         grads = [p.grad for p in self.net.parameters() if p.grad is not None]
         return update(self.torch, self.rule, grads, lambda: norm_of_norms(self.torch, grads),
                       self._step_optimizer, self._kept_pairs(kept), scalars)
+
+    def _skips_on_device(self) -> bool:
+        """(hook) Whether the update can apply nothing on a device flag."""
+        return takes_found_inf(self.opt)
 
     def _scalars(self, lr: float | None) -> Any:
         """Counts the step and returns its scalars (``UpdateRule.step_scalars``): host

@@ -50,6 +50,7 @@ stages 1 and 2 then re-assemble the parameters with one grouped ``allgather``.
 from __future__ import annotations
 
 import contextlib
+from typing import Any
 
 import numpy as np
 
@@ -311,20 +312,29 @@ class ShardedParameters:
             sq = hvd.allreduce(sq, op=hvd.Sum, name="zero.grad_norm")
         return sq.sqrt()[0]
 
-    def step(self, scalars: StepScalars) -> None:
+    def step(self, scalars: StepScalars, found_inf: Any = None) -> None:
         """Updates this rank's shards from :attr:`grads` with this step's ``scalars``
-        (``UpdateRule.scalars``), then re-assembles the parameters (stages 1/2)."""
+        (``UpdateRule.step_scalars``' by name), then re-assembles the parameters (stages 1/2).
+        ``found_inf`` (a deferred step's: a device flag, non-zero where the step must change
+        nothing): a native optimizer takes it (torch's fused kernels), the spec arithmetic
+        keeps the old shards and slots by a device-side select."""
         torch, hvd, spec = self.torch, self.hvd, self.spec
         with torch.no_grad():
             if self.native is not None:
+                if found_inf is not None:
+                    self.native.found_inf, self.native.grad_scale = found_inf, None
                 self.native.step()  # (over views of the shards: see _bind)
             else:
                 for unit, (source, grad, slots) in enumerate(
                         zip(self.sources, self.grads, self.slots, strict=True)):
                     own = self._owned(unit)
                     param = source if self.stage == 3 else source[own]
+                    held = [param, *slots.values()]
+                    before = [t.clone() for t in held] if found_inf is not None else []
                     update_shard(spec, param, grad[own] if self.stage == 1 else grad, slots,
                                  scalars.lr, scalars.step_size, scalars.c2_sqrt)
+                    for now, old in zip(held if before else (), before, strict=True):
+                        now.copy_(torch.where(found_inf == 0, now, old))
             if self.stage < 3:
                 gathered = hvd.grouped_allgather(
                     [s.detach()[self._owned(u)] for u, s in enumerate(self.sources)],

@@ -16,7 +16,7 @@ from adapters.horovod_torch.models.spec import same, to_host
 from adapters.horovod_torch.ops import make_optimizer
 from adapters.horovod_torch.scheduler import load_scheduler_state, scheduler_state
 from adapters.horovod_torch.torch_optim import check_elementwise
-from adapters.horovod_torch.update import update
+from adapters.horovod_torch.update import step_scalars, takes_found_inf, update
 from toolkit import SGD, Adam, ToolkitError
 
 
@@ -26,9 +26,6 @@ class TorchSharded(TorchDataParallel):
     shards: ShardedParameters
     compresses = False  # (its reductions are the flat shards')
     counts = True  # the spec optimizer's step count is the UpdateRule's
-    # the flat shards' arithmetic takes Adam's scalars as host numbers: the skip is read on
-    # the host (adapters/horovod_torch/update.py)
-    defers = False
 
     @staticmethod
     def check_layout(layout: Any) -> None:
@@ -61,13 +58,18 @@ class TorchSharded(TorchDataParallel):
     def _zero_grad(self) -> None:
         self.shards.zero_grad()
 
-    def _apply(self, lr: float | None, scalars: Any, kept: list) -> tuple[Any, bool]:
-        # (the count advanced with the scalars; UpdateRule.result takes it back for a skipped
-        # step)
-        shards = self.shards
+    def _apply(self, lr: float | None, scalars: Any, kept: list) -> tuple[Any, bool | None]:
+        # (the count advanced with the scalars; a skipped step's comes off in UpdateRule)
+        shards, by_name = self.shards, step_scalars(self.torch, scalars)
         shards.reduce()
         return update(self.torch, self.rule, shards.grads, shards.norm,
-                      lambda _: shards.step(scalars))  # (the skip is known on the host)
+                      lambda found_inf: shards.step(by_name, found_inf),
+                      self._kept_pairs(kept), scalars)
+
+    def _skips_on_device(self) -> bool:
+        # the spec arithmetic selects on the device; a native optimizer must take found_inf
+        native = self.shards.native
+        return native is None or takes_found_inf(native)
 
     def memory_bytes(self) -> dict[str, int]:
         return self.shards.memory_bytes()

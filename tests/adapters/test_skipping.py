@@ -141,9 +141,9 @@ def test_native_models_and_optimizers_skip_with_their_batchnorm_statistics(backe
 
 
 def deferring_model(backend, optimizer):
-    """A model with BatchNorm for ``backend`` (a spec MLP where the optimizer is a spec), and
-    the optimizer: torch's fused Adam (its step takes the skip as a device flag)."""
-    if backend == "horovod-torch":
+    """A spec MLP and ``optimizer``, or (None) a torch model with BatchNorm and torch's fused
+    Adam (its step takes the skip as a device flag)."""
+    if backend == "horovod-torch" and optimizer is None:
         import torch
 
         torch.manual_seed(0)
@@ -155,7 +155,9 @@ def deferring_model(backend, optimizer):
 
 @pytest.mark.parametrize("precision", [None, "fp16-mixed"])
 @pytest.mark.parametrize("backend, layout, optimizer", [
-    ("horovod-torch", "data", None), ("horovod-tf", "data", toolkit.SGD(lr=0.1, momentum=0.9)),
+    ("horovod-torch", "data", None), ("horovod-torch", "sharded:3", toolkit.Adam(lr=1e-2)),
+    ("horovod-torch", "sharded:1", toolkit.SGD(lr=0.1, momentum=0.9)),
+    ("horovod-tf", "data", toolkit.SGD(lr=0.1, momentum=0.9)),
     ("jax-pmap", "sharded:2", toolkit.SGD(lr=0.1, momentum=0.9)),
     ("jax-pjit", "data", toolkit.Adam(lr=1e-2))])
 def test_a_skip_kept_on_the_device_equals_a_skip_read_on_the_host(backend, layout, optimizer,

@@ -5,6 +5,7 @@ and the axis permutation between a parameter's neutral and torch layouts."""
 from __future__ import annotations
 
 import itertools
+from typing import Any
 
 import numpy as np
 
@@ -43,8 +44,10 @@ def spec_units(arrays: dict[str, np.ndarray]) -> dict[str, list[str]]:
             for unit, fl in unit_layouts({n: a.shape for n, a in arrays.items()}, 1).items()}
 
 
-def update_shard(spec, p, g, slots, lr: float, step_size: float, c2_sqrt: float) -> None:
-    """``toolkit.models.reference.apply_update`` in place on one flat shard."""
+def update_shard(spec, p, g, slots, lr: float, step_size: Any, c2_sqrt: Any) -> None:
+    """``toolkit.models.reference.apply_update`` in place on one flat shard. Adam's
+    ``step_size`` and ``c2_sqrt`` may be host numbers or 0-d tensors on the device (a deferred
+    step's, picked by its own skip count): the same arithmetic either way."""
     if isinstance(spec, SGD):
         if spec.weight_decay:
             g = g.add(p, alpha=spec.weight_decay)
@@ -61,7 +64,9 @@ def update_shard(spec, p, g, slots, lr: float, step_size: float, c2_sqrt: float)
     m, v = slots["mu"], slots["nu"]
     m.mul_(spec.b1).add_(g, alpha=1 - spec.b1)
     v.mul_(spec.b2).addcmul_(g, g, value=1 - spec.b2)
-    p.addcdiv_(m, v.sqrt().div_(c2_sqrt).add_(spec.eps), value=-step_size)
+    # (m * -step_size, then / denominator: addcdiv's own order with value=-step_size, which
+    # takes only a host number)
+    p.addcdiv_(m * -step_size, v.sqrt().div_(c2_sqrt).add_(spec.eps))
 
 
 def permutation(to_torch, shape: tuple[int, ...]) -> tuple[int, ...] | None:
