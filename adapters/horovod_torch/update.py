@@ -110,7 +110,7 @@ def update(torch, rule: UpdateRule, grads: list, norm: Callable[[], Any],
     finite = torch.isfinite(value)
     if rule.clip is not None:  # (not finite: the gradient is not applied)
         clip_(torch, grads, value, rule.clip)
-    apply((~finite).to(value.dtype))
+    apply((~finite).float())  # (float32, as torch.amp.GradScaler hands it over)
     with torch.no_grad():
         for tensor, before in keep:
             tensor.copy_(torch.where(finite, tensor, before))

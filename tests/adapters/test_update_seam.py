@@ -294,40 +294,112 @@ def test_step_scalars_are_read_back_by_name(kind):
         (LR, 0.0, 1.0, 1.0)
 
 
-# ------------------------------------------------------------------ deferred steps (JAX)
-def deferred_run(rule, grads_by_step, state=None, dtype="float64"):
-    """Steps of a JAX update under ``rule`` as the JAX strategies run them: the rule's
-    ``step_scalars`` in, its ``result`` out, from ``state`` (``(params, optimizer state)``;
-    None: ``start``'s). Returns the parameters after each step, the results, how many times
-    the host read the device's counters during the steps, and the last state."""
+# ------------------------------------------------------------------ deferred steps
+def jax_steps(rule, dtype):
+    """``(step(state, grads, scalars) -> (state, norm or Report), start state, params of a
+    state)`` as the JAX strategies run the update."""
     jax = jax_module()
     import jax.numpy as jnp
 
     from adapters._jax.update import apply_optimizer, make_optimizer, squares, update
 
     tx = make_optimizer(rule.spec, "jax-pjit")
-    if state is None:
-        params, slots, _ = start(rule.spec)
-        state = ({n: jnp.asarray(v) for n, v in params.items()},
-                 {s: {n: jnp.asarray(slots[f"opt/{s}/{n}"]) for n in NAMES}
-                  for s in optimizer_slots(rule.spec)})
+    params, slots, _ = start(rule.spec)
+    state = ({n: jnp.asarray(v) for n, v in params.items()},
+             {s: {n: jnp.asarray(slots[f"opt/{s}/{n}"]) for n in NAMES}
+              for s in optimizer_slots(rule.spec)})
 
     @jax.jit
-    def step(p, opt_state, g, scalars):
+    def compiled(p, opt_state, g, scalars):
         def apply(clipped):
             return apply_optimizer(rule, tx, clipped, opt_state, p, scalars)
 
         return update(jnp, rule, g, lambda g: squares(jnp, g), apply, (p, opt_state), scalars)
 
+    def step(state, grads, scalars):
+        return compiled(*state, {n: jnp.asarray(v) for n, v in grads.items()}, scalars)
+
+    return step, state, lambda state: {n: np.asarray(v) for n, v in state[0].items()}
+
+
+def tf_steps(rule, dtype):
+    """As :func:`jax_steps`, for the TF family's update in a ``tf.function`` (its state: the
+    variables, updated in place)."""
+    import tensorflow as tf
+
+    from adapters.horovod_tf.update import apply_update as tf_apply_update
+    from adapters.horovod_tf.update import step_scalars, sum_squares, update
+
+    params, slots, _ = start(rule.spec)
+    variables = {n: tf.Variable(params[n]) for n in NAMES}
+    slot_vars = {k: tf.Variable(v) for k, v in slots.items()}
+
+    @tf.function
+    def compiled(gs, scalars):
+        def apply(clipped):
+            tf_apply_update(tf, rule.spec, variables, slot_vars,
+                            dict(zip(NAMES, clipped, strict=True)), step_scalars(tf, scalars))
+
+        return update(tf, rule, gs, lambda g: sum_squares(tf, g), apply, scalars=scalars)[1]
+
+    def step(state, grads, scalars):
+        scalars = tf.nest.map_structure(lambda a: tf.convert_to_tensor(a, tf.float64), scalars)
+        return state, compiled([tf.constant(grads[n]) for n in NAMES], scalars)
+
+    return step, variables, lambda state: {n: v.numpy() for n, v in state.items()}
+
+
+def torch_steps(rule, dtype):
+    """As :func:`jax_steps`, for the torch family's update with torch's fused optimizer (the
+    one whose step takes a skip as a device flag), its state updated in place."""
+    import torch
+
+    from adapters._update import Deferred
+    from adapters.horovod_torch.update import norm_of_norms, update
+
+    params, _, _ = start(rule.spec)
+    tensors = [torch.nn.Parameter(torch.tensor(params[n])) for n in NAMES]
+    opt = (torch.optim.Adam(tensors, lr=LR, fused=True) if isinstance(rule.spec, toolkit.Adam)
+           else torch.optim.SGD(tensors, lr=LR, momentum=0.9, fused=True))
+
+    def apply(found_inf):
+        if found_inf is not None:
+            opt.found_inf, opt.grad_scale = found_inf, None
+        opt.step()
+
+    def step(state, grads, scalars):
+        for p, n in zip(tensors, NAMES, strict=True):
+            p.grad = torch.tensor(grads[n])
+        if isinstance(scalars, Deferred):
+            scalars = Deferred(*(torch.as_tensor(a) for a in scalars))
+        else:
+            scalars = StepScalars(*(float(v) for v in scalars))
+        gs = [p.grad for p in tensors]
+        out, _ = update(torch, rule, gs, lambda: norm_of_norms(torch, gs), apply, (), scalars)
+        return state, out
+
+    return step, tensors, lambda state: {n: p.detach().numpy().copy()
+                                         for n, p in zip(NAMES, state, strict=True)}
+
+
+STEPS = {"jax": jax_steps, "tf": tf_steps, "torch": torch_steps}
+
+
+def deferred_run(rule, grads_by_step, state=None, family="jax", dtype="float64"):
+    """Steps of ``family``'s update under ``rule`` as its strategies run them: the rule's
+    ``step_scalars`` in, its ``result`` out, from ``state`` (None: ``start``'s). Returns the
+    parameters after each step, the results, how many times the host read the device's
+    counters during the steps, and the last state."""
+    step, start_state, params_of = STEPS[family](rule, dtype)
+    state = start_state if state is None else state
     reads = []
     sync = rule.sync
     rule.sync = lambda: (reads.append(rule._device is not None), sync())[1]
     history, results = [], []
     for grads in grads_by_step:
-        state, out = step(*state, {n: jnp.asarray(v) for n, v in grads.items()},
-                          rule.step_scalars(LR, dtype))
+        state, out = step(state, grads, rule.step_scalars(LR, dtype))
         results.append(rule.result(0.0, out))
-        history.append({n: np.asarray(v) for n, v in state[0].items()})
+        history.append(params_of(state))
     rule.sync = sync
     return history, results, sum(reads), state
 
@@ -344,12 +416,13 @@ def gradients(steps, bad_at, scale):
     return out
 
 
+@pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("optimizer, scale", [("adam", None), ("adam", SCALE), ("sgd", SCALE)])
-def test_a_deferred_step_equals_a_step_read_on_the_host_bit_for_bit(optimizer, scale):
-    """JAX steps whose skip, Adam count and loss scale stay on the device (``defer=True``)
+def test_a_deferred_step_equals_a_step_read_on_the_host_bit_for_bit(family, optimizer, scale):
+    """Steps whose skip, Adam count and loss scale stay on the device (``defer=True``)
     against the same steps read back each step: equal parameters after every step, the same
     skips, overflows, scales, count and scaler state; and over 45 steps (past ``WINDOW``) the
-    host read the device's counters only when Adam's table ran out (and once more, asked)."""
+    host read the device's counters only when Adam's table ran out."""
     from adapters._update import WINDOW
 
     bad = {2, 5, 6, 9, WINDOW + 4}  # (in the first window, three in a row, in the second)
@@ -358,7 +431,7 @@ def test_a_deferred_step_equals_a_step_read_on_the_host_bit_for_bit(optimizer, s
     for defer in (False, True):
         rule = UpdateRule(OPTIMIZERS[optimizer](), clip=1.0, skip=True,
                           scaler=rule_of(scale=scale).scaler, defer=defer)
-        history, results, reads, _ = deferred_run(rule, grads)
+        history, results, reads, _ = deferred_run(rule, grads, family=family)
         runs.append((history, results, reads, rule))
     (host, host_results, _, host_rule), (dev, dev_results, reads, dev_rule) = runs
     assert dev_rule.deferred and not host_rule.deferred
@@ -391,7 +464,7 @@ def test_a_deferred_rule_restored_from_a_checkpoint_goes_on_as_an_uninterrupted_
     uninterrupted = rule()
     whole, _, _, _ = deferred_run(uninterrupted, grads)
     first = rule()
-    _, _, _, state = deferred_run(first, grads[:5])
+    _, _, _, state = deferred_run(first, grads[:5])  # (JAX: the state is the arrays)
     saved = {k: np.array(v) for k, v in first.counters().items()}
     # grown at 2, halved by the skip at 3, grown at 5: four optimizer steps
     assert (int(saved["opt/count"]), float(saved["scaler/scale"]),
