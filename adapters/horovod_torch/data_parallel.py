@@ -36,14 +36,13 @@ from adapters.horovod_torch.ops import (
     count_like,
     kept_buffers,
     make_optimizer,
-    restore_buffers,
     set_lr,
     zero_slots,
 )
 from adapters.horovod_torch.precision import TorchPrecision
 from adapters.horovod_torch.scheduler import load_scheduler_state, scheduler_state, split_scheduler
 from adapters.horovod_torch.torch_optim import built_over
-from adapters.horovod_torch.update import norm_of_norms, step_scalars, takes_found_inf, update
+from adapters.horovod_torch.update import step_scalars, sum_of_squares, takes_found_inf, update
 from toolkit import ToolkitError
 from toolkit.contract import StepResult
 from toolkit.models.specs import ModelSpec
@@ -144,17 +143,17 @@ class TorchDataParallel(StrategyBase):
         """(hook)"""
         self.opt.zero_grad()
 
-    def _apply(self, lr: float | None, scalars: Any, kept: list) -> tuple[Any, bool | None]:
+    def _apply(self, lr: float | None, scalars: Any, kept: list) -> Any:
         """(hook) The update with this step's learning rate and ``scalars`` (:meth:`_scalars`),
         through ``update.update``: the averaged gradients (synchronized first, Horovod's
         documented way to clip), their norm, clip and finite check, then the optimizer's step;
         ``kept``: the buffers' values before the step, which a skipped one keeps. Returns
-        ``update``'s ``(norm, skipped)``."""
+        ``update``'s norm (or ``Report``)."""
         set_lr(self.opt, lr)
         self.opt.synchronize()  # (what step() would do first: the same update)
         grads = [p.grad for p in self.net.parameters() if p.grad is not None]
-        return update(self.torch, self.rule, grads, lambda: norm_of_norms(self.torch, grads),
-                      self._step_optimizer, self._kept_pairs(kept), scalars)
+        return update(self.torch, self.rule, grads, lambda g: sum_of_squares(self.torch, g),
+                      self._step_optimizer, self._kept_pairs(kept), scalars)[1]
 
     def _skips_on_device(self) -> bool:
         """(hook) Whether the update can apply nothing on a device flag."""
@@ -176,6 +175,13 @@ class TorchDataParallel(StrategyBase):
             self.opt.found_inf, self.opt.grad_scale = found_inf, None
         with self.opt.skip_synchronize():
             self.opt.step()
+        self._count_update()
+
+    def _count_update(self) -> None:
+        """A native scheduler counts an applied update (as Keras' and optax's own schedules
+        do; a deferred build has no scheduler)."""
+        if self.scheduler is not None:
+            self.scheduler.step()
 
     # -------------------------------------------------------------------------- steps
     def train_step(self, x: np.ndarray, y: np.ndarray, lr: float | None) -> StepResult:
@@ -196,15 +202,11 @@ class TorchDataParallel(StrategyBase):
                 loss = loss / k
             self.precision.scale_loss(loss, scale).backward()  # (fp16: the update unscales)
             losses.append(loss.detach())
-        norm, skipped = self._apply(lr, scalars, kept)
-        # read when the Trainer flushes its interval, not here: the host queues the next step
-        total = LossSum(self.torch, losses)
-        if skipped:
-            restore_buffers(self.torch, self.buffers, kept)
-        if self.scheduler is not None and not skipped:  # (as Keras' and optax's own
-            self.scheduler.step()  # schedules, which count updates)
+        norm = self._apply(lr, scalars, kept)
         self.steps += 1
-        return self.rule.result(total, norm, skipped)
+        # the loss read when the Trainer flushes its interval, not here: the host queues the
+        # next step
+        return self.rule.result(LossSum(self.torch, losses), norm)
 
     def evaluate(self, x: np.ndarray, y: np.ndarray) -> dict[str, float]:
         self.net.eval()

@@ -114,7 +114,7 @@ class ShardedParameters:
 
     Duck-types the optimizer for the adapter's step: :meth:`zero_grad`, then every forward
     inside :meth:`forwarding` and its backward, then :meth:`reduce`, and :meth:`step` with the
-    (clipped) :attr:`grads` (``update.update``, with :meth:`norm` as the gradient's norm).
+    (clipped) :attr:`grads` (``update.update``, with :meth:`sum_of_squares`).
 
     Args:
         torch, hvd: the modules (imported by the adapter).
@@ -302,15 +302,16 @@ class ShardedParameters:
             hvd = self.hvd
             hvd.grouped_allreduce_(self.grads, op=hvd.Average, name="zero.grads")
 
-    def norm(self):
-        """The whole gradient's norm (a tensor, the same on every rank), after
-        :meth:`reduce`: stage 1's ranks each hold the whole gradient; stages 2 and 3 their
-        shards (zero padding), whose squares add up across ranks."""
+    def sum_of_squares(self, grads: list):
+        """The whole gradient's sum of squares (a tensor, the same on every rank) from this
+        rank's ``grads`` (:attr:`grads`, after :meth:`reduce`): stage 1's ranks each hold the
+        whole gradient; stages 2 and 3 their shards (zero padding), whose squares add up
+        across ranks."""
         torch, hvd = self.torch, self.hvd
-        sq = torch.stack([g.square().sum() for g in self.grads]).sum().reshape(1)
+        sq = torch.stack([g.square().sum() for g in grads]).sum().reshape(1)
         if self.stage > 1:
             sq = hvd.allreduce(sq, op=hvd.Sum, name="zero.grad_norm")
-        return sq.sqrt()[0]
+        return sq[0]
 
     def step(self, scalars: StepScalars, found_inf: Any = None) -> None:
         """Updates this rank's shards from :attr:`grads` with this step's ``scalars``

@@ -35,7 +35,6 @@ from adapters.horovod_torch.ops import (
     count_like,
     kept_buffers,
     make_optimizer,
-    restore_buffers,
     set_lr,
     zero_slots,
 )
@@ -51,7 +50,7 @@ from adapters.horovod_torch.torch_optim import (
     state_templates,
     step_count,
 )
-from adapters.horovod_torch.update import norm_of_norms, update
+from adapters.horovod_torch.update import sum_of_squares, update
 from toolkit import SGD, Adam
 from toolkit.contract import StepResult
 from toolkit.models.reference import optimizer_slots
@@ -180,9 +179,8 @@ class TorchPipeline(HvdPipeline):
                                           process_set=process_set)
 
     def _squares(self, tensors: list):
-        norm = norm_of_norms(self.torch, tensors)  # (as data parallel measures)
-        return (self.torch.zeros((), dtype=self.dtype, device=self.runtime.dev)
-                if norm is None else norm.square())
+        # (as data parallel adds them up)
+        return sum_of_squares(self.torch, tensors, self.dtype, self.runtime.dev)
 
     def _host(self, tensor) -> np.ndarray:
         """(a 16-bit activation of evaluation as the parameters' dtype: exactly its value)"""
@@ -245,18 +243,16 @@ class TorchPipeline(HvdPipeline):
         self.opt.zero_grad(set_to_none=False)
         kept = kept_buffers(self.cut.buffers, self.rule.skip)
         loss = self._run_rounds()
-        norm, skipped = self._update()
-        result = self.rule.result(loss, norm, skipped)
-        if skipped:
-            restore_buffers(self.torch, self.cut.buffers, kept)
+        result = self.rule.result(loss, self._update(kept))
         self.steps += 1
         self.xs = self.ys = None
         return result
 
-    def _update(self) -> tuple[Any, bool]:
+    def _update(self, kept: list) -> Any:
         """The stage's gradients reduced on the device (``_reduced``), then the family's one
         update path (``update.update``: unscale, norm over every stage, finite check, clip,
-        the optimizer's step). Returns ``(norm, skipped)``."""
+        the optimizer's step; ``kept``: the buffers' values before the step, put back when
+        it is skipped). Returns the norm."""
         torch = self.torch
         grads = self._reduced({n: torch.zeros_like(p) if p.grad is None else p.grad
                                for n, p, _, _ in self.params})
@@ -268,8 +264,9 @@ class TorchPipeline(HvdPipeline):
             if self.scheduler is not None:
                 self.scheduler.step()
 
+        pairs = [(b, old) for (_, b), old in zip(self.cut.buffers, kept, strict=True)]
         return update(torch, self.rule, list(grads.values()),
-                      lambda: self._sum_of_squares(grads).sqrt(), apply)
+                      lambda _: self._sum_of_squares(grads), apply, pairs)[1]
 
     def evaluate(self, x: np.ndarray, y: np.ndarray) -> dict[str, float]:
         """Every rank's ``(x, y)`` runs through its replica's pipeline (inputs gathered on the

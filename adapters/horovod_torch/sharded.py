@@ -58,13 +58,17 @@ class TorchSharded(TorchDataParallel):
     def _zero_grad(self) -> None:
         self.shards.zero_grad()
 
-    def _apply(self, lr: float | None, scalars: Any, kept: list) -> tuple[Any, bool | None]:
+    def _apply(self, lr: float | None, scalars: Any, kept: list) -> Any:
         # (the count advanced with the scalars; a skipped step's comes off in UpdateRule)
         shards, by_name = self.shards, step_scalars(self.torch, scalars)
         shards.reduce()
-        return update(self.torch, self.rule, shards.grads, shards.norm,
-                      lambda found_inf: shards.step(by_name, found_inf),
-                      self._kept_pairs(kept), scalars)
+
+        def apply(found_inf) -> None:
+            shards.step(by_name, found_inf)
+            self._count_update()
+
+        return update(self.torch, self.rule, shards.grads, shards.sum_of_squares, apply,
+                      self._kept_pairs(kept), scalars)[1]
 
     def _skips_on_device(self) -> bool:
         # the spec arithmetic selects on the device; a native optimizer must take found_inf

@@ -8,11 +8,12 @@ take their global norm, and how to apply them; the rest is written once, here:
     check (``skip_nonfinite``: a skipped step applies nothing) -> clip
     (``clip / max(norm, clip)``) -> apply -> the old state kept when skipped.
 
-The norm is the layout's, since where the gradient lives decides how its elements add up:
-data parallel takes the norm of the per-tensor norms (:func:`norm_of_norms`), the flat shards
-the square root of the sum of squares, summed across ranks for stages 2 and 3
-(``flat_shards.ShardedParameters.norm``). The host side (clip, skip, a spec optimizer's step
-count and scalars, the step's ``StepResult``) is ``adapters._update.UpdateRule``.
+The sum of squares is the layout's, since where the gradient lives decides how its elements
+add up: data parallel and the pipeline stages square the per-tensor norms (one fused kernel for
+all tensors: :func:`sum_of_squares`), the flat shards sum their elements' squares, across ranks
+for stages 2 and 3 (``flat_shards.ShardedParameters.sum_of_squares``). The host side (clip,
+skip, a spec optimizer's step count and scalars, the step's ``StepResult``) is
+``adapters._update.UpdateRule``.
 
 Where the finite check is decided: a torch optimizer's ``step()`` is host code, so a step
 that must not apply is either known on the host (the norm read after the backward pass, as
@@ -33,13 +34,13 @@ from adapters._common import nonfinite
 from adapters._update import Counters, Deferred, Report, StepScalars, UpdateRule, advance
 
 
-def norm_of_norms(torch, grads: list):
-    """The norm of ``grads`` (every element once, in their dtype) as the norm of the
-    per-tensor norms; None without gradients. A tensor, read on the host only when the
-    Trainer logs it or a skip must be known."""
+def sum_of_squares(torch, grads: list, dtype: Any = None, device: Any = None):
+    """The sum of the squares of every element of ``grads`` as the squares of their norms
+    (``torch._foreach_norm``: one kernel for every tensor); a zero of ``dtype`` on ``device``
+    without gradients."""
     if not grads:
-        return None
-    return torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)))
+        return torch.zeros((), dtype=dtype, device=device)
+    return torch.stack(torch._foreach_norm(grads)).square().sum()
 
 
 def clip_(torch, grads: list, norm, clip: float) -> None:
@@ -67,52 +68,56 @@ def step_scalars(torch, scalars: Any) -> StepScalars:
     return scalars.read(lambda table, skips: table[skips.long()])
 
 
-def update(torch, rule: UpdateRule, grads: list, norm: Callable[[], Any],
+def update(torch, rule: UpdateRule, grads: list, sum_squares: Callable[[list], Any],
            apply: Callable[[Any], None], keep: list | tuple = (),
-           scalars: Any = None) -> tuple[Any, bool | None]:
+           scalars: Any = None) -> tuple[list, Any]:
     """One update under ``rule`` (its ``clip``, ``skip`` and loss scaler).
 
     Args:
         torch: the ``torch`` module.
         rule: the build's ``UpdateRule``.
         grads: the reduced gradient tensors, clipped (and unscaled) in place.
-        norm: ``norm()``, the whole gradient's norm (taken only when ``rule.needs_norm``: it
-            reads every gradient once more).
+        sum_squares: the sum of the squares of the whole gradient, given ``grads`` (the
+            layout adds up its ranks' shares); called only when ``rule.needs_norm``.
         apply: the optimizer's update from ``grads``, given ``found_inf``: None (the step is
-            known to be finite), or with :class:`Deferred` scalars a float tensor, non-zero
+            known to be finite), or with :class:`Deferred` scalars a float32 tensor, non-zero
             where the step must change nothing (for the optimizer's fused kernel).
-        keep: ``(tensor, value before the step)`` pairs (BatchNorm statistics) that a
-            deferred skipped step puts back on the device (the caller restores them when a
-            host-read step says skipped).
+        keep: ``(tensor, value before the step)`` pairs (BatchNorm statistics) that a skipped
+            step puts back.
         scalars: the step's scalars (``UpdateRule.step_scalars``): host ``StepScalars``, or
             :class:`Deferred` ones as tensors on the device.
 
     Returns:
-        ``(norm, skipped)``: the norm before clipping (a tensor; None when not taken) and
-        whether the step was skipped (nothing was clipped or applied; the norm is global, so
-        every rank skips alike); deferred, ``(Report, None)``: nothing read on the host.
+        ``(grads, norm)``: the norm before clipping (a tensor; None unless
+        ``rule.needs_norm``), which ``UpdateRule.result`` reads for the skip (a skipped step
+        clipped and applied nothing; the norm is global, so every rank skips alike); with
+        :class:`Deferred` scalars the step's :class:`Report` in its place: nothing is read on
+        the host.
     """
     if not rule.needs_norm:
         apply(None)
-        return None, False
+        return grads, None
     deferred = isinstance(scalars, Deferred)
     if rule.scaler is not None:  # the gradients of the scaled loss, unscaled (exactly: a
         scale = step_scalars(torch, scalars).loss_scale if deferred else rule.scaler.scale
         torch._foreach_mul_(grads, 1.0 / scale)  # power of two)
-    value = norm()
+    norm = torch.sqrt(sum_squares(grads))
     if not deferred:
-        if rule.skip and nonfinite(value):
-            return value, True
-        if rule.clip is not None and value is not None:
-            clip_(torch, grads, value, rule.clip)
+        if rule.skip and nonfinite(norm):
+            with torch.no_grad():
+                for tensor, before in keep:
+                    tensor.copy_(before)
+            return grads, norm
+        if rule.clip is not None:
+            clip_(torch, grads, norm, rule.clip)
         apply(None)
-        return value, False
-    finite = torch.isfinite(value)
+        return grads, norm
+    finite = torch.isfinite(norm)
     if rule.clip is not None:  # (not finite: the gradient is not applied)
-        clip_(torch, grads, value, rule.clip)
+        clip_(torch, grads, norm, rule.clip)
     apply((~finite).float())  # (float32, as torch.amp.GradScaler hands it over)
     with torch.no_grad():
         for tensor, before in keep:
             tensor.copy_(torch.where(finite, tensor, before))
-    return Report(value, advance(torch, rule.scaler, scalars.counters, finite), ~finite,
-                  Counters.of(scalars.counters).loss_scale), None
+    return grads, Report(norm, advance(torch, rule.scaler, scalars.counters, finite), ~finite,
+                         Counters.of(scalars.counters).loss_scale)

@@ -88,7 +88,7 @@ def torch_update(rule, scalars, params, slots, grads):
     import torch
 
     from adapters.horovod_torch.ops import TORCH_SLOTS, make_optimizer, set_lr, zero_slots
-    from adapters.horovod_torch.update import norm_of_norms, update
+    from adapters.horovod_torch.update import sum_of_squares, update
 
     tensors = [torch.nn.Parameter(torch.tensor(params[n])) for n in NAMES]
     opt = make_optimizer(torch, rule.spec, tensors)
@@ -99,12 +99,11 @@ def torch_update(rule, scalars, params, slots, grads):
         p.grad = torch.tensor(grads[name])
     set_lr(opt, scalars.lr)
     gs = [p.grad for p in tensors]
-    norm, skipped = update(torch, rule, gs, lambda: norm_of_norms(torch, gs),
-                           lambda _: opt.step())
+    _, norm = update(torch, rule, gs, lambda g: sum_of_squares(torch, g), lambda _: opt.step())
     return ({n: p.detach().numpy() for n, p in zip(NAMES, tensors, strict=True)},
             {f"opt/{s}/{n}": opt.state[p][TORCH_SLOTS[s]].numpy()
              for s in optimizer_slots(rule.spec) for n, p in zip(NAMES, tensors, strict=True)},
-            float(norm), skipped)
+            float(norm), None)
 
 
 def tf_update(rule, scalars, params, slots, grads):
@@ -355,7 +354,7 @@ def torch_steps(rule, dtype):
     import torch
 
     from adapters._update import Deferred
-    from adapters.horovod_torch.update import norm_of_norms, update
+    from adapters.horovod_torch.update import sum_of_squares, update
 
     params, _, _ = start(rule.spec)
     tensors = [torch.nn.Parameter(torch.tensor(params[n])) for n in NAMES]
@@ -375,7 +374,7 @@ def torch_steps(rule, dtype):
         else:
             scalars = StepScalars(*(float(v) for v in scalars))
         gs = [p.grad for p in tensors]
-        out, _ = update(torch, rule, gs, lambda: norm_of_norms(torch, gs), apply, (), scalars)
+        _, out = update(torch, rule, gs, lambda g: sum_of_squares(torch, g), apply, (), scalars)
         return state, out
 
     return step, tensors, lambda state: {n: p.detach().numpy().copy()
