@@ -88,7 +88,7 @@ def test_example_learns_and_resumes_bit_for_bit(script, launch, tmp_path):
 # script -> the layouts beyond data parallelism it runs with the framework's own optimizer, and
 # two names of that optimizer's state in the checkpoint (a moment's prefix, the step count)
 LAYOUTS = {"torch_cnn.py": (("sharded:3", "pipeline:2:2"), ("opt/mu/", "opt/count")),
-           "keras_cnn.py": (("pipeline:2:2",), ("opt/momentum/", "opt/iteration")),
+           "keras_cnn.py": (("sharded:3", "pipeline:2:2"), ("opt/momentum/", "opt/iteration")),
            "flax_cnn.py": (("sharded:3", "pipeline:2:2"), ("opt/0.mu.", "opt/0.count"))}
 
 

@@ -143,7 +143,7 @@ class TFDataParallel(StrategyBase):
                              dict(zip(names, grads, strict=True)), s)
 
         _, norm = update(tf, self.rule, grads, lambda g: sum_squares(tf, g), apply, kept,
-                         scalars=scalars)
+                         scalars)
         return total, norm
 
     def _eval_fn(self, x, y):

@@ -38,20 +38,23 @@ stage 3 every micro-batch's backward reduce-scatters its gradient (FSDP's defaul
 gradients locally would need the full-size gradient buffers stage 3 exists to avoid); the
 result is the same sum of averages.
 
-Only the spec models (``toolkit.MLP``/``CNN``/``GPT``) can be sharded here: the unit functions
-below are their forward passes (the same TF ops as ``models/spec.py``'s ``spec_forward``, so
-every stage computes what data parallel computes). The optimizer is ``toolkit.SGD``/``Adam``'s
-arithmetic on the flat shards, or the user's own elementwise Keras optimizer
-(``keras_optim.py``) built over one shard variable per unit (stages 1 and 2 keep one beside
-the full parameters, which take its update through the all-gather); its slots are then the
-shards' slots, saved as the spec's are, and its own scalars (``opt/iteration``) once.
+What is sharded comes from a *unit provider* (:class:`ShardUnits`): the parameters' neutral
+names and initial values, their units, the variables of stages 1/2 and the forward of stage 3
+on gathered units. :class:`SpecUnits` is the spec models' (``toolkit.MLP``/``CNN``/``GPT``: the
+unit functions are their forward passes, the same TF ops as ``models/spec.py``'s
+``spec_forward``, so every stage computes what data parallel computes);
+``keras_shards.KerasUnits`` is a Keras model's (the whole model one unit). The optimizer is
+``toolkit.SGD``/``Adam``'s arithmetic on the flat shards, or the user's own elementwise Keras
+optimizer (``keras_optim.py``) built over one shard variable per unit (stages 1 and 2 keep one
+beside the full parameters, which take its update through the all-gather); its slots are then
+the shards' slots, saved as the spec's are, and its own scalars (``opt/iteration``) once.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -60,14 +63,76 @@ from adapters.horovod_tf.keras_optim import named_slots
 from adapters.horovod_tf.models.keras_native import _np_dtype, assign, to_host
 from adapters.horovod_tf.models.layers import float32_products
 from adapters.horovod_tf.models.units import unit_functions
-from adapters.horovod_tf.update import spec_update, sum_squares, update
+from adapters.horovod_tf.update import spec_update, step_scalars, sum_squares, update
 from toolkit import GPT, Sharded
 from toolkit.models.reference import optimizer_slots
 from toolkit.parallel.shards import FlatLayout, unit_layouts
 
 
+class ShardUnits(Protocol):
+    """What :class:`ShardedTF` shards: a model's parameters cut into units, and its forward.
+
+    Attributes:
+        init: this rank's initial parameters (neutral name -> array, in flat order); rank 0's
+            become every rank's.
+        compute_gather: whether stage 3 gathers in the compute dtype under mixed precision
+            (the forward then takes the parameters in it), or in the parameters' own.
+    """
+
+    init: dict[str, np.ndarray]
+    compute_gather: bool
+
+    def layouts(self, world_size: int) -> dict[str, FlatLayout]:
+        """One flat layout per unit, by unit name, in the forward's order."""
+
+    def variables(self, values: dict[str, np.ndarray]) -> dict[str, Any]:
+        """Stages 1/2: the full parameters (neutral name -> variable) holding ``values``."""
+
+    def release(self) -> None:
+        """Stage 3: drops any full copy of the parameters the model itself holds."""
+
+    def functions(self, count: int) -> list[tuple[Callable, tuple[int, ...]]]:
+        """Stage 3: per unit (``count`` of them) ``fn(params, h, x) -> h`` and the units whose
+        parameters it reads; the first reads ``x``, the last returns the model's output."""
+
+    def forward(self, run: Callable[[Any], Any], x: Any, training: bool) -> Any:
+        """Stage 3: the model's output, where ``run(x)`` runs the units' functions on ``x``
+        (each gathering its parameters)."""
+
+
+class SpecUnits:
+    """A spec model's units (:class:`ShardUnits`): ``toolkit.parallel.shards.unit_layouts`` of
+    its parameters ``init`` (``spec.init``'s) and ``models/units.py``'s unit functions."""
+
+    compute_gather = True
+
+    def __init__(self, tf: Any, spec: Any, init: dict[str, np.ndarray]):
+        self.tf, self.spec, self.init = tf, spec, init
+
+    def layouts(self, world_size: int) -> dict[str, FlatLayout]:
+        return unit_layouts({n: a.shape for n, a in self.init.items()}, world_size)
+
+    def variables(self, values: dict[str, np.ndarray]) -> dict[str, Any]:
+        return {n: self.tf.Variable(a, name=n.replace(".", "_")) for n, a in values.items()}
+
+    def release(self) -> None:
+        pass  # (the spec model holds no variables of its own)
+
+    def functions(self, count: int) -> list[tuple[Callable, tuple[int, ...]]]:
+        return unit_functions(self.tf, self.spec, count)
+
+    def forward(self, run: Callable[[Any], Any], x: Any, training: bool) -> Any:
+        del training  # (no layer of a spec behaves otherwise in training)
+        tf = self.tf
+        if isinstance(self.spec, GPT):
+            x = tf.convert_to_tensor(x)
+            if x.dtype not in (tf.int32, tf.int64):
+                x = tf.cast(x, tf.int64)
+        return run(x)
+
+
 class ShardedTF:
-    """The sharded state of a spec model and optimizer on one rank, and its compiled step.
+    """The sharded state of a model and optimizer on one rank, and its compiled step.
 
     Made by ``sharded.TFSharded`` (the strategy), which keeps the host side (the update rule's
     step count and Adam's scalars, inputs, losses).
@@ -75,9 +140,9 @@ class ShardedTF:
     Args:
         runtime: the started runtime (its ``tf``, ``hvd``, ``dtype``).
         layout: the ``toolkit.Sharded`` layout.
-        spec: the model spec.
+        model: the model's units (:class:`ShardUnits`: :class:`SpecUnits` or
+            ``keras_shards.KerasUnits``).
         rule: the build's ``adapters._update.UpdateRule`` (its optimizer spec, clip, skip).
-        init: the spec's initial parameters (neutral name -> array, in ``init`` order).
         local_grads: ``(x, y, variables, scale) -> (gradients, mean loss)`` of this rank's
             batch (the gradients of the loss times ``scale`` under loss scaling).
         keras_opt: the user's Keras optimizer, or None.
@@ -88,30 +153,35 @@ class ShardedTF:
 
     Attributes:
         vars: stages 1/2: the full parameters (neutral name -> variable); stage 3: empty.
-        names: the parameters' neutral names, in ``init`` order.
+        names: the parameters' neutral names, in ``model.init`` order.
     """
 
-    def __init__(self, runtime: Any, layout: Sharded, spec: Any, rule: UpdateRule,
-                 init: dict[str, np.ndarray], local_grads: Callable, keras_opt: Any = None,
-                 precision: Any = None, recompute: bool | None = None):
+    def __init__(self, runtime: Any, layout: Sharded, model: ShardUnits, rule: UpdateRule,
+                 local_grads: Callable, keras_opt: Any = None, precision: Any = None,
+                 recompute: bool | None = None):
         tf, hvd = runtime.tf, runtime.hvd
         self.precision, self.keep = precision, recompute is False
-        self.compute = None if precision is None else precision.compute
+        self.compute = None if precision is None or not model.compute_gather \
+            else precision.compute
         self.rule, optimizer = rule, rule.spec
         self.tf, self.hvd, self.local_grads = tf, hvd, local_grads
         self.dtype, self.np_dtype = runtime.dtype, runtime.dtype_name
-        self.stage, self.spec, self.opt = layout.stage, spec, optimizer
+        self.stage, self.model, self.opt = layout.stage, model, optimizer
         self.size, self.rank = hvd.size(), hvd.rank()
-        self.layouts = unit_layouts({n: a.shape for n, a in init.items()}, self.size)
+        init = model.init
+        self.layouts = model.layouts(self.size)
         self.units = list(self.layouts)
         dtype = self.dtype
         flats = {}  # rank 0's initial parameters, one flat buffer per unit
         for u, lay in self.layouts.items():
             flat = tf.constant(lay.flatten(init).astype(self.np_dtype))
             flats[u] = hvd.broadcast(flat, root_rank=0, name=f"init_{u}").numpy()
-        self.vars: dict[str, Any] = {} if self.stage == 3 else {
-            n: tf.Variable(a, name=n.replace(".", "_")) for u, lay in self.layouts.items()
-            for n, a in lay.unflatten(flats[u]).items()}
+        if self.stage == 3:
+            self.vars: dict[str, Any] = {}
+            model.release()
+        else:
+            self.vars = model.variables({n: a for u, lay in self.layouts.items()
+                                         for n, a in lay.unflatten(flats[u]).items()})
         self.keras_opt = keras_opt
         if self.stage == 3 or keras_opt is not None:  # (the Keras optimizer's variables)
             self.params = {u: tf.Variable(self._mine(u, flats[u]), name=f"shard_{u}")
@@ -129,7 +199,7 @@ class ShardedTF:
                                                lay.shard_size], dtype), trainable=False)
                       for u, lay in self.layouts.items()}
         if self.stage == 3:
-            self.unit_fns = unit_functions(tf, spec, len(self.units))
+            self.unit_fns = model.functions(len(self.units))
 
     def _keras_slots(self) -> tuple[dict[tuple[str, str], Any], dict[str, Any]]:
         """The Keras optimizer built over the shard variables: its per-shard slots by
@@ -189,13 +259,12 @@ class ShardedTF:
         low = tf.bitcast(tf.cast(shard, self.compute), tf.int16)
         return tf.bitcast(self.hvd.allgather(low), self.compute)
 
-    def forward(self, x: Any) -> Any:
-        """The model's output, unit by unit, each gathering its parameters (stage 3)."""
-        tf = self.tf
-        if isinstance(self.spec, GPT):
-            x = tf.convert_to_tensor(x)
-            if x.dtype not in (tf.int32, tf.int64):
-                x = tf.cast(x, tf.int64)
+    def forward(self, x: Any, training: bool = True) -> Any:
+        """The model's output (stage 3): its units' forward (``model.forward``), unit by
+        unit, each gathering its parameters."""
+        return self.model.forward(self._run_units, x, training)
+
+    def _run_units(self, x: Any) -> Any:
         h = None
         for i, (fn, needs) in enumerate(self.unit_fns):
             h = self._run_unit(fn, [self.units[j] for j in needs], x, h, first=i == 0)
@@ -258,11 +327,12 @@ class ShardedTF:
         return unit(*shards) if first else unit(h, *shards)
 
     # ----------------------------------------------------------------------- the step
-    def step_fn(self, x, y, scalars, seeds):
+    def step_fn(self, x, y, scalars, keep: list | tuple = ()):
         """One compiled step: local gradients, the stage's reduction, the gradient's norm (and
-        clipping), the sharded update. Returns the mean loss and the norm before clipping."""
-        del seeds  # spec models draw no randomness
-        s = StepScalars.of(scalars)
+        clipping), the sharded update; ``keep``: what a skipped step assigns back (``update``).
+        Returns the mean loss and the norm before clipping (or the deferred step's
+        ``Report``)."""
+        s = step_scalars(self.tf, scalars)
         tf, hvd = self.tf, self.hvd
         scale = self.precision.step_scale(s)
         if self.stage == 3:
@@ -296,7 +366,7 @@ class ShardedTF:
                 for n, t in self._unflatten(u, hvd.allgather(new)).items():
                     self.vars[n].assign(t)
 
-        grads, norm = update(tf, self.rule, grads, squares, apply, scale=scale)
+        grads, norm = update(tf, self.rule, grads, squares, apply, keep, scalars)
         for u, g in zip(self.units, grads, strict=True):  # a skipped step's too
             self.grads[u].assign(g)
         return total, norm

@@ -294,7 +294,7 @@ class TFPipeline(HvdPipeline):
         _, norm = update(tf, self.rule, [grads[n] for n in names],
                          lambda g: self._sum_of_squares(dict(zip(names, g, strict=True))),
                          lambda g: self.update(dict(zip(names, g, strict=True)), scalars), kept,
-                         self.precision.step_scale(StepScalars.of(scalars)))
+                         scalars)
         result = self.rule.result(loss, norm)  # (a skip takes the count back)
         self.steps += 1
         self.xs = self.ys = self.sums = grads = None

@@ -36,7 +36,7 @@ def step_scalars(tf, scalars) -> StepScalars:
 
 def update(tf, rule, grads: list, sum_squares: Callable[[list], Any],
            apply: Callable[[list], None], keep: list | tuple = (),
-           scale: Any = None, scalars: Any = None) -> tuple[list, Any]:
+           scalars: Any = None) -> tuple[list, Any]:
     """Inside a compiled step: ``apply(grads)`` with the gradient clipped under ``rule``
     (``adapters._update.UpdateRule``: its ``clip`` and ``skip``). Under ``rule.skip`` a step
     whose norm is not finite applies nothing and assigns back each ``(variable, value)`` of
@@ -50,18 +50,16 @@ def update(tf, rule, grads: list, sum_squares: Callable[[list], Any],
             layout adds up its ranks' shares); called only when ``rule.needs_norm``.
         apply: the optimizer's update of what this rank holds, given the clipped ``grads``.
         keep: what a skipped step assigns back.
-        scale: the loss scale (``PrecisionPlugin.step_scale``) the gradients were computed
-            with, or None.
-        scalars: the step's scalars; the loss scale is theirs (under a loss scaler), and
-            with :class:`Deferred` ones the norm's place holds the step's :class:`Report`,
-            its counters advanced on the device.
+        scalars: the step's scalars (a vector or :class:`Deferred` ones); under a loss
+            scaler the gradients are those of the loss times their loss scale. With
+            :class:`Deferred` ones the norm's place holds the step's :class:`Report`, its
+            counters advanced on the device.
 
     Returns:
         ``(clipped grads, norm)``: the norm before clipping (a zero unless
         ``rule.needs_norm``).
     """
-    if scalars is not None and rule.scaler is not None:
-        scale = step_scalars(tf, scalars).loss_scale
+    scale = None if rule.scaler is None else step_scalars(tf, scalars).loss_scale
     if scale is not None:
         grads = [g * tf.cast(1.0 / scale, g.dtype) for g in grads]
     grads, norm = clip_by_norm(tf, grads, sum_squares, rule.clip, rule.skip)

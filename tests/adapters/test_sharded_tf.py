@@ -22,22 +22,40 @@ def test_tensor_parallel_is_refused_clearly():
     assert "only jax-pjit splits layers" in str(err.value)
 
 
-def test_a_keras_model_or_optimizer_under_a_sharded_layout_is_refused_clearly():
+def test_what_a_sharded_layout_cannot_take_is_refused_clearly():
+    """A Keras model shards (tests/adapters/test_keras_sharded.py); a model that is neither a
+    spec nor a Keras model, an optimizer that is not elementwise, and weight-decay exclusions
+    (a flat shard holds many variables) are refused."""
     import keras
 
-    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
     x, y = np.zeros((4, 4), np.float32), np.zeros(4, np.int64)
-    trainer = toolkit.Trainer(adapters.get("horovod-tf"), model, toolkit.SGD(lr=0.1),
-                              global_batch_size=4, max_steps=1, layout="sharded:2",
-                              progress=False)
-    with pytest.raises(toolkit.ToolkitError, match="cannot shard a Sequential") as err:
-        trainer.fit(x, y)
-    assert "toolkit.MLP, toolkit.CNN and toolkit.GPT" in str(err.value)
-    trainer = toolkit.Trainer(adapters.get("horovod-tf"), toolkit.MLP((4, 2)),
-                              keras.optimizers.Lamb(0.1), global_batch_size=4, max_steps=1,
-                              layout="sharded:1", progress=False)
+
+    def fit(model, optimizer, layout):
+        toolkit.Trainer(adapters.get("horovod-tf"), model, optimizer, global_batch_size=4,
+                        max_steps=1, layout=layout, progress=False).fit(x, y)
+
+    fit(keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)]), toolkit.SGD(lr=0.1),
+        "sharded:2")
+    with pytest.raises(toolkit.ToolkitError, match="cannot shard a Module") as err:
+        fit(tf_module(), toolkit.SGD(lr=0.1), "sharded:2")
+    assert "toolkit.MLP, toolkit.CNN and toolkit.GPT, or a built Keras 3 model" in str(err.value)
     with pytest.raises(toolkit.ToolkitError, match="cannot use the optimizer Lamb"):
-        trainer.fit(x, y)
+        fit(toolkit.MLP((4, 2)), keras.optimizers.Lamb(0.1), "sharded:1")
+    adamw = keras.optimizers.AdamW(0.1)
+    adamw.exclude_from_weight_decay(var_names=["bias"])
+    with pytest.raises(toolkit.ToolkitError, match="excluded from weight decay") as err:
+        fit(keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)]), adamw, "sharded:3")
+    assert "decay every variable, or use the data-parallel layout" in str(err.value)
+
+
+def tf_module():
+    import tensorflow as tf
+
+    class Module(tf.Module):
+        def __call__(self, x):
+            return x
+
+    return Module()
 
 
 def test_one_rank_state_round_trips_and_data_parallel_reports_its_bytes():
