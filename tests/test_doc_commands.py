@@ -107,7 +107,8 @@ SMOKE: dict[str, Smoke] = {
         options={"--windows": "1"}),
     "benchmarks/update_modes.py": Smoke(
         (r"^layout\s+mode\s+ms/step\s+vs 32", r"^data\s+32, skip\s+[\d.]+\s+[\d.]+",
-         r"^data\s+fp16-mixed\s+[\d.]+\s+[\d.]+", r"^data\s+skip, host\s+[\d.]+\s+[\d.]+|^data: read on the host"),
+         r"^data\s+fp16-mixed\s+[\d.]+\s+[\d.]+",
+         r"^data\s+skip, host\s+[\d.]+\s+[\d.]+|^data: read on the host"),
         options={"--steps": "1", "--windows": "1", "--layouts": "data", "--layers": "1",
                  "--width": "32", "--heads": "2", "--context": "16", "--batch": "4"}),
     "benchmarks/pipeline_recompute.py": Smoke(

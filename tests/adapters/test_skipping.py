@@ -158,6 +158,7 @@ def deferring_model(backend, optimizer):
     ("horovod-torch", "data", None), ("horovod-torch", "sharded:3", toolkit.Adam(lr=1e-2)),
     ("horovod-torch", "sharded:1", toolkit.SGD(lr=0.1, momentum=0.9)),
     ("horovod-tf", "data", toolkit.SGD(lr=0.1, momentum=0.9)),
+    ("horovod-tf", "sharded:2", toolkit.Adam(lr=1e-2)),
     ("jax-pmap", "sharded:2", toolkit.SGD(lr=0.1, momentum=0.9)),
     ("jax-pjit", "data", toolkit.Adam(lr=1e-2))])
 def test_a_skip_kept_on_the_device_equals_a_skip_read_on_the_host(backend, layout, optimizer,

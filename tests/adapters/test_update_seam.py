@@ -56,11 +56,6 @@ def start(spec):
     return params, slots, {n: rng.normal(size=p.shape) for n, p in params.items()}
 
 
-def step_scale(rule, scalars):
-    """The step's loss scale as a compiled step reads it (``PrecisionPlugin.step_scale``)."""
-    return None if rule.scaler is None else scalars.loss_scale
-
-
 def rule_of(optimizer="sgd", clip=None, skip=False, scale=None, growth_interval=INTERVAL):
     """A rule as a build makes one (``scale``: fp16-mixed's loss scaler starting there, the
     precision plugin's)."""
@@ -123,8 +118,7 @@ def tf_update(rule, scalars, params, slots, grads):
             named = dict(zip(NAMES, clipped, strict=True))
             tf_apply_update(tf, rule.spec, variables, slot_vars, named, s)
 
-        return update(tf, rule, gs, lambda g: sum_squares(tf, g), apply,
-                      scale=step_scale(rule, s))[1]
+        return update(tf, rule, gs, lambda g: sum_squares(tf, g), apply, (), vector)[1]
 
     norm = step([tf.constant(grads[n]) for n in NAMES], tf.constant(scalars.vector("float64")))
     return ({n: v.numpy() for n, v in variables.items()},
