@@ -313,3 +313,25 @@ def test_a_fit_with_nothing_left_to_train_still_evaluates_the_model_it_returns(d
     assert again.losses == [] and [e["step"] for e in again.evaluations] == [3]
     lines = [line for line in capsys.readouterr().out.splitlines() if "val_loss" in line]
     assert lines[-1].startswith("step 3  val_loss ")  # (no training loss to show)
+
+
+def test_the_state_at_the_end_is_saved_unless_this_directory_has_it(digits, tmp_path):
+    """Whether the end of training writes a checkpoint is decided from what this run wrote or
+    resumed from its own directory, never by looking at the directory (where rank 0's write
+    of the last step may still be under way when another rank looks: that rank would save
+    alone and wait for the others forever)."""
+    (x, y), _ = digits
+    trainer = make(max_steps=4, checkpoint_dir=tmp_path / "a", checkpoint_every=4)
+    trainer.fit(x, y)
+    assert not trainer.checkpoints.unsaved(4)  # written by the schedule at the last step
+    # as another rank sees the directory while rank 0 still writes that step
+    trainer.checkpoints.store.checkpoints = lambda: []
+    assert not trainer.checkpoints.unsaved(4)
+    again = make(max_steps=4, checkpoint_dir=tmp_path / "a", resume="auto")
+    again.fit(x, y)
+    assert not again.checkpoints.unsaved(4)  # resumed from its own directory at step 4
+    elsewhere = make(max_steps=4, checkpoint_dir=tmp_path / "b",
+                     resume=str(toolkit.CheckpointStore(tmp_path / "a").checkpoints()[-1]))
+    elsewhere.fit(x, y)  # resumed from another run's directory: the state goes to its own
+    assert [p.name for p in toolkit.CheckpointStore(tmp_path / "b").checkpoints()] == \
+        [toolkit.CheckpointStore(tmp_path / "a").checkpoints()[-1].name]

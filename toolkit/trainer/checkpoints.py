@@ -95,7 +95,11 @@ class RunCheckpoints:
                 allow_changes=bool(trajectory))
         if not self.allow_changes:
             refuse_changes(ckpt.path, trajectory)
-        self.last_saved = ckpt.step  # that step is saved already
+        # that step is saved already, if in this run's directory (resumed from elsewhere, the
+        # state at the end still goes there)
+        here = self.store is not None and ckpt.path.parent.resolve() == \
+            self.store.directory.resolve()
+        self.last_saved = ckpt.step if here else -1
         self.resumed_from = ckpt.path
         print0(f"resumed from {ckpt.path} (step {ckpt.step}, written by "
                f"{ckpt.meta.get('backend')} on {ckpt.meta.get('world_size')} ranks)", env=env)
@@ -128,9 +132,10 @@ class RunCheckpoints:
         return False
 
     def unsaved(self, step: int) -> bool:
-        """Whether the state at ``step`` still needs writing at the end of training."""
-        return self.store is not None and (not self.store.checkpoints()
-                                           or self.last_saved != step)
+        """Whether the state at ``step`` still needs writing at the end of training: the same
+        answer on every rank (never a look at the directory, where rank 0's write of that
+        step may still be under way while another rank looks)."""
+        return self.store is not None and self.last_saved != step
 
     def save(self, step: int) -> Path | None:
         """Writes the state at ``step`` (rank 0 writes replicated state; its path there)."""
