@@ -107,6 +107,10 @@ for precision in bf16-mixed 32; do
     "$PY" benchmarks/gpt_throughput.py --backend horovod-torch --precision $precision "${GPT[@]}"
 done
 
+# the update's modes: the skip kept on the device against the skip read after each step
+phase "jax-pjit update modes" 60 "$OUT_DIR/modes.log" \
+  "$PY" benchmarks/update_modes.py --backend jax-pjit --windows 3
+
 # 6. two ranks sharing the GPU through host-staged collectives
 if [ $gloo_rc = 0 ] && install_wheel "$WHEELS/gloo" /tmp/gpu-checks-gloo >>"$OUT_DIR/horovod-gloo-build.log" 2>&1; then
   phase "horovod-torch 2 ranks on one GPU (host-staged)" 150 "$OUT_DIR/shared.log" \
@@ -118,8 +122,8 @@ else
 fi
 
 # 7. the summary: each phase's line above, then the tests' and benchmarks' own last lines
-for log in jax torch throughput shared; do
-  [ -f "$OUT_DIR/$log.log" ] && grep -E "passed|failed|skipped|tokens/s|SKIPPED|FAILED|Error|PASS|FAIL" \
+for log in jax torch throughput modes shared; do
+  [ -f "$OUT_DIR/$log.log" ] && grep -E "passed|failed|skipped|tokens/s|SKIPPED|FAILED|Error|PASS|FAIL|^(data|sharded:3) " \
     "$OUT_DIR/$log.log" | tail -n 20 | sed "s/^/$log: /" | tee -a "$OUT_DIR/summary.txt"
 done
 say "done"
