@@ -74,8 +74,8 @@ FAULTS: list[Fault] = [
           "number"),
     # -------------------------------------------------------------- 2. averaged twice
     Fault("averaged-twice", "horovod-torch", "adapters/horovod_torch/data_parallel.py",
-          "            self.precision.scale_loss(loss).backward()",
-          "            (self.precision.scale_loss(loss) / self.env.world_size).backward()",
+          "            self.precision.scale_loss(loss, scale).backward()",
+          "            (self.precision.scale_loss(loss, scale) / self.env.world_size).backward()",
           (f"{CONFORMANCE_2}[horovod-torch]",),
           "the local loss divided by the world size before Horovod's average"),
     Fault("averaged-twice", "horovod-tf", "adapters/horovod_tf/data_parallel.py",

@@ -147,13 +147,14 @@ class TorchDataParallel(StrategyBase):
         """(hook) The update with this step's learning rate and ``scalars`` (:meth:`_scalars`),
         through ``update.update``: the averaged gradients (synchronized first, Horovod's
         documented way to clip), their norm, clip and finite check, then the optimizer's step;
-        ``kept``: the buffers' values before the step, which a skipped one keeps. Returns
+        ``kept``: ``(buffer, its value before the step)`` pairs, which a skipped step puts
+        back (``ops.kept_buffers``). Returns
         ``update``'s norm (or ``Report``)."""
         set_lr(self.opt, lr)
         self.opt.synchronize()  # (what step() would do first: the same update)
         grads = [p.grad for p in self.net.parameters() if p.grad is not None]
         return update(self.torch, self.rule, grads, lambda g: sum_of_squares(self.torch, g),
-                      self._step_optimizer, self._kept_pairs(kept), scalars)[1]
+                      self._step_optimizer, kept, scalars)[1]
 
     def _skips_on_device(self) -> bool:
         """(hook) Whether the update can apply nothing on a device flag."""
@@ -166,9 +167,6 @@ class TorchDataParallel(StrategyBase):
         if not self.rule.deferred:
             return StepScalars(*(float(v) for v in scalars))
         return Deferred(*(self.torch.as_tensor(a, device=self.dev) for a in scalars))
-
-    def _kept_pairs(self, kept: list) -> list:
-        return [(b, old) for (_, b), old in zip(self.buffers, kept, strict=True)]
 
     def _step_optimizer(self, found_inf: Any) -> None:
         if found_inf is not None:  # (torch's fused kernels skip where it is set)

@@ -171,16 +171,10 @@ class LossSum:
 
 
 def kept_buffers(buffers: list, skip: bool) -> list:
-    """Copies of ``buffers`` (``(name, tensor)``: BatchNorm statistics) that
-    :func:`restore_buffers` puts back after a skipped step (none when steps are not skipped)."""
-    return [b.clone() for _, b in buffers] if skip else []
-
-
-def restore_buffers(torch, buffers: list, kept: list) -> None:
-    """A skipped step keeps the statistics its forward passes moved: ``kept`` put back."""
-    with torch.no_grad():
-        for (_, b), old in zip(buffers, kept, strict=True):
-            b.copy_(old)
+    """``(tensor, a copy of it)`` for each of ``buffers`` (``(name, tensor)``: BatchNorm
+    statistics), which the update puts back after a skipped step (none when steps are not
+    skipped: ``update.update``'s ``keep``)."""
+    return [(b, b.clone()) for _, b in buffers] if skip else []
 
 
 def set_lr(opt, lr: float | None) -> None:

@@ -264,9 +264,8 @@ class TorchPipeline(HvdPipeline):
             if self.scheduler is not None:
                 self.scheduler.step()
 
-        pairs = [(b, old) for (_, b), old in zip(self.cut.buffers, kept, strict=True)]
         return update(torch, self.rule, list(grads.values()),
-                      lambda _: self._sum_of_squares(grads), apply, pairs)[1]
+                      lambda _: self._sum_of_squares(grads), apply, kept)[1]
 
     def evaluate(self, x: np.ndarray, y: np.ndarray) -> dict[str, float]:
         """Every rank's ``(x, y)`` runs through its replica's pipeline (inputs gathered on the

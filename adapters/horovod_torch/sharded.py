@@ -68,7 +68,7 @@ class TorchSharded(TorchDataParallel):
             self._count_update()
 
         return update(self.torch, self.rule, shards.grads, shards.sum_of_squares, apply,
-                      self._kept_pairs(kept), scalars)[1]
+                      kept, scalars)[1]
 
     def _skips_on_device(self) -> bool:
         # the spec arithmetic selects on the device; a native optimizer must take found_inf
