@@ -21,8 +21,8 @@ itself, and whose table holds Adam's scalars for every count the skips could hav
 host learns the skips when the Trainer reads the step's :class:`DeviceValue` values at its flush,
 and takes its own count and scale from the counters every :data:`WINDOW` steps (Adam) or when
 a checkpoint asks (:meth:`UpdateRule.counters`). A rule made without ``defer`` reads the norm
-after each step (:meth:`UpdateRule.result`), for the families whose step does not yet advance
-the counters on the device.
+after each step (:meth:`UpdateRule.result`): the pipelines' steps, whose executors wait on the
+host anyway, and horovod-torch's with an optimizer that cannot skip on a device flag.
 """
 
 from __future__ import annotations
@@ -113,8 +113,8 @@ class Deferred(NamedTuple):
 
 def advance(xp, scaler: LossScaler | None, counters: Any, finite: Any) -> Any:
     """(in a deferred step) The :class:`Counters` after a step whose gradient was ``finite``
-    or not, in the family's array module ``xp`` (``jax.numpy``, ``tensorflow``: their
-    ``where`` and ``stack``): ``LossScaler.update`` on the device (halved on a skip, doubled
+    or not, in the family's array module ``xp`` (``jax.numpy``, ``tensorflow``, ``torch``:
+    their ``where`` and ``stack``): ``LossScaler.update`` on the device (halved on a skip, doubled
     after ``growth_interval`` clean steps: exact, powers of two) and one more skip counted."""
     c = Counters.of(counters)
     zero = c.skips * 0  # (of the counters' dtype in every family: a literal may not be)
