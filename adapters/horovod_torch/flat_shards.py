@@ -43,8 +43,9 @@ place of each parameter, a view of this rank's piece of it in the flat shard (th
 shard's view as its ``.grad``), and its state tensors are views of the same flat slot buffers
 the spec's slots are, so both save and load alike. Padding elements get zero gradients and
 stay zero. A step is :meth:`ShardedParameters.reduce`, the family's update path
-(``update.py``) with :meth:`ShardedParameters.norm`, then :meth:`ShardedParameters.step`;
-stages 1 and 2 then re-assemble the parameters with one grouped ``allgather``.
+(``update.py``) with :meth:`ShardedParameters.sum_of_squares`, then
+:meth:`ShardedParameters.step`; stages 1 and 2 then re-assemble the parameters with one
+grouped ``allgather``.
 """
 
 from __future__ import annotations
