@@ -55,6 +55,7 @@ def main() -> None:
     p.add_argument("--layouts", default="data,sharded:3")
     p.add_argument("--steps", type=int, default=10, help="steps per mode per window")
     p.add_argument("--windows", type=int, default=5)
+    p.add_argument("--device", choices=("auto", "cpu", "gpu"), default="auto")
     gpt_options(p, context=32, batch=8)
     p.set_defaults(layers=2, width=64)
     args = p.parse_args()
@@ -80,7 +81,8 @@ def main() -> None:
             adapter = adapters.get(args.backend, precision=options.pop("precision", None))
             trainers[mode] = toolkit.Trainer(
                 adapter, spec, toolkit.Adam(lr=1e-3), layout=layout,
-                global_batch_size=args.batch, max_steps=3, progress=False, env=env, **options)
+                global_batch_size=args.batch, max_steps=3, progress=False, env=env,
+                device=args.device, **options)
             with (reading_on_the_host(strategy_class) if mode in HOST_MODES
                   else contextlib.nullcontext()):
                 trainers[mode].fit(x, y)  # (build, compile, warm up)

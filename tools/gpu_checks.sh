@@ -109,7 +109,7 @@ done
 
 # the update's modes: the skip kept on the device against the skip read after each step
 phase "jax-pjit update modes" 60 "$OUT_DIR/modes.log" \
-  "$PY" benchmarks/update_modes.py --backend jax-pjit --windows 3
+  "$PY" benchmarks/update_modes.py --backend jax-pjit --device gpu --windows 3
 
 # 6. two ranks sharing the GPU through host-staged collectives
 if [ $gloo_rc = 0 ] && install_wheel "$WHEELS/gloo" /tmp/gpu-checks-gloo >>"$OUT_DIR/horovod-gloo-build.log" 2>&1; then

@@ -119,6 +119,13 @@ class JaxStrategy(StrategyBase):
         nothing)."""
         return self.rule.deferred_like(self.dtype_name)
 
+    def _unmapped_scalars(self) -> Any:
+        """``jax.pmap``'s ``in_axes`` for the step's scalars: None for each of their leaves,
+        spelled out (None as a prefix of ``Deferred`` scalars maps their table over the devices
+        when an earlier argument is an empty dict, an optimizer without slots or a model
+        without state: jax 0.10's pmap)."""
+        return self.jax.tree_util.tree_map(lambda _: None, self.scalars_like())
+
     def loss_scale(self, scalars):
         """(in the step) The loss scale among the step's ``scalars``; None without scaling."""
         return self.precision.step_scale(step_scalars(scalars))

@@ -49,7 +49,8 @@ class PmapDataParallel(JaxStrategy):
         self.params, self.opt_state = self._replicate(params), self._replicate(opt_state)
         self.model_state = self._replicate(model_state)
         self._pstep = jax.pmap(self._device_step, axis_name="batch",
-                               in_axes=(0, 0, 0, 0, 0, None, None), donate_argnums=(0, 1, 2))
+                               in_axes=(0, 0, 0, 0, 0, self._unmapped_scalars(), None),
+                               donate_argnums=(0, 1, 2))
         self._jeval = jax.jit(self._eval_fn)
 
     def _device_step(self, params, opt_state, model_state, x, y, scalars, seed):

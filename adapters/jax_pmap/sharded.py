@@ -110,7 +110,8 @@ class PmapSharded(PmapDataParallel):
         self.grads = self._place_flat(zeros, whole=stage == 1)  # replaced by each step's
         self.model_state = self._replicate(model_state)
         self._pstep = jax.pmap(self._sharded_device_step, axis_name=AXIS,
-                               in_axes=(0, 0, 0, 0, 0, None, None), donate_argnums=(0, 1, 2))
+                               in_axes=(0, 0, 0, 0, 0, self._unmapped_scalars(), None),
+                               donate_argnums=(0, 1, 2))
         self._pgather = jax.pmap(
             lambda t: jax.tree_util.tree_map(lambda s: lax.all_gather(s, AXIS, tiled=True), t),
             axis_name=AXIS)

@@ -38,10 +38,10 @@ CASES = {
 # bytes the batches barely hold grows step by step (measured: torch 2.3e-12, Keras 2.0e-9).
 TOLERANCE = {"horovod-torch": 1e-12, "horovod-tf": 1e-12, "horovod-torch-spec": 1e-10,
              "horovod-tf-spec": 1e-8, "horovod-torch-32": 1e-6, "horovod-tf-32": 1e-6}
-# The slowest cases run with `make test-long` (the suite keeps within its time): horovod-tf's
-# GPT (the MLP under the same layouts, and the GPT in horovod-torch, run in `make test`), and
+# The slowest cases run with `make test-long` (the suite keeps within its time): the GPTs of
+# horovod-tf and horovod-torch (the MLPs under the same layouts run in `make test`), and
 # horovod-tf's Keras optimizer in float32 (in float64 it runs the same pipelines).
-LONG = {"horovod-tf-spec", "horovod-tf-32"}
+LONG = {"horovod-tf-spec", "horovod-torch-spec", "horovod-tf-32"}
 REFERENCES: dict[str, np.ndarray] = {}
 
 

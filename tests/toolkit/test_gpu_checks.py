@@ -37,10 +37,11 @@ def test_the_script_runs_through_and_says_what_ran(tmp_path):
                  "jax gpu tests: ok",  # (each skipped, with the reason, in jax.log)
                  "horovod with NCCL: build failed or stopped",
                  "jax-pjit GPT-2 small bf16-mixed: exit",  # no GPU here: the Trainer says so
-                 "jax-pjit GPT-2 small float32: exit",
+                 "jax-pjit GPT-2 small float32: exit", "jax-pjit update modes: exit",
                  "two ranks on one GPU: not run", "] done"):
         assert line in summary, summary
     assert "needs a GPU: torch sees none here" in (out / "jax.log").read_text()
     assert "device 'gpu' was asked for" in (out / "throughput.log").read_text()
+    assert "device 'gpu' was asked for" in (out / "modes.log").read_text()
     assert "GPU 0: NVIDIA H100" in (out / "env.txt").read_text()
     assert "horovod-torch GPT-2 small" not in summary  # no Horovod: not started
