@@ -248,9 +248,8 @@ class UpdateRule:
         device may have counted since the last read (one row unless the spec is Adam)."""
         if not self.deferred:
             return self.scalars(lr).vector(dtype)
-        rows = 1
-        if isinstance(self.spec, Adam):  # (the only spec whose scalars depend on the count)
-            rows = WINDOW
+        rows = self._rows
+        if rows > 1:
             if self._window == rows:  # the table would run out: learn the skips
                 self.sync()
             self._window += 1
@@ -258,13 +257,18 @@ class UpdateRule:
         table = [self._row(lr, self._count + self._window - j) for j in range(rows)]
         return Deferred(np.asarray(table, dtype), self._counters(dtype))
 
+    @property
+    def _rows(self) -> int:
+        """The rows of a deferred step's table: Adam's scalars depend on the count of applied
+        steps (one row per number of skips the host has not read yet), the others' do not."""
+        return WINDOW if isinstance(self.spec, Adam) else 1
+
     def deferred_like(self, dtype) -> Any:
         """Zeros shaped as every step's :meth:`step_scalars` (for compiling ahead; counts
         nothing)."""
         if not self.deferred:
             return StepScalars.zeros(dtype)
-        rows = WINDOW if isinstance(self.spec, Adam) else 1
-        return Deferred(np.zeros((rows, len(StepScalars._fields)), dtype),
+        return Deferred(np.zeros((self._rows, len(StepScalars._fields)), dtype),
                         np.zeros(len(Counters._fields), dtype))
 
     def _counters(self, dtype) -> Any:

@@ -35,8 +35,8 @@ def step_scalars(tf, scalars) -> StepScalars:
 
 
 def update(tf, rule, grads: list, sum_squares: Callable[[list], Any],
-           apply: Callable[[list], None], keep: list | tuple = (),
-           scalars: Any = None) -> tuple[list, Any]:
+           apply: Callable[[list], None], keep: list | tuple,
+           scalars: Any) -> tuple[list, Any]:
     """Inside a compiled step: ``apply(grads)`` with the gradient clipped under ``rule``
     (``adapters._update.UpdateRule``: its ``clip`` and ``skip``). Under ``rule.skip`` a step
     whose norm is not finite applies nothing and assigns back each ``(variable, value)`` of
@@ -59,7 +59,8 @@ def update(tf, rule, grads: list, sum_squares: Callable[[list], Any],
         ``(clipped grads, norm)``: the norm before clipping (a zero unless
         ``rule.needs_norm``).
     """
-    scale = None if rule.scaler is None else step_scalars(tf, scalars).loss_scale
+    used = step_scalars(tf, scalars).loss_scale  # (the loss scale the gradients carry)
+    scale = None if rule.scaler is None else used
     if scale is not None:
         grads = [g * tf.cast(1.0 / scale, g.dtype) for g in grads]
     grads, norm = clip_by_norm(tf, grads, sum_squares, rule.clip, rule.skip)
@@ -71,8 +72,7 @@ def update(tf, rule, grads: list, sum_squares: Callable[[list], Any],
         return grads, norm
     finite = tf.math.is_finite(norm)
     counters = advance(tf, rule.scaler, scalars.counters, finite)
-    return grads, Report(norm, counters, tf.logical_not(finite),
-                         step_scalars(tf, scalars).loss_scale)
+    return grads, Report(norm, counters, tf.logical_not(finite), used)
 
 
 def sum_squares(tf, grads: list) -> Any:

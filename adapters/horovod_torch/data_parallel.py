@@ -26,7 +26,7 @@ import numpy as np
 
 from adapters._backend import StrategyBase
 from adapters._common import check_recompute, step_seed
-from adapters._update import Deferred, StepScalars, UpdateRule
+from adapters._update import Deferred, UpdateRule
 from adapters.horovod_torch.models.spec import build_spec_model, from_host, same, to_host
 from adapters.horovod_torch.models.sync_bn import convert_sync_batchnorm
 from adapters.horovod_torch.ops import (
@@ -163,10 +163,10 @@ class TorchDataParallel(StrategyBase):
     def _scalars(self, lr: float | None) -> Any:
         """Counts the step and returns its scalars (``UpdateRule.step_scalars``): host
         ``StepScalars``, or deferred ones as tensors on the rank's device."""
-        scalars = self.rule.step_scalars(lr, self.runtime.dtype_name)
-        if not self.rule.deferred:
-            return StepScalars(*(float(v) for v in scalars))
-        return Deferred(*(self.torch.as_tensor(a, device=self.dev) for a in scalars))
+        if not self.rule.deferred:  # (host numbers, as the torch ops take them)
+            return self.rule.scalars(lr)
+        return Deferred(*(self.torch.as_tensor(a, device=self.dev)
+                          for a in self.rule.step_scalars(lr, self.runtime.dtype_name)))
 
     def _step_optimizer(self, found_inf: Any) -> None:
         if found_inf is not None:  # (torch's fused kernels skip where it is set)

@@ -333,7 +333,7 @@ def tf_steps(rule, dtype):
             tf_apply_update(tf, rule.spec, variables, slot_vars,
                             dict(zip(NAMES, clipped, strict=True)), step_scalars(tf, scalars))
 
-        return update(tf, rule, gs, lambda g: sum_squares(tf, g), apply, scalars=scalars)[1]
+        return update(tf, rule, gs, lambda g: sum_squares(tf, g), apply, (), scalars)[1]
 
     def step(state, grads, scalars):
         scalars = tf.nest.map_structure(lambda a: tf.convert_to_tensor(a, tf.float64), scalars)
