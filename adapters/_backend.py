@@ -30,7 +30,7 @@ from adapters._precision import PrecisionPlugin
 from toolkit import ToolkitError
 from toolkit.contract import StepResult
 from toolkit.launch.env import LaunchEnv
-from toolkit.parallel.layouts import DataParallel
+from toolkit.parallel.layouts import DataParallel, ParallelDims
 from toolkit.precision import Precision
 
 PLAIN = ("32", "64")  # the policies without a narrower compute dtype: every strategy runs them
@@ -140,6 +140,14 @@ class Backend:
             raise ToolkitError(f"backend {self.name!r} cannot run layout {layout!r}",
                                f"{self.name} runs: {', '.join(self.strategies)}")
         strategy_class = load(self.strategies[kind])
+        if isinstance(layout, ParallelDims):  # (a composition: the dimensions it runs)
+            missing = [d for d in layout.active  # (beside the kind's own dimension)
+                       if d not in strategy_class.composes and d != kind]
+            if missing:
+                raise ToolkitError(
+                    f"backend {self.name!r} does not compose {' and '.join(missing)} in "
+                    f"{layout.name}", "docs/layouts/composing.md lists what each backend "
+                    "composes; drop the dimension or choose a backend that composes it")
         strategy_class.check_layout(layout)  # refused before any communicator starts
         self.runtime.setup(env, layout, device)
         self.strategy = strategy_class(self.runtime, layout, self.precision)
@@ -241,6 +249,7 @@ class StrategyBase:
     precisions = PLAIN  # the precision policies it runs (toolkit.precision)
     compresses = False  # whether it takes a Horovod runtime's gradient compression
     recomputes = False  # whether build takes activation_checkpointing
+    composes: tuple[str, ...] = ()  # the dimensions it runs together (ParallelDims.active)
 
     plugin: type = PrecisionPlugin  # its family's precision plugin (adapters/_precision.py)
 

@@ -15,7 +15,7 @@ from toolkit.launch.options import add_trainer_options, trainer_options
 from toolkit.launch.rank0 import atomic_open, current_env, print0, save0
 from toolkit.models.gpt import GPT
 from toolkit.models.specs import CNN, MLP, SGD, Adam, WarmupCosine, learning_rate, lr_scale
-from toolkit.parallel.layouts import DataParallel, Pipeline, Sharded, parse_layout
+from toolkit.parallel.layouts import DataParallel, ParallelDims, Pipeline, Sharded, parse_layout
 from toolkit.parallel.pipeline.partition import (
     ModelPartition,
     PipelineGrid,
@@ -40,7 +40,7 @@ __all__ = [
     "Action", "Adam", "Adapter", "ArgumentParser", "ArrayDataset", "CNN", "Checkpoint",
     "CheckpointError", "CheckpointStore", "DIVERGED_EXIT_CODE", "DataParallel", "Dataset", "GPT",
     "GlobalBatchSampler", "History", "LaunchEnv", "LockstepRound", "MLP", "ModelPartition",
-    "PREEMPTED_EXIT_CODE", "Pipeline", "PipelineGrid", "SGD", "Schedule", "Sharded",
+    "PREEMPTED_EXIT_CODE", "ParallelDims", "Pipeline", "PipelineGrid", "SGD", "Schedule", "Sharded",
     "ShardedAdapter", "Simulation", "StageRecorder", "StepResult", "TokenWindows", "ToolkitError",
     "Trainer",
     "TrainingDiverged", "TrainingPreempted", "UsageError", "WarmupCosine", "add_trainer_options",

@@ -31,6 +31,9 @@ paper's 7.5B parameters on 64 ranks, mixed: 120 / 31.4 / 16.6 / 1.9 GB). ``Shard
 ``N / t`` data-parallel ranks. A pipeline of ``S`` stages (balanced) holds ``1/S`` of the
 parameter state and ``1/S`` of the layers' activations for each micro-batch in flight at its
 first stage: ``M`` under GPipe, ``min(S, M)`` under 1F1B (interleaved 1F1B counted like 1F1B).
+A composed layout (``pipeline:2:4+sharded:3+tensor:2+replicate:2``, ``toolkit.ParallelDims``)
+divides the parameter state by its stages and tensor parts, then ZeRO shards a rank's part over
+its data-parallel group only: the replicas (HSDP) hold copies.
 
 Activations (saved for the backward pass, no recomputation, 4 bytes an element in float32 and 2
 otherwise), for a micro-batch of ``B`` sequences of ``T`` tokens, width ``d``, ``H`` heads:
@@ -54,7 +57,7 @@ import dataclasses
 import sys
 
 from toolkit.errors import ToolkitError
-from toolkit.parallel.layouts import DataParallel, Layout, Pipeline, Sharded, parse_layout
+from toolkit.parallel.layouts import Layout, parse_layout
 
 DTYPES = ("float32", "float16", "bfloat16", "mixed", "bf16-mixed", "fp16-mixed")
 OPTIMIZERS = ("sgd", "momentum", "adam", "adam-master")
@@ -140,25 +143,28 @@ def estimate(num_params: int, layout: Layout, world_size: int, dtype: str = "flo
                            "give --params or a model")
     per_param = bytes_per_param(dtype, optimizer)
     p, g, o = (num_params * b for b in per_param)
-    if isinstance(layout, DataParallel):
-        return MemoryEstimate(p, g, o, activations)
-    if isinstance(layout, Sharded):
-        t = layout.tensor_parallel
-        if world_size % t:
-            raise ToolkitError(f"world size {world_size} is not a multiple of the "
-                               f"tensor-parallel size {t}", f"use a multiple of {t} ranks")
-        n = world_size // t
-        p, g, o = p / t, g / t, o / t
-        return MemoryEstimate(p / n if layout.stage >= 3 else p,
-                              g / n if layout.stage >= 2 else g, o / n, activations)
-    if isinstance(layout, Pipeline):
-        s, m = layout.stages, layout.micro_batches
-        if world_size % s:
-            raise ToolkitError(f"world size {world_size} is not a multiple of the {s} "
-                               "pipeline stages", f"use S x D ranks, e.g. --world-size {s}")
-        in_flight = m if layout.schedule == "gpipe" else min(s, m)
-        return MemoryEstimate(p / s, g / s, o / s, activations / s * in_flight)
-    raise ToolkitError(f"unknown layout {layout!r}", "use DataParallel, Sharded or Pipeline")
+    dims = getattr(layout, "dims", None)
+    if dims is None:
+        raise ToolkitError(f"unknown layout {layout!r}",
+                           "use DataParallel, Sharded, Pipeline or ParallelDims")
+    t, s = dims.tensor, dims.stages
+    if world_size % t:
+        raise ToolkitError(f"world size {world_size} is not a multiple of the "
+                           f"tensor-parallel size {t}", f"use a multiple of {t} ranks")
+    if world_size % s:
+        raise ToolkitError(f"world size {world_size} is not a multiple of the {s} "
+                           "pipeline stages", f"use S x D ranks, e.g. --world-size {s}")
+    n = dims.grid(world_size).extent("data")  # the ranks a ZeRO stage shards over
+    # each stage (balanced) holds 1/S of the state, each tensor part 1/T of it; ZeRO then
+    # shards what a rank holds over its data-parallel group (not over the replicas: HSDP)
+    p, g, o = p / (s * t), g / (s * t), o / (s * t)
+    z = dims.zero
+    if dims.pipeline is not None:
+        m = dims.pipeline.micro_batches
+        in_flight = m if dims.pipeline.schedule == "gpipe" else min(s, m)
+        activations = activations / s * in_flight
+    return MemoryEstimate(p / n if z >= 3 else p, g / n if z >= 2 else g,
+                          o / n if z >= 1 else o, activations)
 
 
 def human(n: float) -> str:

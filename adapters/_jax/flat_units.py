@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from adapters._jax.models.layers import dense
-from toolkit import CNN, MLP, Sharded, ToolkitError
+from toolkit import CNN, MLP, ToolkitError
 from toolkit.parallel.shards import FlatLayout, unit_layouts
 
 
@@ -81,15 +81,16 @@ def unit_named(layout: FlatLayout, flat: Any) -> dict[str, Any]:
                                                 layout.sizes, strict=True)}
 
 
-def check_layout(backend: str, layout: Any, tensor_parallel_ok: bool = False) -> Sharded:
-    """``layout`` as a ``toolkit.Sharded``; ``tensor_parallel > 1`` only where the backend
-    splits layers."""
-    if not isinstance(layout, Sharded):
+def check_layout(backend: str, layout: Any, tensor_parallel_ok: bool = False) -> Any:
+    """``layout`` when its dimensions shard (or split tensors) without a pipeline;
+    ``tensor > 1`` only where the backend splits layers."""
+    dims = getattr(layout, "dims", None)
+    if dims is None or dims.pipeline is not None or not (dims.zero or dims.tensor > 1):
         raise ToolkitError(f"{backend} cannot shard as {layout!r}",
                            "pass toolkit.Sharded(stage=1|2|3)")
-    if layout.tensor_parallel > 1 and not tensor_parallel_ok:
+    if dims.tensor > 1 and not tensor_parallel_ok:
         raise ToolkitError(
-            f"{backend} cannot run tensor_parallel={layout.tensor_parallel}: only jax-pjit "
+            f"{backend} cannot run tensor_parallel={dims.tensor}: only jax-pjit "
             "splits layers", "use tensor_parallel=1 or --backend jax-pjit")
     return layout
 
@@ -108,7 +109,7 @@ def state_head(adapter: Any, model_state: dict, named_params: Any):
     else:
         stores = [(lambda n, s=slot: f"opt/{s}/{n}", store)
                   for slot, store in adapter.opt_state.items()]
-    if adapter.layout.stage == 3:
+    if adapter.layout.dims.zero == 3:
         stores.append((lambda n: f"params/{n}", adapter.params))
     else:
         replicated.update({f"params/{n}": v for n, v in named_params().items()})

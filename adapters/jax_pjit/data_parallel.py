@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import numpy as np
@@ -83,18 +84,22 @@ class PjitDataParallel(JaxStrategy):
             before, scalars)
         return params, opt_state, model_state, losses, norm
 
+    batch_axes: tuple[str, ...] = ("data",)  # the mesh axes the batch is split over
+
     def _local_rows(self) -> int:
-        """The data-axis coordinates among this process's devices (its data rows): all its
+        """The batch-axis coordinates among this process's devices (its data rows): all its
         devices under data parallelism, fewer when a ``model`` axis groups them, and one when
         that group spans several processes, which then feed the same samples."""
         me, mesh = self.jax.process_index(), self.mesh
-        axis = mesh.axis_names.index("data")
-        return len({i[axis] for i, d in np.ndenumerate(mesh.devices) if d.process_index == me})
+        axes = [mesh.axis_names.index(a) for a in self.batch_axes]
+        return len({tuple(i[a] for a in axes) for i, d in np.ndenumerate(mesh.devices)
+                    if d.process_index == me})
 
     def _global(self, local: np.ndarray, local_rows: int):
         # The global shape stated, not inferred: processes that share data rows pass the same
         # samples, and the array holds each row once.
-        shape = (len(local) * self.mesh.shape["data"] // local_rows, *local.shape[1:])
+        rows = math.prod(self.mesh.shape[a] for a in self.batch_axes)
+        shape = (len(local) * rows // local_rows, *local.shape[1:])
         return self.jax.make_array_from_process_local_data(self.batch, local, shape)
 
     def device_batch(self, x: np.ndarray, y: np.ndarray):

@@ -16,7 +16,14 @@ sharded layout, the reduce-scatter:
   gathers them for the forward and backward passes (XLA schedules and frees the gathered
   buffers itself, without per-unit activation checkpointing: that is jax-pmap's explicit FSDP).
 
-``tensor_parallel=k`` (a ``toolkit.GPT`` only) makes the mesh ``(devices / k, k)``: the
+The mesh is ``(replicate, data, model)``, the launch's device order (tensor innermost). A
+composed layout (``toolkit.ParallelDims``) sets its sizes: ``sharded:Z+replicate:R`` is HSDP,
+the state sharded over ``data`` inside each of ``R`` replicas and the batch split over both
+(the compiler all-reduces each shard's gradient across the replicas); ``data+tensor:k`` is
+tensor parallelism over plain data parallelism (ZeRO stage 0: every state replicated over
+``data``).
+
+``tensor_parallel=k`` (a ``toolkit.GPT`` only) makes the ``model`` axis ``k`` long: the
 attention and MLP kernels are split over ``model`` (``adapters._jax.tensor_parallel``), kept
 as ``(k, M)`` arrays sharded ``P("model", "data")``; every other parameter stays in the flat
 buffers sharded over ``data``.
@@ -40,16 +47,26 @@ from adapters._jax.flat_units import (
 from adapters._jax.native_optax import ShardedOptax, check_sharded, check_sharded_optimizer
 from adapters._jax.update import apply_optimizer, squares, update
 from adapters.jax_pjit.data_parallel import PjitDataParallel
+from toolkit import ToolkitError
 from toolkit.models.reference import optimizer_slots
+from toolkit.parallel.layouts import AXES
 
 
 class PjitSharded(PjitDataParallel):
     """``toolkit.Sharded(stage, tensor_parallel)`` for ``jax-pjit``: the data-parallel strategy
     with its hooks (``_build_layout``, ``_keep``, ``_full_params``) and state methods replaced."""
 
+    composes = ("sharded", "tensor", "replicate")  # (Backend.setup: dimensions it runs)
+    batch_axes = ("replicate", "data")  # the replicas' and the shards' samples
+
     @staticmethod
     def check_layout(layout) -> None:
         check_layout("jax-pjit", layout, tensor_parallel_ok=True)
+        if layout.dims.place != AXES:
+            raise ToolkitError(
+                f"jax-pjit places a sharded layout's devices in the default order only, not "
+                f"place:{':'.join(layout.dims.place)}",
+                f"drop place: (the default: {':'.join(AXES)}, innermost first)")
 
     # ------------------------------------------------------------------ build
     def _build_layout(self, model, optimizer, loss, seed, accumulation_steps, metrics):
@@ -59,21 +76,27 @@ class PjitSharded(PjitDataParallel):
         check_sharded_optimizer(self.name, optimizer)
         params, _, model_state = self._build_common(model, optimizer, loss, seed,
                                                     accumulation_steps, metrics, init_opt=False)
-        k, stage = self.layout.tensor_parallel, self.layout.stage
+        dims = self.layout.dims
+        k, stage, replicas = dims.tensor, dims.zero, dims.replicate
         devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
         if k > 1:
             tp.check(model, k, len(devices), self.model.native)
-        self.mesh = Mesh(np.asarray(devices).reshape(len(devices) // k, k), ("data", "model"))
+        shards = dims.grid(len(devices)).extent("data")
+        # replicate outermost, tensor innermost (check_layout): the launch's device order
+        self.mesh = Mesh(np.asarray(devices).reshape(replicas, shards, k),
+                         ("replicate", "data", "model"))
         self._ns = lambda *dims: NamedSharding(self.mesh, PartitionSpec(*dims))
-        self.replicated, self.batch = self._ns(), self._ns("data")
+        self.replicated, self.batch = self._ns(), self._ns(self.batch_axes)
         self.spec = model if k > 1 else None
         self.split = tp.split_names(model) if k > 1 else ()
-        self.units = FlatUnits(self.model, len(devices) // k, exclude=self.split)
+        self.units = FlatUnits(self.model, shards, exclude=self.split)
         named = self.model.flat(params)
         self.views = {n: tp.to_view(n, named[n], model, np).shape for n in self.split}
         sharded, full = self._store_shardings(True), self._store_shardings(False)
         self.param_sharding = sharded if stage == 3 else full
-        self.grad_sharding = full if stage == 1 else sharded
+        self.grad_sharding = sharded if stage >= 2 else full
+        # where the optimizer state and its update live: shards, or (zero 0) whole copies
+        held = self.held_sharding = sharded if stage else full
         host = self._to_store(named)
         zeros = jax.tree_util.tree_map(np.zeros_like, host)
         self.params = self._place(host, self.param_sharding)
@@ -81,12 +104,12 @@ class PjitSharded(PjitDataParallel):
         if self.opt_spec is None:
             check_sharded(self.name, self.layout, self.tx, self.model)
             self.optax = ShardedOptax(self.model, host, self._host, self._replicate)
-            opt_sharding = self.optax.shardings(jax.eval_shape(self.tx.init, host), sharded,
+            opt_sharding = self.optax.shardings(jax.eval_shape(self.tx.init, host), held,
                                                 self.replicated)
             self.opt_state = jax.jit(self.tx.init, out_shardings=opt_sharding)(self.params)
         else:
-            opt_sharding = {slot: sharded for slot in optimizer_slots(optimizer)}
-            self.opt_state = {slot: self._place(zeros, sharded) for slot in opt_sharding}
+            opt_sharding = {slot: held for slot in optimizer_slots(optimizer)}
+            self.opt_state = {slot: self._place(zeros, held) for slot in opt_sharding}
         self.grads = self._place(zeros, self.grad_sharding)  # replaced by each step's
         self.model_state = self._replicate(model_state)
         repl, batch = self.replicated, self.batch
@@ -98,7 +121,8 @@ class PjitSharded(PjitDataParallel):
             donate_argnums=(0, 1, 2))
         self._jfull = jax.jit(self._named_full, out_shardings=repl)
         # Checkpoint pieces of split tensors: each tensor flattened and cut over all devices.
-        self._jflat = jax.jit(self._flat_tensors, out_shardings=self._ns(("data", "model")))
+        self._jflat = jax.jit(self._flat_tensors,
+                              out_shardings=self._ns(("replicate", "data", "model")))
         self._jeval = jax.jit(self._eval_fn)
 
     def _store_shardings(self, sharded: bool) -> dict[str, Any]:
@@ -111,7 +135,7 @@ class PjitSharded(PjitDataParallel):
     def _to_store(self, named: dict[str, np.ndarray]) -> dict[str, Any]:
         """Host arrays by neutral name -> a host store (flat units; split tensors as padded
         ``(k, M)`` rows, row r the part of model-parallel rank r)."""
-        k, d = self.layout.tensor_parallel, self.units.shards
+        k, d = self.layout.dims.tensor, self.units.shards
         split = {}
         for n in self.split:
             rows = tp.to_view(n, np.asarray(named[n]), self.spec, np).reshape(k, -1)
@@ -134,14 +158,14 @@ class PjitSharded(PjitDataParallel):
         and move the slices across shard boundaries with collective-permutes: 90 collectives
         per step for the 2-block GPT instead of about 10, each a cross-process round trip.
         """
-        held = ("data",) if self.layout.stage == 3 else ()
+        held = ("data",) if self.layout.dims.zero == 3 else ()
         # stage 3: a mixed-precision forward's cast stays on the shards, so the gather
         # carries the compute dtype (else the compiler gathers float32 and casts after)
         whole = {u: self._constrain(self._constrain(b, held), ())
                  for u, b in store["units"].items()}
         named = self.units.named(whole)
         for n, shape in self.views.items():  # each row's padding dropped
-            row = math.prod(shape) // self.layout.tensor_parallel
+            row = math.prod(shape) // self.layout.dims.tensor
             rows = self._constrain(self._constrain(store["split"][n], ("model", *held)),
                                    ("model", None))
             named[n] = rows[:, :row].reshape(shape)
@@ -169,7 +193,10 @@ class PjitSharded(PjitDataParallel):
             return self.model.apply(tree, model_state, xb, train=True, rng=rng)
         for n in self.split:  # each model-parallel rank computes with its part only
             named[n] = self._constrain(named[n], ("model",) + (None,) * (named[n].ndim - 1))
-        return tp.forward(named, xb, self.spec, self._constrain, self.recompute), model_state
+        # (the activations' batch axis: the shards' and the replicas' samples, HSDP)
+        batch = self.batch_axes
+        return tp.forward(named, xb, self.spec, lambda a, dims: self._constrain(
+            a, tuple(batch if d == "data" else d for d in dims)), self.recompute), model_state
 
     def _sharded_step(self, params, opt_state, model_state, x, y, scalars, seed):
         wsc = self.jax.lax.with_sharding_constraint
@@ -181,7 +208,7 @@ class PjitSharded(PjitDataParallel):
         # stage 1: the full gradient (all-reduced) is kept; 2 and 3: only its shard
         # (reduce-scattered). Either way each device updates its own shard.
         grads = wsc(grads, self.grad_sharding)
-        shards = self._store_shardings(True)
+        shards = self.held_sharding
         # the norm: every element once (flat buffers with zero padding, and the split kernels'
         # (k, M) views)
         (params, opt_state, model_state), norm = update(
@@ -233,10 +260,15 @@ class PjitSharded(PjitDataParallel):
         replicated, stores = state_head(self, self._host(self.model_state),
                                         lambda: self._host_named(self.params))
         pieces = {}
+        # (HSDP: the first replica's processes write the shards; the others' pieces are empty)
+        me = self.jax.process_index()
+        first = any(i[0] == 0 for i, d in np.ndenumerate(self.mesh.devices)
+                    if d.process_index == me)
         for key, store in stores:
             if not self.split:
                 for unit, array in store["units"].items():
-                    pieces.update(self.units.pieces(unit, *local_range(array), key))
+                    lo, data = local_range(array)
+                    pieces.update(self.units.pieces(unit, lo, data if first else data[:0], key))
                 continue
             shapes = {n: np.shape(v) for n, v in self.model.flat(self.model.params).items()}
             for n, array in self._jflat(store).items():

@@ -325,9 +325,9 @@ def test_resolve_layout_reads_forms_and_refuses_what_a_backend_cannot_run():
 
 FORMS = ("write one of: data, sharded:1|2|3[:tpN], "
          "pipeline:STAGES:MICRO_BATCHES[:gpipe|1f1b|interleaved-1f1b[:CHUNKS]]"
-         "[:within-node=stages|replicas]")
-APART = ("a layout is one of data parallel, sharded (with tensor parallelism inside: "
-         "sharded:Z:tpN) or pipeline; they do not combine yet")
+         "[:within-node=stages|replicas], or dimensions joined with +: "
+         "pipeline:S:M+sharded:Z+tensor:T+replicate:R[+place:tensor:data:pipeline:replicate]")
+COMMA = "dimensions are joined with +, not a comma"
 NODE_HINT = "HINT: write within-node=stages (the default) or within-node=replicas"
 PIPELINE_EXAMPLE = "HINT: e.g. Pipeline(stages=4, micro_batches=8)"
 
@@ -354,13 +354,23 @@ PIPELINE_EXAMPLE = "HINT: e.g. Pipeline(stages=4, micro_batches=8)"
      "after the stage\nHINT: e.g. sharded:3 or sharded:3:tp2"),
     ("pipeline:2:4:1f1b:2:3", f"unknown layout 'pipeline:2:4:1f1b:2:3'\nHINT: {FORMS}"),
     ("pipeline:2:2,sharded:1",
-     f"layout 'pipeline:2:2,sharded:1' combines pipeline and sharded: {APART}\nHINT: {FORMS}"),
-    ("sharded:3+pipeline:2",
-     f"layout 'sharded:3+pipeline:2' combines sharded and pipeline: {APART}\nHINT: {FORMS}"),
-    ("sharded:1,pipeline:2:2",
-     f"layout 'sharded:1,pipeline:2:2' combines sharded and pipeline: {APART}\nHINT: {FORMS}"),
-    ("data,sharded:3", f"layout 'data,sharded:3' combines data and sharded: {APART}\nHINT: "
-     f"{FORMS}"),
+     f"layout 'pipeline:2:2,sharded:1': {COMMA}\nHINT: e.g. pipeline:2:2+sharded:1"),
+    ("sharded:3+pipeline:2", f"unknown layout 'sharded:3+pipeline:2'\nHINT: {FORMS}"),
+    ("data,sharded:3", f"layout 'data,sharded:3': {COMMA}\nHINT: e.g. data+sharded:3"),
+    ("sharded:3+sharded:2", "layout 'sharded:3+sharded:2' gives zero twice ('sharded:2')\n"
+     "HINT: name each dimension once, e.g. pipeline:2:4+sharded:3"),
+    ("sharded:3+context:2", "layout 'sharded:3+context:2': unknown dimension 'context:2'\n"
+     f"HINT: join dimensions with +: {FORMS[len('write one of: '):]}"),
+    ("data+replicate:2", "replicate:2 copies sharded state, but this layout shards nothing\n"
+     "HINT: write sharded:Z+replicate:R (HSDP: ZeRO-Z inside each group, R groups), or drop "
+     "replicate: data parallelism already replicates"),
+    ("sharded:3+place:tensor:data", "place:tensor:data is not an order of the axes tensor, "
+     "data, pipeline, replicate\nHINT: name each once, innermost first, e.g. "
+     "place:tensor:data:pipeline:replicate"),
+    ("pipeline:2:4:within-node=replicas+sharded:1", "layout 'pipeline:2:4:within-node=replicas"
+     "+sharded:1': a composed layout places its stages with place:, not within-node=\nHINT: "
+     "e.g. pipeline:2:4+sharded:3+place:tensor:pipeline:data:replicate puts a replica's "
+     "stages inside a node"),
 ])
 def test_parse_layout_errors_whole(text, message):
     with pytest.raises(ToolkitError) as err:
@@ -402,4 +412,113 @@ def test_parse_layout_errors_whole(text, message):
 def test_layout_errors_whole(make, message):
     with pytest.raises(ToolkitError) as err:
         make()
+    assert str(err.value) == message
+
+
+# ---------------------------------------------------------------- composed layouts (dimensions)
+from toolkit.parallel.dims import Grid  # noqa: E402
+from toolkit.parallel.layouts import ParallelDims  # noqa: E402
+
+
+def test_a_composed_name_parses_back_and_one_dimension_is_its_own_kind():
+    for text in ("pipeline:2:4:1f1b+sharded:3", "sharded:3+replicate:2",
+                 "pipeline:2:4:gpipe+sharded:1+tensor:2+replicate:2", "data+tensor:2",
+                 "pipeline:2:4:1f1b+tensor:2",
+                 "sharded:2+tensor:2+place:data:tensor:pipeline:replicate"):
+        layout = parse_layout(text)
+        assert isinstance(layout, ParallelDims) and layout.name == text
+        assert parse_layout(layout.name) == layout
+    # one dimension (or the sharded one with tensor inside it) is the layout of that kind,
+    # with the same meaning as its own text form
+    assert parse_layout("sharded:3+tensor:2") == Sharded(3, tensor_parallel=2)
+    assert parse_layout("tp:2+sharded:1") == Sharded(1, tensor_parallel=2)
+    assert parse_layout("data+sharded:2") == Sharded(2)
+    assert parse_layout("pipeline:2:4+place:tensor:pipeline:data:replicate") == Pipeline(2, 4)
+    assert parse_layout("pipeline:2:4+data") == Pipeline(2, 4, within_node="replicas")
+    for layout in (DataParallel(), Sharded(2), Sharded(3, 2), Pipeline(2, 4),
+                   Pipeline(4, 8, "gpipe", within_node="replicas")):
+        assert layout.dims.simple() == layout, layout
+
+
+def test_every_classic_layout_places_its_devices_as_its_dimensions_do():
+    """The one dimension arithmetic agrees with each classic layout's own: data shares and
+    what each rank holds, with one and two devices per process."""
+    cases = [(Sharded(3), 4, 1), (Sharded(3, 2), 4, 1), (Sharded(2, 2), 2, 2),
+             (Sharded(1, 4), 2, 2), (Pipeline(2, 4), 6, 1),
+             (Pipeline(2, 4, within_node="replicas"), 6, 1)]
+    for layout, world, local in cases:
+        dims = layout.dims
+        for rank in range(world):
+            assert dims.data_share(world, rank, local) == layout.data_share(world, rank, local), \
+                (layout, rank)
+        if local == 1:
+            for rank in range(world):
+                words = set(layout.holds(world, rank).split(", "))
+                assert words <= set(dims.holds(world, rank).split(", ")), (layout, rank)
+
+
+def test_the_default_placement_keeps_tensor_inside_and_replicas_outermost():
+    """pipeline 2 x ZeRO over 2 x tensor 2 x replicate 2 on 16 ranks of 4 per node: a tensor
+    group and a stage's shard group lie inside one node, a replica's stages span two nodes,
+    and only the replicas' groups cross the middle of the world."""
+    dims = parse_layout("pipeline:2:2+sharded:3+tensor:2+replicate:2")
+    grid = dims.grid(16)
+    assert grid.axes == (("replicate", 2), ("pipeline", 2), ("data", 2), ("tensor", 2))
+
+    def node(r):
+        return r // 4
+
+    assert all(len({node(r) for r in g}) == 1 for g in grid.groups("tensor"))
+    assert all(len({node(r) for r in g}) == 1 for g in grid.groups("data"))
+    assert all(len({node(r) for r in g}) == 2 for g in grid.groups("pipeline"))
+    assert grid.groups("replicate")[0] == (0, 8)
+    assert dims.holds(16, 13) == "replica 1, stage 1, shard 0, tensor part 1"
+    # the processes of a replica's tensor group load the same share; the shards and the
+    # replicas load their own (replicate x data = 4 shares)
+    assert [dims.data_share(16, r).index for r in range(16)] == [0, 0, 1, 1] * 2 + [2, 2, 3, 3] * 2
+    assert {dims.data_share(16, r).count for r in range(16)} == {4}
+    assert dims.describe(16) == ("pipeline:2:2:1f1b+sharded:3+tensor:2+replicate:2 over "
+                                 "replicas=2 x stages=2 x shards=2 x tensor=2")
+
+
+def test_another_placement_moves_the_axes():
+    """``place:data:tensor:...``: the shards on consecutive ranks, the tensor parts apart."""
+    dims = parse_layout("sharded:2+tensor:2+place:data:tensor:pipeline:replicate")
+    grid = dims.grid(4)
+    assert grid.groups("data") == ((0, 1), (2, 3))
+    assert grid.groups("tensor") == ((0, 2), (1, 3))
+    assert [dims.data_share(4, r) for r in range(4)] == [DataShare(2, i) for i in (0, 1, 0, 1)]
+
+
+def test_grid_coordinates_and_groups_are_inverse():
+    grid = Grid((("replicate", 2), ("pipeline", 3), ("data", 2), ("tensor", 2)))
+    for i in range(grid.size):
+        assert grid.index(grid.coords(i)) == i
+        for axis in grid.names:
+            group = grid.group(i, axis)
+            assert i in group and len(group) == grid.extent(axis)
+    for axis in grid.names:
+        groups = grid.groups(axis)
+        assert sorted(i for g in groups for i in g) == list(range(grid.size)), axis
+
+
+@pytest.mark.parametrize("text, world, local, message", [
+    ("pipeline:3:3+sharded:1", 4, 1, "layout pipeline:3:3:1f1b+sharded:1: pipeline 3 does not "
+     "fit the 4 devices (4 process(es) x 1)\nHINT: use pipeline one of [1, 2, 4], or launch a "
+     "multiple of 3 devices"),
+    ("pipeline:2:2+sharded:1+tensor:4", 4, 1, "layout pipeline:2:2:1f1b+sharded:1+tensor:4: "
+     "tensor 4 does not fit the 4 devices (4 process(es) x 1) beside 2 taken by the dimensions "
+     "before it\nHINT: use tensor one of [1, 2], or launch a multiple of 8 devices"),
+    ("sharded:3+replicate:4", 2, 1, "layout sharded:3+replicate:4: replicate 4 does not fit the "
+     "2 devices (2 process(es) x 1)\nHINT: use replicate one of [1, 2], or launch a multiple "
+     "of 4 devices"),
+    ("pipeline:2:2+sharded:1", 1, 4, "layout pipeline:2:2:1f1b+sharded:1: the 4 devices of a "
+     "process fall on 2 stage(s) and cut tensor groups unevenly\nHINT: a process's devices "
+     "must hold one stage, and whole tensor groups or a part of one: put tensor (then data) "
+     "innermost in place:"),
+])
+def test_a_dimension_that_does_not_fit_is_named_with_the_sizes_that_would(text, world, local,
+                                                                         message):
+    with pytest.raises(ToolkitError) as err:
+        parse_layout(text).data_share(world, 0, local)
     assert str(err.value) == message

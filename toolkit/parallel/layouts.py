@@ -17,11 +17,12 @@ block's placement table).
 from __future__ import annotations
 
 import dataclasses
+import math
 import numbers
-import re
 from typing import ClassVar
 
 from toolkit.errors import ToolkitError
+from toolkit.parallel.dims import Grid
 from toolkit.parallel.pipeline.partition import (
     WITHIN_NODE,
     PipelineGrid,
@@ -32,7 +33,9 @@ from toolkit.parallel.pipeline.partition import (
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
 LAYOUT_FORMS = ("data, sharded:1|2|3[:tpN], "
                 "pipeline:STAGES:MICRO_BATCHES[:gpipe|1f1b|interleaved-1f1b[:CHUNKS]]"
-                "[:within-node=stages|replicas]")
+                "[:within-node=stages|replicas], or dimensions joined with +: "
+                "pipeline:S:M+sharded:Z+tensor:T+replicate:R[+place:tensor:data:pipeline:"
+                "replicate]")
 KINDS = ("data", "data_parallel", "dp", "sharded", "pipeline")
 
 
@@ -93,6 +96,11 @@ class DataParallel:
     def micro_batch(self, local_batch: int, accumulation_steps: int = 1) -> int:
         """Samples per forward pass: the local batch over the accumulation steps."""
         return local_batch // accumulation_steps
+
+    @property
+    def dims(self) -> ParallelDims:
+        """The layout as dimensions: none but the data-parallel one."""
+        return ParallelDims()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -168,6 +176,12 @@ class Sharded:
     def micro_batch(self, local_batch: int, accumulation_steps: int = 1) -> int:
         """Samples per forward pass: the local batch over the accumulation steps."""
         return local_batch // accumulation_steps
+
+    @property
+    def dims(self) -> ParallelDims:
+        """The layout as dimensions: the data-parallel one sharded at ``stage``, and a tensor
+        dimension of ``tensor_parallel`` inside it (on consecutive devices)."""
+        return ParallelDims(zero=self.stage, tensor=self.tensor_parallel)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -261,8 +275,237 @@ class Pipeline:
         (a ToolkitError when they do not divide it)."""
         return micro_batch_size(local_batch, self.micro_batches)
 
+    @property
+    def dims(self) -> ParallelDims:
+        """The layout as dimensions: the pipeline and its replicas (the data-parallel
+        dimension), ``within_node`` the one placed on consecutive ranks."""
+        inner = ("pipeline", "data") if self.within_node == "stages" else ("data", "pipeline")
+        return ParallelDims(pipeline=dataclasses.replace(self, within_node=WITHIN_NODE[0]),
+                            place=("tensor", *inner, "replicate"))
 
-Layout = DataParallel | Sharded | Pipeline
+
+AXES = ("tensor", "data", "pipeline", "replicate")
+"""The dimensions of a layout, innermost first: the default placement (``ParallelDims.place``)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ParallelDims:
+    """A layout as a set of dimensions whose product is the world's devices (torchtitan's
+    ``ParallelDims``): a ``pipeline`` of stages, a data-parallel dimension whose state is
+    sharded at ZeRO stage ``zero`` (0: replicated, plain data parallelism), ``replicate``
+    copies of those shards (HSDP: shard inside a group, replicate across groups; needs
+    ``zero``), and ``tensor`` parts of each split layer. The data-parallel dimension takes the
+    devices the others leave: ``devices / (stages x tensor x replicate)``.
+
+    Args:
+        pipeline: a ``Pipeline`` (its ``within_node`` left at the default: ``place`` says
+            where the stages sit), or None.
+        zero: the ZeRO stage of the data-parallel dimension (0-3).
+        replicate: copies of the sharded state (1: none).
+        tensor: devices each split layer is cut over (1: none).
+        place: the four axes ``tensor``, ``data``, ``pipeline``, ``replicate`` in placement
+            order, innermost first: the first on consecutive devices (inside a node), the
+            last across nodes. The default keeps the tensor axis inside a node, the data
+            shards next, the stages across nodes and the replicas outermost.
+
+    The command-line form joins the dimensions with ``+``: ``pipeline:2:4+sharded:3``,
+    ``sharded:3+replicate:2``, ``sharded:1+tensor:2``, ``pipeline:2:4+tensor:2``, and
+    ``+place:data:tensor:pipeline:replicate`` for another placement. A composition of one
+    dimension is the layout of that kind (``ParallelDims(zero=3).simple() == Sharded(3)``).
+
+    Example (pipeline 2 x ZeRO-3 over 2 shards on 4 ranks):
+        >>> dims = parse_layout("pipeline:2:4+sharded:3")
+        >>> dims.name, dims.data_share(4, rank=3)
+        ('pipeline:2:4:1f1b+sharded:3', DataShare(count=2, index=1))
+        >>> dims.holds(4, rank=3)
+        'stage 1, shard 1'
+    """
+
+    pipeline: Pipeline | None = None
+    zero: int = 0
+    replicate: int = 1
+    tensor: int = 1
+    place: tuple[str, ...] = AXES
+    collective_forward: ClassVar[bool] = True
+
+    def __post_init__(self) -> None:
+        example = "ParallelDims(zero=3, replicate=2)"
+        if isinstance(self.zero, bool) or self.zero not in (0, 1, 2, 3):
+            raise ToolkitError(f"ParallelDims zero={self.zero!r} is not a ZeRO stage",
+                               "use 0 (replicated), 1 (optimizer state), 2 (+ gradients) or "
+                               "3 (+ parameters, = FSDP)")
+        for field in ("replicate", "tensor"):
+            object.__setattr__(self, field, _positive_int("ParallelDims", field,
+                                                          getattr(self, field), example))
+        if self.pipeline is not None and not isinstance(self.pipeline, Pipeline):
+            raise ToolkitError(f"ParallelDims pipeline={self.pipeline!r} is not a Pipeline",
+                               "pass toolkit.Pipeline(stages, micro_batches) or None")
+        if self.pipeline is not None and self.pipeline.within_node != WITHIN_NODE[0]:
+            raise ToolkitError(
+                f"a composed layout places its stages with place:, not the pipeline's "
+                f"within_node={self.pipeline.within_node!r}",
+                "e.g. pipeline:2:4+sharded:3+place:tensor:pipeline:data:replicate puts a "
+                "replica's stages inside a node")
+        place = tuple(self.place)
+        if sorted(place) != sorted(AXES):
+            raise ToolkitError(f"place:{':'.join(map(str, place))} is not an order of the "
+                               f"axes {', '.join(AXES)}",
+                               f"name each once, innermost first, e.g. place:{':'.join(AXES)}")
+        object.__setattr__(self, "place", place)
+        if self.replicate > 1 and not self.zero:
+            raise ToolkitError(
+                f"replicate:{self.replicate} copies sharded state, but this layout shards "
+                "nothing", "write sharded:Z+replicate:R (HSDP: ZeRO-Z inside each group, "
+                "R groups), or drop replicate: data parallelism already replicates")
+
+    # ------------------------------------------------------------------ the dimensions
+    @property
+    def stages(self) -> int:
+        return 1 if self.pipeline is None else self.pipeline.stages
+
+    @property
+    def kind(self) -> str:
+        """The layout kind a backend dispatches on: its pipeline, else its sharded or tensor
+        dimension, else data parallel."""
+        if self.pipeline is not None:
+            return Pipeline.kind
+        return Sharded.kind if self.zero or self.tensor > 1 else DataParallel.kind
+
+    @property
+    def active(self) -> tuple[str, ...]:
+        """The dimensions this layout has beyond plain data parallelism, as its text names
+        them (``pipeline``, ``sharded``, ``tensor``, ``replicate``)."""
+        named = (("pipeline", self.pipeline is not None), ("sharded", self.zero > 0),
+                 ("tensor", self.tensor > 1), ("replicate", self.replicate > 1))
+        return tuple(n for n, on in named if on)
+
+    @property
+    def dims(self) -> ParallelDims:
+        return self
+
+    @property
+    def name(self) -> str:
+        simple = self.simple()
+        if simple is not self:
+            return simple.name
+        parts = [self.pipeline.name] if self.pipeline is not None else []
+        parts += [f"sharded:{self.zero}"] if self.zero else ([] if parts else ["data"])
+        parts += [f"tensor:{self.tensor}"] if self.tensor > 1 else []
+        parts += [f"replicate:{self.replicate}"] if self.replicate > 1 else []
+        if self.place != AXES:
+            parts.append(f"place:{':'.join(self.place)}")
+        return "+".join(parts)
+
+    def simple(self) -> Layout:
+        """The one-kind layout equal to this composition (``data``, ``sharded:Z[:tpN]``,
+        ``pipeline:S:M``), or the composition itself."""
+        inner = [a for a in self.place if self._extent(a) > 1 or a == "data"]
+        if self.replicate == 1 and self.pipeline is None:
+            if not self.zero:
+                return self if self.tensor > 1 else DataParallel()
+            if self.tensor == 1 or inner.index("tensor") < inner.index("data"):
+                return Sharded(self.zero, self.tensor)
+        if self.pipeline is not None and self.active == ("pipeline",):
+            stages_inside = self.place.index("pipeline") < self.place.index("data")
+            return dataclasses.replace(self.pipeline, within_node=WITHIN_NODE[
+                0 if stages_inside else 1])
+        return self
+
+    def _extent(self, axis: str) -> int:
+        return {"tensor": self.tensor, "pipeline": self.stages, "replicate": self.replicate,
+                "data": 2}[axis]
+
+    def grid(self, world_size: int, local_devices: int = 1) -> Grid:
+        """The world's devices on the four axes (the data axis takes what the others leave);
+        a ToolkitError naming the dimension that does not fit, with the sizes that would."""
+        devices = world_size * local_devices
+        fixed = [("pipeline", self.stages), ("tensor", self.tensor),
+                 ("replicate", self.replicate)]
+        product = 1
+        for axis, n in fixed:
+            if devices % (product * n):
+                others = devices // math.gcd(devices, product)
+                fits = [k for k in range(1, others + 1) if others % k == 0 and
+                        devices % (product * k) == 0]
+                raise ToolkitError(
+                    f"layout {self.name}: {axis} {n} does not fit the {devices} devices "
+                    f"({world_size} process(es) x {local_devices})"
+                    + (f" beside {product} taken by the dimensions before it" if product > 1
+                       else ""), f"use {axis} one of {fits}, or launch a multiple of "
+                    f"{product * n} devices")
+            product *= n
+        sizes = {"pipeline": self.stages, "tensor": self.tensor, "replicate": self.replicate,
+                 "data": devices // product}
+        return Grid(tuple((a, sizes[a]) for a in reversed(self.place)))
+
+    def _process_grid(self, world_size: int, local_devices: int) -> Grid:
+        """:meth:`grid`, checked that every process's devices share one pipeline stage and
+        either lie inside one tensor group or hold whole ones."""
+        grid, L = self.grid(world_size, local_devices), local_devices
+        for rank in range(world_size):
+            devices = range(rank * L, rank * L + L)
+            stages = {grid.coords(d)["pipeline"] for d in devices}
+            tensors = {grid.group(d, "tensor") for d in devices}
+            whole = all(set(t) <= set(devices) for t in tensors)
+            if len(stages) > 1 or not (whole or len(tensors) == 1):
+                raise ToolkitError(
+                    f"layout {self.name}: the {L} devices of a process fall on "
+                    f"{len(stages)} stage(s) and cut tensor groups unevenly",
+                    "a process's devices must hold one stage, and whole tensor groups or a "
+                    "part of one: put tensor (then data) innermost in place:")
+        return grid
+
+    def _shares(self, grid: Grid, devices: range) -> list[int]:
+        """The data shares (replica-major: ``replicate x data``) ``devices`` compute on."""
+        D = grid.extent("data")
+        return sorted({grid.coords(d)["replicate"] * D + grid.coords(d)["data"]
+                       for d in devices})
+
+    # ------------------------------------------------------------------ the Layout interface
+    def data_share(self, world_size: int, rank: int, local_devices: int = 1) -> DataShare:
+        """The devices that share a replica index and a data index compute on one share of
+        each global batch (``replicate x data`` shares); a process whose devices compute on
+        ``k`` consecutive shares loads them as one."""
+        grid, L = self._process_grid(world_size, local_devices), local_devices
+        total = grid.extent("replicate") * grid.extent("data")
+        mine = self._shares(grid, range(rank * L, rank * L + L))
+        k = len(mine)
+        if mine != list(range(mine[0], mine[0] + k)) or mine[0] % k:
+            raise ToolkitError(
+                f"layout {self.name}: the devices of process {rank} compute on data shares "
+                f"{mine}, not one aligned run", "put data next to tensor in place:, inside "
+                "the pipeline and the replicas")
+        return DataShare(total // k, mine[0] // k)
+
+    def describe(self, world_size: int, local_devices: int = 1) -> str:
+        """The layout in words, e.g. ``pipeline:2:4:1f1b+sharded:3 over stages=2 x
+        shards=2`` (axes outermost first)."""
+        grid = self.grid(world_size, local_devices)
+        word = {"pipeline": "stages", "tensor": "tensor", "replicate": "replicas",
+                "data": "shards" if self.zero else "replicas"}
+        axes = " x ".join(f"{word[a]}={n}" for a, n in grid.axes if n > 1 or a == "data")
+        return f"{self.name} over {axes}"
+
+    def holds(self, world_size: int, rank: int, local_devices: int = 1) -> str:
+        """What ``rank`` holds: its replica (HSDP), stage, shard (or data-parallel replica)
+        and tensor part, each a span over its devices, e.g. ``replica 1, stage 0, shard 1``."""
+        grid, L = self.grid(world_size, local_devices), local_devices
+        coords = [grid.coords(d) for d in range(rank * L, rank * L + L)]
+        words = (("replicate", "replica"), ("pipeline", "stage"),
+                 ("data", "shard" if self.zero else "replica"), ("tensor", "tensor part"))
+        out = [_span(word, min(c[axis] for c in coords), len({c[axis] for c in coords}))
+               for axis, word in words if grid.extent(axis) > 1]
+        return ", ".join(out) or "replica 0"
+
+    def micro_batch(self, local_batch: int, accumulation_steps: int = 1) -> int:
+        """Samples per forward pass: the pipeline's micro-batch, else the local batch over
+        the accumulation steps."""
+        if self.pipeline is not None:
+            return self.pipeline.micro_batch(local_batch, accumulation_steps)
+        return local_batch // accumulation_steps
+
+
+Layout = DataParallel | Sharded | Pipeline | ParallelDims
 
 
 def _int_field(text: str, part: str, what: str) -> int:
@@ -278,22 +521,63 @@ def parse_layout(text: str) -> Layout:
 
     ``data`` (or ``data_parallel``), ``sharded:S``, ``pipeline:S:M``, ``pipeline:S:M:SCHEDULE``
     and, for the interleaved schedule, ``pipeline:S:M:interleaved-1f1b:CHUNKS``; a pipeline
-    may end with ``:within-node=stages|replicas`` (``Pipeline.within_node``). A layout's
-    ``name`` parses back to an equal layout.
+    may end with ``:within-node=stages|replicas`` (``Pipeline.within_node``). Dimensions
+    compose with ``+`` (:class:`ParallelDims`): ``pipeline:2:4+sharded:3``,
+    ``sharded:3+replicate:2``, ``sharded:1+tensor:2``, ``...+place:AXES``. A layout's ``name``
+    parses back to an equal layout.
 
     Example:
         >>> parse_layout("pipeline:2:4") == Pipeline(stages=2, micro_batches=4, schedule="1f1b")
         True
         >>> parse_layout("pipeline:2:4:gpipe:within-node=replicas").name
         'pipeline:2:4:gpipe:within-node=replicas'
+        >>> parse_layout("sharded:3+tensor:2") == Sharded(3, tensor_parallel=2)
+        True
     """
-    named = [k for k in re.split(r"[^a-z_]+", str(text).lower()) if k in KINDS]
-    if len(named) > 1:  # (pipeline:2:2,sharded:1, sharded:3+pipeline:2, ...)
-        raise ToolkitError(
-            f"layout {text!r} combines {' and '.join(dict.fromkeys(named))}: a layout is one "
-            "of data parallel, sharded (with tensor parallelism inside: sharded:Z:tpN) or "
-            "pipeline; they do not combine yet", f"write one of: {LAYOUT_FORMS}")
-    parts = str(text).strip().lower().split(":")
+    if "," in str(text) and ":" in str(text):  # (pipeline:2:2,sharded:1)
+        raise ToolkitError(f"layout {text!r}: dimensions are joined with +, not a comma",
+                           f"e.g. {str(text).replace(',', '+')}")
+    parts = [p.strip() for p in str(text).strip().lower().split("+")]
+    if len(parts) == 1:
+        return _parse_one(text, parts[0])
+    fields: dict[str, object] = {}
+
+    def put(field: str, value: object, part: str) -> None:
+        if field in fields:
+            raise ToolkitError(f"layout {text!r} gives {field} twice ({part!r})",
+                               "name each dimension once, e.g. pipeline:2:4+sharded:3")
+        fields[field] = value
+
+    for part in parts:
+        head, _, rest = part.partition(":")
+        if head == "place" and rest:
+            put("place", tuple(a.strip() for a in rest.split(":")), part)
+        elif head in ("tensor", "tp", "replicate") and rest:
+            put("replicate" if head == "replicate" else "tensor",
+                _int_field(text, rest, f"{head} size"), part)
+        elif head in KINDS:
+            one = _parse_one(text, part)
+            if isinstance(one, Pipeline) and one.within_node != WITHIN_NODE[0]:
+                raise ToolkitError(f"layout {text!r}: a composed layout places its stages "
+                                   "with place:, not within-node=",
+                                   "e.g. pipeline:2:4+sharded:3+place:tensor:pipeline:data:"
+                                   "replicate puts a replica's stages inside a node")
+            dims = one.dims
+            if dims.pipeline is not None:
+                put("pipeline", dims.pipeline, part)
+            if dims.zero:
+                put("zero", dims.zero, part)
+            if dims.tensor > 1:
+                put("tensor", dims.tensor, part)
+        else:
+            raise ToolkitError(f"layout {text!r}: unknown dimension {part!r}",
+                               f"join dimensions with +: {LAYOUT_FORMS}")
+    return ParallelDims(**fields).simple()  # type: ignore[arg-type]
+
+
+def _parse_one(text: str, part: str) -> Layout:
+    """One ``+``-free part of the text form ``text`` as its layout."""
+    parts = part.split(":")
     kind = parts[0]
     if kind in ("data", "data_parallel", "dp") and len(parts) == 1:
         return DataParallel()
@@ -337,6 +621,8 @@ def resolve_layout(layout, adapter):
     an adapter that declares none runs data parallelism)."""
     layout = DataParallel() if layout is None else (
         parse_layout(layout) if isinstance(layout, str) else layout)
+    if isinstance(layout, ParallelDims):  # (one dimension: the layout of that kind)
+        layout = layout.simple()
     if not isinstance(layout, Layout):
         raise ToolkitError(f"{layout!r} is not a parallel layout",
                            "pass toolkit.DataParallel(), toolkit.Sharded(stage=...) or a text "

@@ -1,0 +1,79 @@
+"""Composed layouts (``toolkit.ParallelDims``) in the backends: what each runs, against the
+float64 reference and data parallelism, and what each refuses with the dimension named.
+
+The dimension arithmetic itself (placement, data shares, the text form) is tested in
+tests/toolkit/test_layouts.py.
+"""
+
+import json
+
+import pytest
+
+import adapters
+import toolkit
+from toolkit.equivalence import LOSS_TOLERANCE
+
+
+def test_hsdp_in_jax_pjit_equals_data_parallel_holds_its_estimate_and_resumes(launch,
+                                                                                tmp_path):
+    job = launch("any", 2, ["tests/scripts/composed_jax_worker.py", str(tmp_path)],
+                 timeout=300)
+    assert job.returncode == 0, job
+    for rank in (0, 1):
+        for check in ("sharded:3+replicate:2 equals data parallel",
+                      "bytes equal the estimate", "the checkpoint resumes as data parallel"):
+            assert f"ok {check} on rank {rank}" in job.stdout, (check, job)
+    # the start-up block's placement: each process one replica, its 2 devices the 2 shards
+    assert "rank 0 (replica 0, shards 0-1)  rank 1 (replica 1, shards 0-1)" in job.stdout, job
+
+
+COMPOSED = ("sharded:3+replicate:2", "sharded:1+replicate:2", "data+tensor:2")
+
+
+@pytest.mark.slow
+def test_composed_gpt_layouts_in_jax_pjit_equal_the_reference(launch, tmp_path):
+    """The GPT (AdamW, clipped) on 2 processes x 2 devices: HSDP at ZeRO-3 and ZeRO-1, and
+    tensor parallelism over plain data parallelism, each within float64's bound of the
+    one-process reference, norms before clipping included."""
+    out = tmp_path / "eq.json"
+    job = launch("python", 1, ["-m", "adapters.equivalence", "--backends", "jax-pjit",
+                               "--model", "gpt", "--layout", ",".join(COMPOSED),
+                               "--local-devices", "2", "--world-sizes", "2", "--steps", "4",
+                               "--dtype", "float64", "--optimizer", "adamw",
+                               "--clip-grad-norm", "0.5", "--json", str(out)], timeout=600)
+    assert job.returncode == 0, job
+    rows = json.loads(out.read_text())["results"]
+    assert sorted(r["layout"] for r in rows) == sorted(COMPOSED), rows
+    for row in rows:
+        assert row["status"] == "pass", row
+        assert row["max_rel_loss_dev"] <= LOSS_TOLERANCE["float64"], row
+
+
+@pytest.mark.parametrize(("backend", "layout", "missing"), [
+    ("jax-pmap", "sharded:3+replicate:2", "replicate"),
+    ("jax-pjit", "pipeline:2:2+sharded:1", "sharded"),
+    ("jax-pjit", "pipeline:2:2+tensor:2", "tensor"),
+])
+def test_a_composition_a_backend_does_not_run_is_refused_naming_the_dimension(backend, layout,
+                                                                             missing):
+    adapter = adapters.get(backend)
+    with pytest.raises(toolkit.ToolkitError) as err:
+        adapter.setup(toolkit.LaunchEnv(), toolkit.parse_layout(layout))
+    assert str(err.value).startswith(
+        f"backend {backend!r} does not compose {missing} in {toolkit.parse_layout(layout).name}")
+    assert "docs/layouts/composing.md" in str(err.value)
+    assert adapter.strategy is None  # refused before any strategy or communicator
+
+
+def test_a_composition_that_does_not_fit_the_devices_names_the_dimension():
+    """``sharded:3+replicate:3`` on this process's 2 devices: the replicas do not fit; the
+    hint lists the sizes that would."""
+    x = [[0.0] * 5] * 16
+    trainer = toolkit.Trainer(adapters.get("jax-pjit"), toolkit.MLP((5, 6, 3)),
+                              toolkit.SGD(lr=0.1), global_batch_size=8, max_steps=1,
+                              progress=False, layout="sharded:3+replicate:3")
+    with pytest.raises(toolkit.ToolkitError) as err:
+        trainer.fit(x, [0] * 16)
+    assert str(err.value) == (
+        "layout sharded:3+replicate:3: replicate 3 does not fit the 2 devices (1 process(es) "
+        "x 2)\nHINT: use replicate one of [1, 2], or launch a multiple of 3 devices")
