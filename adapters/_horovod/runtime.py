@@ -12,6 +12,7 @@ its Horovod module in ``connect`` and says how a host array becomes the framewor
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import Any
 
@@ -25,17 +26,44 @@ from toolkit.models.specs import DTYPES, check_choice
 from toolkit.parallel.layouts import Pipeline
 
 
+def layout_groups(layout: Any, world_size: int) -> tuple[tuple[int, ...], ...]:
+    """The rank groups ``layout``'s collectives run in, leaving out single ranks and the whole
+    world: a ``toolkit.Pipeline``'s (``PipelineGrid.reduction_groups``), else its dimensions'
+    data-parallel groups and replica groups (HSDP: shards within a group, each shard
+    averaged across the replicas)."""
+    if isinstance(layout, Pipeline):
+        return layout.grid(world_size).reduction_groups()
+    grid = layout.dims.grid(world_size)
+    return tuple(g for axis in ("data", "replicate") for g in grid.groups(axis)
+                 if 1 < len(g) < world_size)
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardGroup:
+    """Where this rank's ZeRO shards sit: shard ``index`` of ``size`` over the process set
+    ``shards`` (the global one unless the layout has replicas), and ``replicas``, the set of
+    the ranks holding the same shard (None: no replicas), whose gradients it averages across.
+    ``writes``: whether this rank writes its checkpoint pieces (the first replica's ranks: the
+    others hold copies)."""
+
+    index: int
+    size: int
+    shards: Any
+    replicas: Any
+    writes: bool
+
+
 def init_horovod(hvd, layout: Any, world_size: int) -> dict[tuple[int, ...], Any]:
     """``hvd.init()``, registering as static process sets the rank groups ``layout`` reduces
-    gradients in (a ``toolkit.Pipeline``'s stage replicas and end stages,
-    ``PipelineGrid.reduction_groups``); returns them as ``{ranks: hvd.ProcessSet}``.
+    gradients in (:func:`layout_groups`: a ``toolkit.Pipeline``'s stage replicas and end
+    stages, a composed layout's shard and replica groups); returns them as
+    ``{ranks: hvd.ProcessSet}``.
 
     Horovod fixes its static sets at the first ``hvd.init`` (so the layout comes with
     ``setup``). If Horovod was initialised before (by the user's script or
     an earlier Trainer), a group not registered then is added dynamically, which Horovod allows
     only when ``HOROVOD_DYNAMIC_PROCESS_SETS=1`` was set before that first init."""
-    groups = (layout.grid(world_size).reduction_groups()
-              if isinstance(layout, Pipeline) else ())
+    groups = layout_groups(layout, world_size)
     if not hvd.is_initialized():
         sets = [hvd.ProcessSet(list(g)) for g in groups]
         hvd.init(process_sets=sets)
@@ -140,8 +168,21 @@ class HorovodRuntime:
         self.hvd.shutdown()
 
     def process_set(self, ranks: tuple[int, ...]) -> Any:
-        """The Horovod process set of ``ranks`` registered at ``setup`` (None if none)."""
+        """The Horovod process set of ``ranks`` registered at ``setup`` (None if none; the
+        global set for every rank)."""
+        if len(ranks) == self.env.world_size:
+            return self.hvd.global_process_set
         return self.process_sets.get(tuple(ranks))
+
+    def shard_group(self, layout: Any) -> ShardGroup:
+        """This rank's :class:`ShardGroup` under ``layout`` (its dimensions' data axis, and
+        the replicas of a composed layout)."""
+        grid, rank = layout.dims.grid(self.env.world_size), self.env.rank
+        coords, replicas = grid.coords(rank), grid.group(rank, "replicate")
+        return ShardGroup(coords["data"], grid.extent("data"),
+                          self.process_set(grid.group(rank, "data")),
+                          self.process_set(replicas) if len(replicas) > 1 else None,
+                          coords["replicate"] == 0)
 
     def local_device_count(self) -> int:
         return 1

@@ -166,8 +166,12 @@ class ShardedTF:
         self.rule, optimizer = rule, rule.spec
         self.tf, self.hvd, self.local_grads = tf, hvd, local_grads
         self.dtype, self.np_dtype = runtime.dtype, runtime.dtype_name
-        self.stage, self.model, self.opt = layout.stage, model, optimizer
-        self.size, self.rank = hvd.size(), hvd.rank()
+        self.stage, self.model, self.opt = layout.dims.zero, model, optimizer
+        # the shard arithmetic's "rank": this rank's place in its data-parallel group (all
+        # ranks, or under HSDP a replica's), every shard collective over that group
+        self.group, self.barrier = runtime.shard_group(layout), runtime.barrier
+        self.size, self.rank = self.group.size, self.group.index
+        self._in = {"process_set": self.group.shards}
         init = model.init
         self.layouts = model.layouts(self.size)
         self.units = list(self.layouts)
@@ -244,7 +248,7 @@ class ShardedTF:
 
     def _reduce_scatter(self, unit: str, flat: Any) -> Any:
         """This rank's shard of the average over ranks of ``flat`` (a padded unit buffer)."""
-        shard = self.hvd.reducescatter(flat, op=self.hvd.Average)
+        shard = self.hvd.reducescatter(flat, op=self.hvd.Average, **self._in)
         return self.tf.reshape(shard, [self.layouts[unit].shard_size])
 
     # ----------------------------------------------------------------------- stage 3
@@ -255,9 +259,9 @@ class ShardedTF:
         gradient's reduce-scatter stays float32 (``_run_unit``)."""
         tf = self.tf
         if self.compute is None:
-            return self.hvd.allgather(shard)
+            return self.hvd.allgather(shard, **self._in)
         low = tf.bitcast(tf.cast(shard, self.compute), tf.int16)
-        return tf.bitcast(self.hvd.allgather(low), self.compute)
+        return tf.bitcast(self.hvd.allgather(low, **self._in), self.compute)
 
     def forward(self, x: Any, training: bool = True) -> Any:
         """The model's output (stage 3): its units' forward (``model.forward``), unit by
@@ -342,12 +346,16 @@ class ShardedTF:
             full = dict(zip(self.names, full, strict=True))
             grads = [hvd.allreduce(self._flatten(u, full), op=hvd.Average) if self.stage == 1
                      else self._reduce_scatter(u, self._flatten(u, full)) for u in self.units]
+        if self.stage > 1 and self.group.replicas is not None:  # (HSDP: once per step)
+            grads = hvd.grouped_allreduce(grads, op=hvd.Average,
+                                          process_set=self.group.replicas)
         # stage 1: the whole gradient on every rank; 2 and 3: this rank's shards (zero
         # padding), whose squares add up across ranks
         def squares(grads: list) -> Any:
             sq = sum_squares(tf, grads)
             if self.stage > 1:
-                sq = hvd.allreduce(tf.reshape(sq, [1]), op=hvd.Sum, name="zero.grad_norm")[0]
+                sq = hvd.allreduce(tf.reshape(sq, [1]), op=hvd.Sum, name="zero.grad_norm",
+                                   **self._in)[0]
             return sq
 
         def apply(grads: list) -> None:
@@ -363,7 +371,7 @@ class ShardedTF:
                     lo = self.rank * self.layouts[u].shard_size
                     g = g[lo:lo + self.layouts[u].shard_size]
                 new = self._update(u, self._owned(u, self.vars), g, s)
-                for n, t in self._unflatten(u, hvd.allgather(new)).items():
+                for n, t in self._unflatten(u, hvd.allgather(new, **self._in)).items():
                     self.vars[n].assign(t)
 
         grads, norm = update(tf, self.rule, grads, squares, apply, keep, scalars)
@@ -383,7 +391,7 @@ class ShardedTF:
         if self.stage < 3:
             for u, shard in zip(self.units, shards, strict=True):
                 for n, t in self._unflatten(u, hvd.allgather(self.tf.convert_to_tensor(
-                        shard))).items():
+                        shard), **self._in)).items():
                     self.vars[n].assign(t)
 
     def _update(self, unit: str, p, g, s: StepScalars):
@@ -393,7 +401,7 @@ class ShardedTF:
 
     # ----------------------------------------------------------------------- state
     def _gather_host(self, var: Any) -> np.ndarray:
-        return self.hvd.allgather(self.tf.convert_to_tensor(var)).numpy()
+        return self.hvd.allgather(self.tf.convert_to_tensor(var), **self._in).numpy()
 
     def state_dict(self) -> dict[str, np.ndarray]:
         """Full tensors under the neutral names, on every rank (gathered)."""
@@ -408,6 +416,11 @@ class ShardedTF:
         for (slot, u), var in self.slots.items():
             out.update({f"opt/{slot}/{n}": a for n, a
                         in self.layouts[u].unflatten(self._gather_host(var)).items()})
+        if self.group.replicas is not None:
+            # every rank waits for every other after gathers inside the shards' group
+            # (HSDP): a rank that went on and ended its process would shut Horovod down
+            # under a group still gathering
+            self.barrier()
         return {**out, **{k: to_host(v) for k, v in self.extras.items()}}
 
     def load_state_dict(self, state: dict[str, np.ndarray]) -> None:
@@ -432,14 +445,16 @@ class ShardedTF:
         """``(replicated, pieces)`` as ``toolkit.ShardedAdapter`` says (no ``opt/count``: the
         strategy adds it)."""
         replicated, pieces = {}, {}
+        # (HSDP: the first replica writes; the others' pieces are empty)
+        rank = self.rank if self.group.writes else None
         for u, lay in self.layouts.items():
             if self.stage == 3:
-                pieces.update(_pieces(lay, self.rank, self.params[u].numpy(), "params/"))
+                pieces.update(_pieces(lay, rank, self.params[u].numpy(), "params/"))
             else:
                 replicated.update({f"params/{n}": np.array(self.vars[n].numpy())
                                    for n in lay.names})
         for (slot, u), var in self.slots.items():
-            pieces.update(_pieces(self.layouts[u], self.rank, var.numpy(), f"opt/{slot}/"))
+            pieces.update(_pieces(self.layouts[u], rank, var.numpy(), f"opt/{slot}/"))
         replicated.update({k: to_host(v) for k, v in self.extras.items()})
         return replicated, pieces
 
@@ -455,11 +470,12 @@ def _nbytes(variables) -> int:
     return sum(math.prod(v.shape) * np.dtype(_np_dtype(v)).itemsize for v in variables)
 
 
-def _pieces(lay: FlatLayout, rank: int, shard: np.ndarray, prefix: str) -> dict:
-    """This rank's piece of each tensor of ``lay`` (empty where it owns none), by full name."""
+def _pieces(lay: FlatLayout, rank: int | None, shard: np.ndarray, prefix: str) -> dict:
+    """This rank's piece of each tensor of ``lay`` (empty where it owns none, and all empty
+    for ``rank`` None), by full name."""
     out = {f"{prefix}{n}": (np.zeros((0,), shard.dtype), 0, shape)
            for n, shape in zip(lay.names, lay.shapes, strict=True)}
-    for n, a, b, at in lay.owned(rank):
+    for n, a, b, at in lay.owned(rank) if rank is not None else ():
         out[f"{prefix}{n}"] = (np.array(shard[at:at + b - a]), 0,
                                lay.shapes[lay.names.index(n)])
     return out

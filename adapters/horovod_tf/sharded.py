@@ -58,11 +58,12 @@ class TFSharded(TFDataParallel):
 
     shards: ShardedTF
     compresses = False  # (its reductions are the flat shards')
+    composes = ("replicate",)  # HSDP: the shards' group a node's ranks, replicas across
 
     @staticmethod
-    def check_layout(layout: Sharded) -> None:
-        if layout.tensor_parallel > 1:
-            raise ToolkitError(f"horovod-tf cannot run tensor_parallel={layout.tensor_parallel} "
+    def check_layout(layout: Any) -> None:
+        if layout.dims.tensor > 1:
+            raise ToolkitError(f"horovod-tf cannot run tensor_parallel={layout.dims.tensor} "
                                f"(layout {layout.name!r})",
                                "only jax-pjit splits layers: use tensor_parallel=1 or --backend "
                                "jax-pjit")

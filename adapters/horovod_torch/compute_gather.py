@@ -38,11 +38,12 @@ class ComputeGather:
     Args:
         torch, hvd: the modules.
         layouts: each unit's ``toolkit.parallel.shards.FlatLayout``.
-        rank: this rank.
+        rank: this rank's shard (its place in ``process_set``).
         compute: the torch compute dtype, or ``None``: one buffer, the unit's padded buffer
             gathered as it is (also what stages 1 and 2 hold).
         rounded: the names the arithmetic rounds to ``compute`` (``rounded_names``).
         device: where the index tensors live.
+        process_set: the Horovod process set the shards are gathered over (None: all ranks).
 
     Attributes:
         places: per unit, per parameter (in the layout's order): ``(buffer, offset)``, the
@@ -51,8 +52,10 @@ class ComputeGather:
     """
 
     def __init__(self, torch, hvd, layouts, rank: int, compute=None, rounded=frozenset(),
-                 device=None):
+                 device=None, process_set=None):
         self.torch, self.hvd, self.compute = torch, hvd, compute
+        # (the shards' group: the global set, or a replica's under HSDP)
+        self._in = {} if process_set is None else {"process_set": process_set}
         self.kept: list = []  # per unit: my shard's positions of the float32 ones, or None
         self.places: list[list[tuple[int, int]]] = []
         for fl in layouts:
@@ -75,11 +78,12 @@ class ComputeGather:
 
     def __call__(self, unit: int, shard) -> tuple:
         if self.compute is None:
-            return (self.hvd.allgather(shard, name=f"zero.gather.{unit}"),)
+            return (self.hvd.allgather(shard, name=f"zero.gather.{unit}", **self._in),)
         # (sent as its 16-bit patterns: Horovod's torch collectives take no bfloat16)
         low = self.hvd.allgather(shard.to(self.compute).view(self.torch.int16),
-                                 name=f"zero.gather.{unit}").view(self.compute)
+                                 name=f"zero.gather.{unit}", **self._in).view(self.compute)
         mine = self.kept[unit]
         if mine is None:
             return (low,)
-        return low, self.hvd.allgather(shard[mine], name=f"zero.gather.float.{unit}")
+        return low, self.hvd.allgather(shard[mine], name=f"zero.gather.float.{unit}",
+                                       **self._in)

@@ -55,6 +55,7 @@ from typing import Any
 
 import numpy as np
 
+from adapters._horovod.runtime import ShardGroup
 from adapters._update import StepScalars
 from adapters.horovod_torch import torch_optim
 from adapters.horovod_torch.compute_gather import ComputeGather, rounded_names
@@ -71,6 +72,11 @@ from toolkit.models.reference import optimizer_slots
 from toolkit.parallel.shards import FlatLayout
 
 __all__ = ["SHARDABLE", "ShardedParameters", "native_units", "spec_units"]
+
+
+def whole_world(hvd) -> ShardGroup:
+    """Every rank one shard (no replicas): ``Sharded(stage)``'s group."""
+    return ShardGroup(hvd.rank(), hvd.size(), hvd.global_process_set, None, True)
 
 
 def _unit_function(torch):
@@ -132,9 +138,12 @@ class ShardedParameters:
 
     def __init__(self, torch, hvd, net, layout, arrays: dict[str, np.ndarray],
                  units: dict[str, list[str]], stage: int, optimizer, dtype, device=None,
-                 compute=None):
+                 compute=None, group: Any = None):
         self.torch, self.hvd, self.stage, self.spec = torch, hvd, stage, optimizer
-        self.rank, self.size = hvd.rank(), hvd.size()
+        self.group = group if group is not None else whole_world(hvd)
+        # (the shard arithmetic's "rank": this rank's place in its data-parallel group)
+        self.rank, self.size = self.group.index, self.group.size
+        self._in = {"process_set": self.group.shards}  # every shard collective's group
         self.layouts = [FlatLayout.from_shapes({n: np.shape(arrays[n]) for n in names},
                                                self.size) for names in units.values()]
         self.native = None if isinstance(optimizer, SGD | Adam) else optimizer
@@ -157,7 +166,7 @@ class ShardedParameters:
         compute = compute if stage == 3 else None
         self._gather = ComputeGather(torch, hvd, self.layouts, self.rank, compute,
                                      rounded_names(arrays) if compute is not None else (),
-                                     device)
+                                     device, self.group.shards)
         self._cache: dict[int, tuple] = {}  # unit -> its tensors in the current forward
         self._live: dict[int, _Use] = {}  # storage address -> stage 3's current gathered unit
         if self.native is not None:
@@ -289,7 +298,8 @@ class ShardedParameters:
             if g is not None:
                 flat[o:o + n].copy_(g.reshape(-1))
         hvd = self.hvd
-        target.add_(hvd.reducescatter(flat, op=hvd.Average, name=f"zero.grad.{use.unit}"))
+        target.add_(hvd.reducescatter(flat, op=hvd.Average, name=f"zero.grad.{use.unit}",
+                                      **self._in))
 
     # ---------------------------------------------------------------------- the update
     def zero_grad(self) -> None:
@@ -297,11 +307,15 @@ class ShardedParameters:
             g.zero_()
 
     def reduce(self) -> None:
-        """Stage 1 averages the full gradient buffers across ranks (stages 2 and 3 reduced
-        theirs in the backward)."""
+        """Stage 1 averages the full gradient buffers across all ranks; stages 2 and 3
+        reduce-scattered theirs in the backward, and (HSDP) average each shard across its
+        replicas here, once per step."""
+        hvd = self.hvd
         if self.stage == 1:
-            hvd = self.hvd
             hvd.grouped_allreduce_(self.grads, op=hvd.Average, name="zero.grads")
+        elif self.group.replicas is not None:
+            hvd.grouped_allreduce_(self.grads, op=hvd.Average, name="zero.grads.replicas",
+                                   process_set=self.group.replicas)
 
     def sum_of_squares(self, grads: list):
         """The whole gradient's sum of squares (a tensor, the same on every rank) from this
@@ -311,7 +325,7 @@ class ShardedParameters:
         torch, hvd = self.torch, self.hvd
         sq = torch.stack([g.square().sum() for g in grads]).sum().reshape(1)
         if self.stage > 1:
-            sq = hvd.allreduce(sq, op=hvd.Sum, name="zero.grad_norm")
+            sq = hvd.allreduce(sq, op=hvd.Sum, name="zero.grad_norm", **self._in)
         return sq[0]
 
     def step(self, scalars: StepScalars, found_inf: Any = None) -> None:
@@ -340,14 +354,15 @@ class ShardedParameters:
             if self.stage < 3:
                 gathered = hvd.grouped_allgather(
                     [s.detach()[self._owned(u)] for u, s in enumerate(self.sources)],
-                    name="zero.params")
+                    name="zero.params", **self._in)
                 for source, full in zip(self.sources, gathered, strict=True):
                     source.copy_(full)
 
     # ---------------------------------------------------------------------- state
     def _full(self, unit: int, shard, what: str) -> np.ndarray:
         with self.torch.no_grad():
-            full = self.hvd.allgather(shard.detach(), name=f"zero.state.{what}.{unit}")
+            full = self.hvd.allgather(shard.detach(), name=f"zero.state.{what}.{unit}",
+                                      **self._in)
             return full.cpu().numpy()
 
     def state_dict(self) -> dict[str, np.ndarray]:
@@ -361,7 +376,15 @@ class ShardedParameters:
             for slot, shard in self.slots[unit].items():
                 full = fl.unflatten(self._full(unit, shard, slot))
                 out.update({f"opt/{slot}/{n}": a for n, a in full.items()})
+        self._meet()
         return {**out, **self._count()}
+
+    def _meet(self) -> None:
+        """Every rank waits for every other after collectives inside the shards' group
+        (HSDP): a rank that went on and ended its process would shut Horovod down under a
+        group still gathering."""
+        if self.group.replicas is not None:
+            self.hvd.barrier()
 
     def _count(self) -> dict[str, np.ndarray]:
         """A native optimizer's step count (a spec's is the strategy's UpdateRule's)."""
@@ -392,7 +415,8 @@ class ShardedParameters:
 
             def cut(shard: np.ndarray, prefix: str, fl=fl, owned=owned) -> None:
                 for name, shape in zip(fl.names, fl.shapes, strict=True):
-                    a, b, at = owned.get(name, (0, 0, 0))
+                    # (HSDP: the first replica writes; the others' pieces are empty)
+                    a, b, at = owned.get(name, (0, 0, 0)) if self.group.writes else (0, 0, 0)
                     pieces[prefix + name] = (shard[at:at + b - a].copy(), 0, shape)
 
             source = self.sources[unit].detach().cpu().numpy()

@@ -27,12 +27,14 @@ class TorchSharded(TorchDataParallel):
     compresses = False  # (its reductions are the flat shards')
     counts = True  # the spec optimizer's step count is the UpdateRule's
 
+    composes = ("replicate",)  # HSDP: the shards' group a node's ranks, replicas across
+
     @staticmethod
     def check_layout(layout: Any) -> None:
-        if layout.tensor_parallel > 1:
+        if layout.dims.tensor > 1:
             raise ToolkitError(
                 f"horovod-torch cannot split layers over ranks (layout {layout.name}, "
-                f"tensor_parallel={layout.tensor_parallel})",
+                f"tensor_parallel={layout.dims.tensor})",
                 "only jax-pjit splits layers: use tensor_parallel=1 or --backend jax-pjit")
 
     def _build_optimizer(self, model: Any, optimizer: Any, seed: int) -> None:
@@ -47,9 +49,10 @@ class TorchSharded(TorchDataParallel):
             arrays = model.init(seed, self.runtime.dtype_name)
             units = spec_units(arrays)
         self.shards = ShardedParameters(self.torch, self.hvd, self.net, self.params, arrays,
-                                        units, self.layout.stage, optimizer, self.dtype,
+                                        units, self.layout.dims.zero, optimizer, self.dtype,
                                         self.runtime.dev,
-                                        None if self.native else self.precision.autocast)
+                                        None if self.native else self.precision.autocast,
+                                        self.runtime.shard_group(self.layout))
         self.params = []  # the module's parameters are gone: the flat buffers hold them
 
     def _forwarding(self):
