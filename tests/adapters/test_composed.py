@@ -14,17 +14,25 @@ import toolkit
 from toolkit.equivalence import LOSS_TOLERANCE
 
 
-def test_hsdp_in_jax_pjit_equals_data_parallel_holds_its_estimate_and_resumes(launch,
-                                                                                tmp_path):
-    job = launch("any", 2, ["tests/scripts/composed_jax_worker.py", str(tmp_path)],
+# (horovod-tf's, the same flat-shard collectives in TF ops, with make test-long)
+@pytest.mark.parametrize(("backend", "ranks", "placement"), [
+    ("jax-pjit", 2, "rank 0 (replica 0, shards 0-1)  rank 1 (replica 1, shards 0-1)"),
+    ("horovod-torch", 4, "rank 0 (replica 0, shard 0)  rank 1 (replica 0, shard 1)"),
+    pytest.param("horovod-tf", 4, "rank 0 (replica 0, shard 0)", marks=pytest.mark.long),
+])
+def test_hsdp_equals_data_parallel_holds_its_estimate_and_resumes(launch, tmp_path, backend,
+                                                                  ranks, placement):
+    """``sharded:3+replicate:2`` on 4 devices (tests/scripts/hsdp_worker.py)."""
+    job = launch("any", ranks, ["tests/scripts/hsdp_worker.py", backend, str(tmp_path)],
                  timeout=300)
     assert job.returncode == 0, job
-    for rank in (0, 1):
+    for rank in range(ranks):
         for check in ("sharded:3+replicate:2 equals data parallel",
                       "bytes equal the estimate", "the checkpoint resumes as data parallel"):
             assert f"ok {check} on rank {rank}" in job.stdout, (check, job)
-    # the start-up block's placement: each process one replica, its 2 devices the 2 shards
-    assert "rank 0 (replica 0, shards 0-1)  rank 1 (replica 1, shards 0-1)" in job.stdout, job
+    # the start-up block's placement: each replica's ranks (devices) its shards
+    assert placement in job.stdout, job
+    assert f"rank {ranks - 1} (replica 1, shard" in job.stdout, job
 
 
 COMPOSED = ("sharded:3+replicate:2", "sharded:1+replicate:2", "data+tensor:2")
@@ -53,6 +61,8 @@ def test_composed_gpt_layouts_in_jax_pjit_equal_the_reference(launch, tmp_path):
     ("jax-pmap", "sharded:3+replicate:2", "replicate"),
     ("jax-pjit", "pipeline:2:2+sharded:1", "sharded"),
     ("jax-pjit", "pipeline:2:2+tensor:2", "tensor"),
+    ("horovod-torch", "pipeline:2:2+sharded:3", "sharded"),
+    ("horovod-torch", "data+tensor:2", "tensor"),
 ])
 def test_a_composition_a_backend_does_not_run_is_refused_naming_the_dimension(backend, layout,
                                                                              missing):

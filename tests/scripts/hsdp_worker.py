@@ -1,10 +1,11 @@
-"""Started on 2 processes x 2 CPU devices by tests/adapters/test_composed.py: jax-pjit's HSDP,
-``sharded:3+replicate:2`` (ZeRO-3 over each process's 2 devices, 2 replicas across the
-processes), in float64 with Adam and clipping.
+"""Started by tests/adapters/test_composed.py: HSDP, ``sharded:3+replicate:2`` on 4 devices
+(ZeRO-3 over each replica's 2 devices, 2 replicas), in float64 with Adam and clipping:
+``worker.py BACKEND FOLDER`` (jax-pjit: 2 processes x 2 CPU devices, a process a replica;
+the Horovod backends: 4 ranks, two consecutive ranks a replica).
 
 1. Its losses and state equal data parallel's (1e-10).
 2. The bytes each process holds are ``toolkit.memory.estimate``'s for 2 shards (the replicas
-   hold copies), times its 2 devices.
+   hold copies), times its devices.
 3. Its checkpoint (each process's pieces; the second replica's empty) reads back as data
    parallel's state, and a data-parallel run resumed from it equals an uninterrupted one.
 Prints one ``ok <check>`` line per check; any mismatch raises.
@@ -29,7 +30,8 @@ def data():
 
 
 def run(layout, steps, folder=None, resume=False):
-    adapter = adapters.get("jax-pjit", dtype="float64", local_devices=2)
+    options = {"local_devices": 2} if BACKEND == "jax-pjit" else {}
+    adapter = adapters.get(BACKEND, dtype="float64", **options)
     trainer = toolkit.Trainer(adapter, MODEL, toolkit.Adam(lr=1e-2), global_batch_size=16,
                               max_steps=steps, progress=False, layout=layout, seed=3,
                               clip_grad_norm=0.5, checkpoint_dir=folder,
@@ -41,9 +43,10 @@ def run(layout, steps, folder=None, resume=False):
 
 def main(folder: str) -> None:
     hsdp, hsdp_history = run(LAYOUT, 3, folder=Path(folder) / "hsdp")
-    env = hsdp.env
-    assert hsdp.strategy.mesh.shape == {"replicate": 2, "data": 2, "model": 1}, \
-        hsdp.strategy.mesh.shape
+    env, devices = hsdp.env, hsdp.local_device_count()
+    if BACKEND == "jax-pjit":
+        assert hsdp.strategy.mesh.shape == {"replicate": 2, "data": 2, "model": 1}, \
+            hsdp.strategy.mesh.shape
     held, hsdp_state = hsdp.memory_bytes(), hsdp.state_dict()
     dp, dp_history = run("data", 3)
     np.testing.assert_allclose(hsdp_history.losses, dp_history.losses, rtol=1e-10)
@@ -56,11 +59,11 @@ def main(folder: str) -> None:
     count = sum(a.size for a in MODEL.init(0).values())
     est = memory.estimate(count, toolkit.parse_layout(LAYOUT), 4, "float32", "adam")
     per_device = {"params": est.params, "grads": est.grads, "optimizer": est.optimizer}
-    assert held == {k: 2 * v * 2 for k, v in per_device.items()}, (held, est)  # (float64)
+    assert held == {k: devices * v * 2 for k, v in per_device.items()}, (held, est)  # float64
     print(f"ok bytes equal the estimate on rank {env.rank}: {held}", flush=True)
 
     saved = toolkit.read_checkpoint(sorted((Path(folder) / "hsdp").glob("step_*"))[-1])
-    assert saved.meta["shard_ranks"] == 2
+    assert saved.meta["shard_ranks"] == env.world_size
     for name in dp_state:
         np.testing.assert_allclose(saved.tensors[name], dp_state[name], atol=1e-10,
                                    err_msg=name)
@@ -71,4 +74,5 @@ def main(folder: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    BACKEND = sys.argv[1]
+    main(sys.argv[2])
