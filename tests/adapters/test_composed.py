@@ -19,7 +19,7 @@ from toolkit.equivalence import LOSS_TOLERANCE
     ("jax-pjit", 2, "rank 0 (replica 0, shards 0-1)  rank 1 (replica 1, shards 0-1)"),
     ("horovod-torch", 4, "rank 0 (replica 0, shard 0)  rank 1 (replica 0, shard 1)"),
     pytest.param("horovod-tf", 4, "rank 0 (replica 0, shard 0)", marks=pytest.mark.long),
-])
+], ids=["jax-pjit", "horovod-torch", "horovod-tf"])
 def test_hsdp_equals_data_parallel_holds_its_estimate_and_resumes(launch, tmp_path, backend,
                                                                   ranks, placement):
     """``sharded:3+replicate:2`` on 4 devices (tests/scripts/hsdp_worker.py)."""
