@@ -49,25 +49,27 @@ from toolkit.models.reference import optimizer_slots
 AXIS = "batch"
 
 
-def compute_gather(jax, axis: str, dtype, shard_dtype):
-    """``shard -> the whole flat buffer`` over ``axis``; with a compute ``dtype``, the shard
-    (of ``shard_dtype``) is cast before the all-gather, which then carries ``dtype``'s bytes,
-    and the backward reduce-scatters the gradient in ``shard_dtype``. Bit for bit what a
-    float32 gather followed by a cast computes (a cast is elementwise, and its transpose casts
-    back before the float32 reduce-scatter), in fewer bytes."""
+def compute_gather(jax, axis: str, dtype, shard_dtype, groups=None):
+    """``shard -> the whole flat buffer`` over ``axis`` (within ``groups``: lists of device
+    indices, None for all); with a compute ``dtype``, the shard (of ``shard_dtype``) is cast
+    before the all-gather, which then carries ``dtype``'s bytes, and the backward
+    reduce-scatters the gradient in ``shard_dtype``. Bit for bit what a float32 gather
+    followed by a cast computes (a cast is elementwise, and its transpose casts back before
+    the float32 reduce-scatter), in fewer bytes."""
     lax = jax.lax
     if dtype is None:
-        return lambda shard: lax.all_gather(shard, axis, tiled=True)
+        return lambda shard: lax.all_gather(shard, axis, tiled=True, axis_index_groups=groups)
 
     @jax.custom_vjp
     def gather(shard):
-        return lax.all_gather(shard.astype(dtype), axis, tiled=True)
+        return lax.all_gather(shard.astype(dtype), axis, tiled=True, axis_index_groups=groups)
 
     def forward(shard):
         return gather(shard), None
 
     def backward(_, g):
-        return (lax.psum_scatter(g.astype(shard_dtype), axis, tiled=True),)
+        return (lax.psum_scatter(g.astype(shard_dtype), axis, tiled=True,
+                                 axis_index_groups=groups),)
 
     gather.defvjp(forward, backward)
     return gather
@@ -76,6 +78,8 @@ def compute_gather(jax, axis: str, dtype, shard_dtype):
 class PmapSharded(PmapDataParallel):
     """``toolkit.Sharded(stage)`` for ``jax-pmap``: the data-parallel strategy with
     its hooks (``_build_layout``, ``_keep``, ``_full_params``) and state methods replaced."""
+
+    composes = ("replicate",)  # HSDP: shards within groups of devices (axis_index_groups)
 
     @staticmethod
     def check_layout(layout) -> None:
@@ -86,16 +90,27 @@ class PmapSharded(PmapDataParallel):
         check_sharded_optimizer(self.name, optimizer)
         params, _, model_state = self._build_common(model, optimizer, loss, seed,
                                                     accumulation_steps, metrics, init_opt=False)
-        stage = self.layout.stage
+        stage = self.layout.dims.zero
         self.spec = model
-        self.units = FlatUnits(self.model, jax.device_count())
-        # The global shard index of each local device (the position pmap gives it).
+        # HSDP: the devices of a replica shard the state among themselves (the collectives'
+        # axis_index_groups), and each shard is averaged across the replicas
+        grid = self.layout.dims.grid(jax.device_count())
+        shards = grid.extent("data")
+        self.groups, self.replica_groups = (
+            (None, None) if grid.extent("replicate") == 1 else
+            ([list(g) for g in grid.groups("data")], [list(g) for g in grid.groups("replicate")]))
+        self.units = FlatUnits(self.model, shards)
+        # The global index of each local device (the position pmap gives it).
         where = np.asarray(jax.pmap(lambda _: lax.axis_index(AXIS), axis_name=AXIS)(
             np.zeros(len(self.devices))))
         self.first = int(where[0])
-        if not np.array_equal(where, self.first + np.arange(len(where))):
+        # (its shard in its replica's group, and whether that replica writes the pieces)
+        self.first_shard, self.writes = self.first % shards, self.first < shards
+        if not np.array_equal(where, self.first + np.arange(len(where))) or \
+                self.first_shard + len(where) > shards:
             raise ToolkitError(f"jax-pmap: this process's devices are shards {where.tolist()}",
-                               "they must be consecutive (one process's devices together)")
+                               "they must be consecutive (one process's devices together, "
+                               "inside one replica)")
         host = self.units.flatten(self.model.flat(params))
         self.params = self._place_flat(host, whole=stage < 3)
         zeros = {u: np.zeros_like(a) for u, a in host.items()}
@@ -113,8 +128,8 @@ class PmapSharded(PmapDataParallel):
                                in_axes=(0, 0, 0, 0, 0, self._unmapped_scalars(), None),
                                donate_argnums=(0, 1, 2))
         self._pgather = jax.pmap(
-            lambda t: jax.tree_util.tree_map(lambda s: lax.all_gather(s, AXIS, tiled=True), t),
-            axis_name=AXIS)
+            lambda t: jax.tree_util.tree_map(lambda s: lax.all_gather(
+                s, AXIS, tiled=True, axis_index_groups=self.groups), t), axis_name=AXIS)
         self._jeval = jax.jit(self._eval_fn)
 
     def _place_flat(self, host: dict[str, np.ndarray], whole: bool) -> dict[str, Any]:
@@ -123,8 +138,9 @@ class PmapSharded(PmapDataParallel):
         out = {}
         for unit, flat in host.items():
             size = self.units.layouts[unit].shard_size
+            first = self.first_shard
             stacked = (np.stack([flat] * n) if whole else
-                       flat[self.first * size:(self.first + n) * size].reshape(n, size))
+                       flat[first * size:(first + n) * size].reshape(n, size))
             out[unit] = self.jax.device_put(stacked, self.stacked)
         return out
 
@@ -138,7 +154,7 @@ class PmapSharded(PmapDataParallel):
         names = list(layouts)
         tied_extra = self.model.gpt is not None and self.spec.tied
 
-        gather = compute_gather(jax, AXIS, self.precision.compute, self.dtype)
+        gather = compute_gather(jax, AXIS, self.precision.compute, self.dtype, self.groups)
 
         # the backward gathers each unit again; without activation checkpointing it keeps the
         # unit's matrix products and recomputes only the elementwise operations between them
@@ -170,9 +186,10 @@ class PmapSharded(PmapDataParallel):
     def _sharded_device_step(self, params, opt_state, model_state, x, y, scalars, seed):
         jax, lax, n = self.jax, self.jax.lax, self.units.shards
         tmap = jax.tree_util.tree_map
-        index = lax.axis_index(AXIS)
-        key = jax.random.fold_in(jax.random.PRNGKey(seed), index)
-        stage = self.layout.stage
+        key = jax.random.fold_in(jax.random.PRNGKey(seed), lax.axis_index(AXIS))
+        index = lax.axis_index(AXIS) % n  # this device's shard (in its replica's group)
+        groups = self.groups
+        stage = self.layout.dims.zero
         forward = self._fsdp_forward if stage == 3 else self._flat_forward
         before = (params, opt_state, model_state)
         scale = self.loss_scale(scalars)
@@ -186,16 +203,19 @@ class PmapSharded(PmapDataParallel):
             return lax.dynamic_slice_in_dim(full, index * size, size)
 
         jnp = self.jnp
-        if stage == 3:  # the all-gathers' transposes summed every device's gradient
+        if stage == 3:  # the all-gathers' transposes summed the group's gradients
             grads = tmap(lambda g: g / n, grads)
         elif stage == 1:  # the full gradient on every device
             grads = lax.pmean(grads, AXIS)
         else:  # each device's shard (zero padding)
-            grads = tmap(lambda g: lax.psum_scatter(g, AXIS, tiled=True) / n, grads)
+            grads = tmap(lambda g: lax.psum_scatter(g, AXIS, tiled=True,
+                                                    axis_index_groups=groups) / n, grads)
+        if stage > 1 and self.replica_groups is not None:  # (HSDP: across the replicas)
+            grads = lax.pmean(grads, AXIS, axis_index_groups=self.replica_groups)
 
         def sum_squares(g):  # stage 1: every device holds the whole gradient; 2, 3: a shard
             sq = squares(jnp, g)
-            return sq if stage == 1 else lax.psum(sq, AXIS)
+            return sq if stage == 1 else lax.psum(sq, AXIS, axis_index_groups=groups)
 
         def apply(g):  # stage 3 updates its own shards; 1 and 2 gather the updated ones
             if stage == 3:
@@ -204,7 +224,8 @@ class PmapSharded(PmapDataParallel):
             shard = {u: mine(a, u) for u, a in g.items()} if stage == 1 else g
             updated, opt = apply_optimizer(self.rule, self.tx, shard, opt_state,
                                            {u: mine(p, u) for u, p in params.items()}, scalars)
-            return tmap(lambda s: lax.all_gather(s, AXIS, tiled=True), updated), opt, new_state
+            return tmap(lambda s: lax.all_gather(s, AXIS, tiled=True, axis_index_groups=groups),
+                        updated), opt, new_state
 
         (params, opt_state, model_state), norm = update(jnp, self.rule, grads, sum_squares,
                                                         apply, before, scalars)
@@ -222,7 +243,7 @@ class PmapSharded(PmapDataParallel):
                                  self.model.params)
 
     def _full_params(self):
-        return self._tree(self.params, self.layout.stage < 3)
+        return self._tree(self.params, self.layout.dims.zero < 3)
 
     def _keep(self, out) -> None:
         self.grads = out[4]  # the gradient this layout keeps (memory_bytes counts it)
@@ -242,7 +263,7 @@ class PmapSharded(PmapDataParallel):
             {slot: like for slot in self.opt_state}, self._local(self.model_state))
         flatten = self.units.flatten
         self.params = self._place_flat(flatten(self.model.flat(params)),
-                                       whole=self.layout.stage < 3)
+                                       whole=self.layout.dims.zero < 3)
         if self.optax is not None:
             self.opt_state = self.optax.from_tree(
                 opt_state, lambda named: self._place_flat(flatten(named), whole=False))
@@ -260,8 +281,10 @@ class PmapSharded(PmapDataParallel):
         pieces = {}
         for key, store in stores:
             for unit, stacked in store.items():
-                lo = self.first * self.units.layouts[unit].shard_size
-                pieces.update(self.units.pieces(unit, lo, np.asarray(stacked).reshape(-1),
+                lo = self.first_shard * self.units.layouts[unit].shard_size
+                data = np.asarray(stacked).reshape(-1)
+                # (HSDP: the first replica writes; the others' pieces are empty)
+                pieces.update(self.units.pieces(unit, lo, data if self.writes else data[:0],
                                                 key))
         return replicated, pieces
 

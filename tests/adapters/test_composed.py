@@ -17,9 +17,10 @@ from toolkit.equivalence import LOSS_TOLERANCE
 # (horovod-tf's, the same flat-shard collectives in TF ops, with make test-long)
 @pytest.mark.parametrize(("backend", "ranks", "placement"), [
     ("jax-pjit", 2, "rank 0 (replica 0, shards 0-1)  rank 1 (replica 1, shards 0-1)"),
+    ("jax-pmap", 2, "rank 0 (replica 0, shards 0-1)  rank 1 (replica 1, shards 0-1)"),
     ("horovod-torch", 4, "rank 0 (replica 0, shard 0)  rank 1 (replica 0, shard 1)"),
     pytest.param("horovod-tf", 4, "rank 0 (replica 0, shard 0)", marks=pytest.mark.long),
-], ids=["jax-pjit", "horovod-torch", "horovod-tf"])
+], ids=["jax-pjit", "jax-pmap", "horovod-torch", "horovod-tf"])
 def test_hsdp_equals_data_parallel_holds_its_estimate_and_resumes(launch, tmp_path, backend,
                                                                   ranks, placement):
     """``sharded:3+replicate:2`` on 4 devices (tests/scripts/hsdp_worker.py)."""
@@ -58,7 +59,7 @@ def test_composed_gpt_layouts_in_jax_pjit_equal_the_reference(launch, tmp_path):
 
 
 @pytest.mark.parametrize(("backend", "layout", "missing"), [
-    ("jax-pmap", "sharded:3+replicate:2", "replicate"),
+    ("jax-pmap", "data+tensor:2", "tensor"),
     ("jax-pjit", "pipeline:2:2+sharded:1", "sharded"),
     ("jax-pjit", "pipeline:2:2+tensor:2", "tensor"),
     ("horovod-torch", "pipeline:2:2+sharded:3", "sharded"),

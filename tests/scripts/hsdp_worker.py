@@ -1,6 +1,6 @@
 """Started by tests/adapters/test_composed.py: HSDP, ``sharded:3+replicate:2`` on 4 devices
 (ZeRO-3 over each replica's 2 devices, 2 replicas), in float64 with Adam and clipping:
-``worker.py BACKEND FOLDER`` (jax-pjit: 2 processes x 2 CPU devices, a process a replica;
+``worker.py BACKEND FOLDER`` (JAX: 2 processes x 2 CPU devices, a process a replica;
 the Horovod backends: 4 ranks, two consecutive ranks a replica).
 
 1. Its losses and state equal data parallel's (1e-10).
@@ -30,7 +30,7 @@ def data():
 
 
 def run(layout, steps, folder=None, resume=False):
-    options = {"local_devices": 2} if BACKEND == "jax-pjit" else {}
+    options = {"local_devices": 2} if BACKEND.startswith("jax-") else {}
     adapter = adapters.get(BACKEND, dtype="float64", **options)
     trainer = toolkit.Trainer(adapter, MODEL, toolkit.Adam(lr=1e-2), global_batch_size=16,
                               max_steps=steps, progress=False, layout=layout, seed=3,
