@@ -3,7 +3,7 @@ ranks against HSDP (ZeRO-3 inside each node, the two nodes' shards averaged acro
 measured on the link itself beside what the ring formula predicts.
 
     .venv/bin/python benchmarks/node_link_bytes.py                       # as root
-    .venv/bin/python benchmarks/node_link_bytes.py --backends horovod-torch,jax-pjit --json out.json
+    .venv/bin/python benchmarks/node_link_bytes.py --backends horovod-torch --short 1 --long 3
 
 It starts the local two-node cluster (``slurm/local_cluster.sh start --nodes 2``: node1 and
 node2 are network namespaces joined by a bridge, each behind a veth whose host end is
@@ -67,7 +67,7 @@ def param_bytes(args) -> int:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="benchmarks/node_link_bytes.py", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--backends", default="horovod-torch,horovod-tf,jax-pjit")
+    p.add_argument("--backends", default="horovod-torch,horovod-tf,jax-pmap,jax-pjit")
     p.add_argument("--layouts", default=",".join(LAYOUTS), help="separated by ;")
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--width", type=int, default=128)
@@ -102,7 +102,7 @@ def measure(args, env: dict) -> int:
     print(f"{'backend':<14} {'layout':<24} {'MB/step':>9} {'x P':>6} {'ring formula':>13}")
     for backend in args.backends.split(","):
         for layout in args.layouts.replace(";", ",").split(","):
-            short, _ = train(env, backend, layout, args.short, args)
+            short, out = train(env, backend, layout, args.short, args)
             long_, _ = train(env, backend, layout, args.long, args)
             per_step = (long_ - short) / (args.long - args.short)
             formula = FORMULA.get(layout)
@@ -110,6 +110,8 @@ def measure(args, env: dict) -> int:
                          "param_bytes": P, "formula_x_P": formula})
             print(f"{backend:<14} {layout:<24} {per_step / 1e6:9.2f} {per_step / P:6.2f} "
                   f"{'' if formula is None else f'{formula:.1f} P':>13}", flush=True)
+            placement = out[out.find("\nplacement") + 1:].splitlines()[:2]
+            print("\n".join(f"    {line}" for line in placement if line.strip()), flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps({"rows": rows}, indent=1))
     return 0

@@ -81,12 +81,6 @@ SMOKE: dict[str, Smoke] = {
         (r"^state: \d+ MB in \d+ float32 arrays", r"toolkit save / np\.save\+fsync",
          r"^training step \(horovod-torch MLP"),
         options={"--mb": "1", "--repeats": "1", "--steps": "2"}),
-    # (starts the two-node cluster itself, as root, and stops it if it was not running)
-    "benchmarks/node_link_bytes.py": Smoke(
-        (r"^backend\s+layout\s+MB/step\s+x P\s+ring formula",
-         r"^horovod-torch\s+sharded:3\+replicate:2\s+[\d.]+\s+[\d.]+\s+2\.0 P"),
-        options={"--backends": "horovod-torch", "--short": "1", "--long": "2",
-                 "--layers": "1", "--width": "32"}, outputs=("--json",)),
     "benchmarks/staging.py": Smoke(
         (r"^corpus: \d+ MB of uint16 tokens", r"^staging: first copy [\d.]+ s",
          r"^sequential, [\d,]+ MB\s+[\d.]+ s", r"^random windows, \d+x32x1024\s+[\d.]+ s"),
@@ -163,6 +157,8 @@ NOT_RUN: dict[str, str] = {
     "sbatch": "Slurm job control (tests/test_preemption.py submits real jobs)",
     "scancel": "Slurm job control (tests/test_preemption.py submits real jobs)",
     "tools/faults.py": "runs the suite against edited copies (make faults: minutes)",
+    "benchmarks/node_link_bytes.py": "needs the two-node cluster (tests/test_two_nodes.py runs "
+                                     "it and checks its figures)",
     "tools/mutation.py": "runs mutmut on the core's unit tests (make mutation: minutes)",
     "-m pytest": "the test runner itself",
     "-m adapters.export": "converts a checkpoint a user names (no figure; tests/adapters)",

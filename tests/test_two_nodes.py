@@ -8,11 +8,14 @@ nodes, and a checkpoint written from both nodes resumed on one."""
 
 import json
 import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 
 WORKER = "tests/scripts/launch_env_worker.py"
+ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.parametrize("launcher, reported", [
@@ -168,3 +171,25 @@ def test_the_scaling_study_marks_where_the_job_spans_the_second_node(two_node_jo
     image = matplotlib.image.imread(str(png))[..., :3]
     red = (image[..., 0] > 0.7) & (image[..., 1] < 0.3) & (image[..., 2] < 0.3)  # C3's line
     assert red.sum() > 100
+
+
+# (make test-long: the suite is past 40 minutes; HSDP's runs in make test are on one node)
+@pytest.mark.long
+@pytest.mark.slow
+def test_hsdp_keeps_the_shards_collectives_inside_a_node(two_node_cluster, tmp_path):
+    """``sharded:3+replicate:2`` on 2 nodes x 2 ranks, horovod-torch: each node one replica
+    (the placement table), and the bytes per step on the link between the nodes, measured on
+    the link itself (benchmarks/node_link_bytes.py), are what the ring formula says for its one
+    collective across it: 2 P, each shard's all-reduce (ZeRO-3 over the four ranks moves about
+    10 P there: docs/layouts/composing.md)."""
+    out = tmp_path / "link.json"
+    proc = subprocess.run([sys.executable, "benchmarks/node_link_bytes.py", "--backends",
+                           "horovod-torch", "--layouts", "sharded:3+replicate:2", "--short", "1",
+                           "--long", "3", "--layers", "1", "--width", "64", "--json", str(out)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    row, = json.loads(out.read_text())["rows"]
+    per_p = row["bytes_per_step"] / row["param_bytes"]
+    assert 1.9 < per_p < 2.2, (per_p, proc.stdout)
+    assert "node1: rank 0 (replica 0, shard 0)  rank 1 (replica 0, shard 1)" in proc.stdout
+    assert "node2: rank 2 (replica 1, shard 0)  rank 3 (replica 1, shard 1)" in proc.stdout

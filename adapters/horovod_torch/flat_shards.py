@@ -166,7 +166,8 @@ class ShardedParameters:
         compute = compute if stage == 3 else None
         self._gather = ComputeGather(torch, hvd, self.layouts, self.rank, compute,
                                      rounded_names(arrays) if compute is not None else (),
-                                     device, self.group.shards)
+                                     device, None if self.group.replicas is None
+                                     else self.group.shards)
         self._cache: dict[int, tuple] = {}  # unit -> its tensors in the current forward
         self._live: dict[int, _Use] = {}  # storage address -> stage 3's current gathered unit
         if self.native is not None:

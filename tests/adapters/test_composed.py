@@ -14,12 +14,11 @@ import toolkit
 from toolkit.equivalence import LOSS_TOLERANCE
 
 
-# (horovod-tf's, the same flat-shard collectives in TF ops, with make test-long)
 @pytest.mark.parametrize(("backend", "ranks", "placement"), [
     ("jax-pjit", 2, "rank 0 (replica 0, shards 0-1)  rank 1 (replica 1, shards 0-1)"),
     ("jax-pmap", 2, "rank 0 (replica 0, shards 0-1)  rank 1 (replica 1, shards 0-1)"),
     ("horovod-torch", 4, "rank 0 (replica 0, shard 0)  rank 1 (replica 0, shard 1)"),
-    pytest.param("horovod-tf", 4, "rank 0 (replica 0, shard 0)", marks=pytest.mark.long),
+    ("horovod-tf", 4, "rank 0 (replica 0, shard 0)"),
 ], ids=["jax-pjit", "jax-pmap", "horovod-torch", "horovod-tf"])
 def test_hsdp_equals_data_parallel_holds_its_estimate_and_resumes(launch, tmp_path, backend,
                                                                   ranks, placement):
@@ -39,6 +38,8 @@ def test_hsdp_equals_data_parallel_holds_its_estimate_and_resumes(launch, tmp_pa
 COMPOSED = ("sharded:3+replicate:2", "sharded:1+replicate:2", "data+tensor:2")
 
 
+# (make test smoke-runs docs/layouts/composing.md's jax-pjit command: data+tensor:2, the GPT)
+@pytest.mark.long
 @pytest.mark.slow
 def test_composed_gpt_layouts_in_jax_pjit_equal_the_reference(launch, tmp_path):
     """The GPT (AdamW, clipped) on 2 processes x 2 devices: HSDP at ZeRO-3 and ZeRO-1, and
@@ -88,3 +89,14 @@ def test_a_composition_that_does_not_fit_the_devices_names_the_dimension():
     assert str(err.value) == (
         "layout sharded:3+replicate:3: replicate 3 does not fit the 2 devices (1 process(es) "
         "x 2)\nHINT: use replicate one of [1, 2], or launch a multiple of 3 devices")
+
+
+@pytest.mark.parametrize("backend", ["jax-pmap", "jax-pjit"])
+def test_a_placement_the_jax_backends_do_not_lay_out_is_refused(backend):
+    layout = toolkit.parse_layout("sharded:3+replicate:2+place:replicate:data:tensor:pipeline")
+    with pytest.raises(toolkit.ToolkitError) as err:
+        adapters.get(backend).setup(toolkit.LaunchEnv(), layout)
+    assert str(err.value) == (
+        f"{backend} places a sharded layout's devices in the default order only, not "
+        "place:replicate:data:tensor:pipeline\nHINT: drop place: (the default: "
+        "tensor:data:pipeline:replicate, innermost first)")
