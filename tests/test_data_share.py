@@ -21,12 +21,11 @@ CONFIGS = [
     ("horovod-tf", 2, None, {"pipeline:2:2": 1, "data": 2, "sharded:3": 2}),
     ("horovod-tf", 4, None, {"pipeline:2:2": 2, "data": 4, "sharded:3": 4}),
     ("jax-pmap", 2, 1, {"data": 2, "sharded:3": 2, "pipeline:2:2": 1}),
-    ("jax-pmap", 2, 2, {"data": 2, "sharded:2": 2, "sharded:3+replicate:2": 2}),
+    ("jax-pmap", 2, 2, {"data": 2, "sharded:2": 2}),
     # one device per process: a model axis of 2 spans both processes (one replica)
     ("jax-pjit", 2, 1, {"data": 2, "sharded:3": 2, "sharded:3:tp2": 1, "pipeline:2:2": 1}),
     # two devices per process: tp2 inside each process, tp4 over both
-    ("jax-pjit", 2, 2, {"data": 2, "sharded:3:tp2": 2, "sharded:3:tp4": 1,
-                        "sharded:3+replicate:2": 2}),
+    ("jax-pjit", 2, 2, {"data": 2, "sharded:3:tp2": 2, "sharded:3:tp4": 1}),
     ("jax-pjit", 4, 1, {"sharded:3:tp2": 2, "sharded:3:tp4": 1, "pipeline:2:2": 2}),
 ]
 LONG = {("horovod-tf", 4), ("jax-pjit", 4)}

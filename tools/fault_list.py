@@ -68,7 +68,7 @@ FAULTS: list[Fault] = [
           "        elif self.group.replicas is not None:",
           "        elif False:",
           ("tests/adapters/test_composed.py::"
-           "test_hsdp_equals_data_parallel_holds_its_estimate_and_resumes[horovod-torch]",),
+           "test_hsdp_equals_the_reference_holds_its_estimate_and_resumes[horovod-torch]",),
           "HSDP: each replica's gradient shards not averaged across the replicas"),
     Fault("not-averaged-sharded", "jax-pmap", "adapters/jax_pmap/sharded.py",
           "grads = tmap(lambda g: g / n, grads)",

@@ -20,14 +20,14 @@ from toolkit.equivalence import LOSS_TOLERANCE
     ("horovod-torch", 4, "rank 0 (replica 0, shard 0)  rank 1 (replica 0, shard 1)"),
     ("horovod-tf", 4, "rank 0 (replica 0, shard 0)"),
 ], ids=["jax-pjit", "jax-pmap", "horovod-torch", "horovod-tf"])
-def test_hsdp_equals_data_parallel_holds_its_estimate_and_resumes(launch, tmp_path, backend,
+def test_hsdp_equals_the_reference_holds_its_estimate_and_resumes(launch, tmp_path, backend,
                                                                   ranks, placement):
     """``sharded:3+replicate:2`` on 4 devices (tests/scripts/hsdp_worker.py)."""
     job = launch("any", ranks, ["tests/scripts/hsdp_worker.py", backend, str(tmp_path)],
                  timeout=300)
     assert job.returncode == 0, job
     for rank in range(ranks):
-        for check in ("sharded:3+replicate:2 equals data parallel",
+        for check in ("sharded:3+replicate:2 equals the reference",
                       "bytes equal the estimate", "the checkpoint resumes as data parallel"):
             assert f"ok {check} on rank {rank}" in job.stdout, (check, job)
     # the start-up block's placement: each replica's ranks (devices) its shards

@@ -42,11 +42,15 @@ TOLERANCE = {"horovod-torch": 1e-12, "horovod-tf": 1e-12, "horovod-torch-spec": 
 # horovod-tf and horovod-torch (the MLPs under the same layouts run in `make test`), and
 # horovod-tf's Keras optimizer in float32 (in float64 it runs the same pipelines).
 LONG = {"horovod-tf-spec", "horovod-torch-spec", "horovod-tf-32"}
+# (the Keras optimizer's resume across layouts with make test-long: make test resumes
+# horovod-torch's torch.optim across layouts, and trains the Keras one under every layout)
+RESUME_LONG = {"horovod-tf"}
 REFERENCES: dict[str, np.ndarray] = {}
 
 
 def cases(with_resume: bool = False) -> list:
-    return [pytest.param(c, marks=[pytest.mark.long] if c in LONG else [])
+    long = LONG | RESUME_LONG if with_resume else LONG
+    return [pytest.param(c, marks=[pytest.mark.long] if c in long else [])
             for c in sorted(CASES) if CASES[c][2] or not with_resume]
 
 

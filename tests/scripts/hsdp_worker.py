@@ -3,11 +3,11 @@
 ``worker.py BACKEND FOLDER`` (JAX: 2 processes x 2 CPU devices, a process a replica;
 the Horovod backends: 4 ranks, two consecutive ranks a replica).
 
-1. Its losses and state equal data parallel's (1e-10).
+1. Its losses and parameters equal the one-process float64 reference's (1e-10).
 2. The bytes each process holds are ``toolkit.memory.estimate``'s for 2 shards (the replicas
    hold copies), times its devices.
-3. Its checkpoint (each process's pieces; the second replica's empty) reads back as data
-   parallel's state, and a data-parallel run resumed from it equals an uninterrupted one.
+3. Its checkpoint (each process's pieces; the second replica's empty) reads back as the state
+   it returned, and a data-parallel run resumed from it goes on as the reference does.
 Prints one ``ok <check>`` line per check; any mismatch raises.
 """
 
@@ -19,9 +19,11 @@ import numpy as np
 import adapters
 import toolkit
 from toolkit import memory
+from toolkit.models.reference import reference_run
 
 LAYOUT = "sharded:3+replicate:2"
 MODEL = toolkit.MLP((5, 6, 4))  # units of 36 and 28 elements: no padding over 2 shards
+OPTIMIZER, CLIP = toolkit.Adam(lr=1e-2), 0.5
 
 
 def data():
@@ -29,33 +31,33 @@ def data():
     return rng.standard_normal((96, 5)), rng.integers(0, 4, 96)
 
 
-def run(layout, steps, folder=None, every=None, resume=False):
+def run(layout, steps, folder, resume=False):
     options = {"local_devices": 2} if BACKEND.startswith("jax-") else {}
     adapter = adapters.get(BACKEND, dtype="float64", **options)
-    trainer = toolkit.Trainer(adapter, MODEL, toolkit.Adam(lr=1e-2), global_batch_size=16,
-                              max_steps=steps, progress=False, layout=layout, seed=3,
-                              clip_grad_norm=0.5, checkpoint_dir=folder,
-                              checkpoint_every=every or (steps if folder else None),
+    trainer = toolkit.Trainer(adapter, MODEL, OPTIMIZER, global_batch_size=16,
+                              max_steps=steps, progress=False, layout=layout,
+                              clip_grad_norm=CLIP, checkpoint_dir=folder, checkpoint_every=steps,
                               resume="auto" if resume else None)
     history = trainer.fit(*data())
     return adapter, history
 
 
 def main(folder: str) -> None:
-    hsdp, hsdp_history = run(LAYOUT, 3, folder=Path(folder) / "hsdp")
+    # the one-process float64 reference: 3 steps (the state HSDP saves) and 5
+    reference = {n: reference_run(MODEL, OPTIMIZER, "cross_entropy", *data(), steps=n,
+                                  global_batch_size=16, clip_grad_norm=CLIP)
+                 for n in (3, 5)}
+    hsdp, hsdp_history = run(LAYOUT, 3, Path(folder))
     env, devices = hsdp.env, hsdp.local_device_count()
     if BACKEND == "jax-pjit":
         assert hsdp.strategy.mesh.shape == {"replicate": 2, "data": 2, "model": 1}, \
             hsdp.strategy.mesh.shape
-    held, hsdp_state = hsdp.memory_bytes(), hsdp.state_dict()
-    # data parallel for 5 steps, its state at step 3 from its checkpoint
-    _, dp_history = run("data", 5, folder=Path(folder) / "dp", every=3)
-    dp_state = toolkit.read_checkpoint(Path(folder) / "dp" / "step_000000003").tensors
-    np.testing.assert_allclose(hsdp_history.losses, dp_history.losses[:3], rtol=1e-10)
-    assert set(hsdp_state) <= set(dp_state)
-    for name in hsdp_state:
-        np.testing.assert_allclose(hsdp_state[name], dp_state[name], atol=1e-10, err_msg=name)
-    print(f"ok {LAYOUT} equals data parallel on rank {env.rank}", flush=True)
+    held, state = hsdp.memory_bytes(), hsdp.state_dict()
+    losses, params = reference[3]
+    np.testing.assert_allclose(hsdp_history.losses, losses, rtol=1e-10)
+    for name, value in params.items():
+        np.testing.assert_allclose(state[f"params/{name}"], value, atol=1e-10, err_msg=name)
+    print(f"ok {LAYOUT} equals the reference on rank {env.rank}", flush=True)
 
     count = sum(a.size for a in MODEL.init(0).values())
     est = memory.estimate(count, toolkit.parse_layout(LAYOUT), 4, "float32", "adam")
@@ -63,13 +65,14 @@ def main(folder: str) -> None:
     assert held == {k: devices * v * 2 for k, v in per_device.items()}, (held, est)  # float64
     print(f"ok bytes equal the estimate on rank {env.rank}: {held}", flush=True)
 
-    saved = toolkit.read_checkpoint(sorted((Path(folder) / "hsdp").glob("step_*"))[-1])
+    # its checkpoint (pieces from the first replica's ranks) holds the state it returned, and
+    # data parallelism resumes from it as the reference goes on
+    saved = toolkit.read_checkpoint(sorted(Path(folder).glob("step_*"))[-1])
     assert saved.meta["shard_ranks"] == env.world_size
-    for name in hsdp_state:
-        np.testing.assert_allclose(saved.tensors[name], dp_state[name], atol=1e-10,
-                                   err_msg=name)
-    _, resumed = run("data", 5, folder=Path(folder) / "hsdp", resume=True)
-    np.testing.assert_allclose(resumed.losses[-2:], dp_history.losses[3:], rtol=1e-10)
+    for name, value in state.items():
+        np.testing.assert_array_equal(saved.tensors[name], value, err_msg=name)
+    _, resumed = run("data", 5, Path(folder), resume=True)
+    np.testing.assert_allclose(resumed.losses[-2:], reference[5][0][3:], rtol=1e-10)
     print(f"ok the checkpoint resumes as data parallel on rank {env.rank}", flush=True)
 
 
