@@ -100,3 +100,19 @@ def test_a_placement_the_jax_backends_do_not_lay_out_is_refused(backend):
         f"{backend} places a sharded layout's devices in the default order only, not "
         "place:replicate:data:tensor:pipeline\nHINT: drop place: (the default: "
         "tensor:data:pipeline:replicate, innermost first)")
+
+
+# (make test-long: the suite is past 40 minutes; the default placement runs in make test)
+@pytest.mark.long
+@pytest.mark.slow
+def test_another_placement_in_horovod_equals_the_reference(launch, tmp_path):
+    """The replicas innermost (ranks 0 and 1 hold the same shard): HSDP's process sets and
+    checkpoint writers follow the grid, and the run equals the float64 reference."""
+    out = tmp_path / "eq.json"
+    layout = "sharded:3+replicate:2+place:replicate:data:tensor:pipeline"
+    job = launch("python", 1, ["-m", "adapters.equivalence", "--backends", "horovod-torch",
+                               "--world-sizes", "4", "--layout", layout, "--steps", "3",
+                               "--dtype", "float64", "--json", str(out)], timeout=300)
+    assert job.returncode == 0, job
+    row, = json.loads(out.read_text())["results"]
+    assert row["layout"] == layout and row["status"] == "pass", row
