@@ -170,9 +170,7 @@ class HvdPipeline(RoundMessages, StrategyBase):
 
     def _process_set(self, ranks: tuple[int, ...]) -> Any:
         """The Horovod process set of ``ranks`` (registered by ``init_horovod``)."""
-        if len(ranks) == self.env.world_size:
-            return self.hvd.global_process_set
-        found = self.runtime.process_sets.get(tuple(ranks))
+        found = self.runtime.process_set(ranks)
         if found is None:
             raise ToolkitError(
                 f"{self.layout} averages gradients in the Horovod process set of ranks "

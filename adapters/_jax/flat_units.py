@@ -20,6 +20,7 @@ import numpy as np
 
 from adapters._jax.models.layers import dense
 from toolkit import CNN, MLP, ToolkitError
+from toolkit.parallel.layouts import AXES
 from toolkit.parallel.shards import FlatLayout, unit_layouts
 
 
@@ -82,8 +83,9 @@ def unit_named(layout: FlatLayout, flat: Any) -> dict[str, Any]:
 
 
 def check_layout(backend: str, layout: Any, tensor_parallel_ok: bool = False) -> Any:
-    """``layout`` when its dimensions shard (or split tensors) without a pipeline;
-    ``tensor > 1`` only where the backend splits layers."""
+    """``layout`` when its dimensions shard (or split tensors) without a pipeline, in the
+    default placement (a device's shard follows the launch's device order); ``tensor > 1``
+    only where the backend splits layers."""
     dims = getattr(layout, "dims", None)
     if dims is None or dims.pipeline is not None or not (dims.zero or dims.tensor > 1):
         raise ToolkitError(f"{backend} cannot shard as {layout!r}",
@@ -92,6 +94,11 @@ def check_layout(backend: str, layout: Any, tensor_parallel_ok: bool = False) ->
         raise ToolkitError(
             f"{backend} cannot run tensor_parallel={dims.tensor}: only jax-pjit "
             "splits layers", "use tensor_parallel=1 or --backend jax-pjit")
+    if dims.place != AXES:
+        raise ToolkitError(
+            f"{backend} places a sharded layout's devices in the default order only, not "
+            f"place:{':'.join(dims.place)}",
+            f"drop place: (the default: {':'.join(AXES)}, innermost first)")
     return layout
 
 

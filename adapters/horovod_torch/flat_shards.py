@@ -74,11 +74,6 @@ from toolkit.parallel.shards import FlatLayout
 __all__ = ["SHARDABLE", "ShardedParameters", "native_units", "spec_units"]
 
 
-def whole_world(hvd) -> ShardGroup:
-    """Every rank one shard (no replicas): ``Sharded(stage)``'s group."""
-    return ShardGroup(hvd.rank(), hvd.size(), hvd.global_process_set, None, True)
-
-
 def _unit_function(torch):
     class UnitParams(torch.autograd.Function):
         """Forward: a unit's parameters (gathered in stage 3) as views; backward: their
@@ -134,13 +129,15 @@ class ShardedParameters:
             optimizer over ``net``'s parameters (``torch_optim.check_elementwise``).
         dtype, device: the torch dtype and device (the rank's GPU, or the CPU) of every buffer.
         compute: stage 3 gathers a spec model's units in this dtype (``compute_gather.py``).
+        group: where this rank's shards sit (``adapters._horovod.runtime.ShardGroup``: all
+            ranks, or under HSDP its replica's, and the replicas it averages across).
     """
 
     def __init__(self, torch, hvd, net, layout, arrays: dict[str, np.ndarray],
                  units: dict[str, list[str]], stage: int, optimizer, dtype, device=None,
-                 compute=None, group: Any = None):
+                 compute=None, *, group: ShardGroup):
         self.torch, self.hvd, self.stage, self.spec = torch, hvd, stage, optimizer
-        self.group = group if group is not None else whole_world(hvd)
+        self.group = group
         # (the shard arithmetic's "rank": this rank's place in its data-parallel group)
         self.rank, self.size = self.group.index, self.group.size
         self._in = {"process_set": self.group.shards}  # every shard collective's group

@@ -52,7 +52,7 @@ class TorchSharded(TorchDataParallel):
                                         units, self.layout.dims.zero, optimizer, self.dtype,
                                         self.runtime.dev,
                                         None if self.native else self.precision.autocast,
-                                        self.runtime.shard_group(self.layout))
+                                        group=self.runtime.shard_group(self.layout))
         self.params = []  # the module's parameters are gone: the flat buffers hold them
 
     def _forwarding(self):

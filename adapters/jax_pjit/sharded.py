@@ -47,9 +47,7 @@ from adapters._jax.flat_units import (
 from adapters._jax.native_optax import ShardedOptax, check_sharded, check_sharded_optimizer
 from adapters._jax.update import apply_optimizer, squares, update
 from adapters.jax_pjit.data_parallel import PjitDataParallel
-from toolkit import ToolkitError
 from toolkit.models.reference import optimizer_slots
-from toolkit.parallel.layouts import AXES
 
 
 class PjitSharded(PjitDataParallel):
@@ -62,11 +60,6 @@ class PjitSharded(PjitDataParallel):
     @staticmethod
     def check_layout(layout) -> None:
         check_layout("jax-pjit", layout, tensor_parallel_ok=True)
-        if layout.dims.place != AXES:
-            raise ToolkitError(
-                f"jax-pjit places a sharded layout's devices in the default order only, not "
-                f"place:{':'.join(layout.dims.place)}",
-                f"drop place: (the default: {':'.join(AXES)}, innermost first)")
 
     # ------------------------------------------------------------------ build
     def _build_layout(self, model, optimizer, loss, seed, accumulation_steps, metrics):

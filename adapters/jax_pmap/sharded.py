@@ -45,7 +45,6 @@ from adapters._jax.update import apply_optimizer, squares, update
 from adapters.jax_pmap.data_parallel import PmapDataParallel
 from toolkit import ToolkitError
 from toolkit.models.reference import optimizer_slots
-from toolkit.parallel.layouts import AXES
 
 AXIS = "batch"
 
@@ -85,11 +84,6 @@ class PmapSharded(PmapDataParallel):
     @staticmethod
     def check_layout(layout) -> None:
         check_layout("jax-pmap", layout)
-        if layout.dims.place != AXES:  # (a device's shard is its index within its replica)
-            raise ToolkitError(
-                f"jax-pmap places a sharded layout's devices in the default order only, not "
-                f"place:{':'.join(layout.dims.place)}",
-                f"drop place: (the default: {':'.join(AXES)}, innermost first)")
 
     def _build_layout(self, model, optimizer, loss, seed, accumulation_steps, metrics):
         jax, lax = self.jax, self.jax.lax

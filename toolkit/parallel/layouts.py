@@ -399,21 +399,17 @@ class ParallelDims:
     def simple(self) -> Layout:
         """The one-kind layout equal to this composition (``data``, ``sharded:Z[:tpN]``,
         ``pipeline:S:M``), or the composition itself."""
-        inner = [a for a in self.place if self._extent(a) > 1 or a == "data"]
         if self.replicate == 1 and self.pipeline is None:
             if not self.zero:
                 return self if self.tensor > 1 else DataParallel()
-            if self.tensor == 1 or inner.index("tensor") < inner.index("data"):
+            # (Sharded's tensor groups are consecutive devices: tensor inside data)
+            if self.tensor == 1 or self.place.index("tensor") < self.place.index("data"):
                 return Sharded(self.zero, self.tensor)
         if self.pipeline is not None and self.active == ("pipeline",):
             stages_inside = self.place.index("pipeline") < self.place.index("data")
             return dataclasses.replace(self.pipeline, within_node=WITHIN_NODE[
                 0 if stages_inside else 1])
         return self
-
-    def _extent(self, axis: str) -> int:
-        return {"tensor": self.tensor, "pipeline": self.stages, "replicate": self.replicate,
-                "data": 2}[axis]
 
     def grid(self, world_size: int, local_devices: int = 1) -> Grid:
         """The world's devices on the four axes (the data axis takes what the others leave);
