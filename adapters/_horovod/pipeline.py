@@ -118,11 +118,15 @@ class HvdPipeline(RoundMessages, StrategyBase):
         ``process_sets`` registered at ``hvd.init``)."""
         super().__init__(runtime, layout, precision)  # (StrategyBase: runtime, env, layout)
         env = runtime.env
-        self.grid = check_pipeline(layout, env.world_size)
+        # the pipeline on its (stage, replica) grid: a composition's data-parallel ranks are
+        # its replicas (ZeRO shards them: the subclass's part)
+        self.pipe = layout.dims.staged()
+        self.grid = check_pipeline(self.pipe, env.world_size)
         self.stage = self.grid.stage_of(env.rank)
         self.replica = self.grid.replica_of(env.rank)
-        self.schedule = pipeline_schedule(layout.schedule, layout.stages, layout.micro_batches,
-                                          layout.chunks)
+        pipe = self.pipe
+        self.schedule = pipeline_schedule(pipe.schedule, pipe.stages, pipe.micro_batches,
+                                          pipe.chunks)
         self.rounds = lockstep_rounds(self.schedule)
         self._plan_rounds()
         self.timeline_dir = os.environ.get(TIMELINE_ENV) or None
@@ -138,13 +142,13 @@ class HvdPipeline(RoundMessages, StrategyBase):
     def data_split(self) -> tuple[int, int]:
         """A replica's share of the global batch, each micro-batch's gradient computed apart
         (in its own rounded arithmetic under mixed precision) and summed in float32."""
-        return self.grid.replicas, self.layout.micro_batches
+        return self.grid.replicas, self.pipe.micro_batches
 
     @property
     def part_weight(self) -> float:
         """Each micro-batch's mean loss divided by ``M`` before its backward (the local
         batch's mean, as with accumulation steps)."""
-        return 1.0 / self.layout.micro_batches
+        return 1.0 / self.pipe.micro_batches
 
     @property
     def np_dtype(self) -> np.dtype:
@@ -155,7 +159,7 @@ class HvdPipeline(RoundMessages, StrategyBase):
         the timeline's common origin (a barrier)."""
         grid, names = self.grid, self.cut.names_by_stage
         self.mine = list(mine)
-        tied = set(tied_across_stages(names, self.layout))  # (refused unless end stages)
+        tied = set(tied_across_stages(names, self.pipe))  # (refused unless end stages)
         self.tied = sorted(n for n in self.mine if n in tied)  # (both ends in one order)
         self.rest = [n for n in self.mine if n not in tied]
         # Horovod process sets: this stage's replicas, and the end stages for a tied parameter
@@ -182,7 +186,7 @@ class HvdPipeline(RoundMessages, StrategyBase):
     # ------------------------------------------------------------------------------ steps
     def _is_last(self, chunk: int) -> bool:
         """Whether this stage's local ``chunk`` is the model's last piece."""
-        return chunk * self.grid.stages + self.stage == self.grid.stages * self.layout.chunks - 1
+        return chunk * self.grid.stages + self.stage == self.grid.stages * self.pipe.chunks - 1
 
     def _run_rounds(self) -> float:
         """The schedule's rounds (fresh in/outboxes); returns the replica's loss. The stage's
@@ -289,7 +293,7 @@ class HvdPipeline(RoundMessages, StrategyBase):
         """``h`` (the first stage's inputs) through every piece: ``run(chunk, h)`` on this
         stage's pieces, the activations handed on between stages; the last stage's output."""
         grid, S = self.grid, self.grid.stages
-        V = S * self.layout.chunks
+        V = S * self.pipe.chunks
         for k in range(V):
             if k % S == self.stage:
                 h = run(k // S, h)

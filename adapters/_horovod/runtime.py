@@ -23,7 +23,6 @@ from toolkit import ToolkitError
 from toolkit.launch.cli import close_on_input_error
 from toolkit.launch.devices import choose_device
 from toolkit.models.specs import DTYPES, check_choice
-from toolkit.parallel.layouts import Pipeline
 
 
 def layout_groups(layout: Any, world_size: int) -> tuple[tuple[int, ...], ...]:
@@ -31,8 +30,8 @@ def layout_groups(layout: Any, world_size: int) -> tuple[tuple[int, ...], ...]:
     world: a ``toolkit.Pipeline``'s (``PipelineGrid.reduction_groups``), else its dimensions'
     data-parallel groups and replica groups (HSDP: shards within a group, each shard
     averaged across the replicas)."""
-    if isinstance(layout, Pipeline):
-        return layout.grid(world_size).reduction_groups()
+    if layout.dims.pipeline is not None:  # (a pipeline's data dimension: its replicas)
+        return layout.dims.staged().grid(world_size).reduction_groups()
     grid = layout.dims.grid(world_size)
     return tuple(g for axis in ("data", "replicate") for g in grid.groups(axis)
                  if 1 < len(g) < world_size)

@@ -102,7 +102,7 @@ class TFPipeline(HvdPipeline):
             check_spec_optimizer("horovod-tf", "pipeline", optimizer)
         self.ops = TFOps(self.runtime, model, loss, metrics)
         self.metric_names, self.seed = tuple(self.ops.metrics), seed
-        self.cut = cut_model(self.tf, model, self.layout, self.stage, self.runtime, seed,
+        self.cut = cut_model(self.tf, model, self.pipe, self.stage, self.runtime, seed,
                              recompute, self.precision.in_compute, self.precision)
         self.keras_model, self.native = self.cut.keras, self.cut.native
         self.rule = UpdateRule(optimizer, clip_grad_norm, skip_nonfinite, self.precision.scaler)
@@ -111,7 +111,7 @@ class TFPipeline(HvdPipeline):
         # zero slots over this stage's variables (a spec's), or the Keras optimizer's
         state.build_optimizer(model, optimizer, self.keras_model, list(state.vars.values()))
         self.slots, self.replicated = _slots(optimizer, state)
-        tf, ops, M = self.tf, self.ops, self.layout.micro_batches
+        tf, ops, M = self.tf, self.ops, self.pipe.micro_batches
         # each piece's forward compiled, the last piece's ending with its micro-batch's share of
         # the loss (stages.compiled_pieces); the update compiled too
         self.forwards, self.loss_of = compiled_pieces(tf, self.cut, lambda out, y: tf.cast(
@@ -274,7 +274,7 @@ class TFPipeline(HvdPipeline):
     def train_step(self, x: np.ndarray, y: np.ndarray, lr: float | None) -> StepResult:
         """One pipelined step on this replica's local batch; returns the replica's mean loss
         (on every rank of it)."""
-        tf, state, M = self.tf, self.state, self.layout.micro_batches
+        tf, state, M = self.tf, self.state, self.pipe.micro_batches
         scalars = state.scalars(lr, self.dtype)
         micro_batch_size(len(x), M)  # a clear error when M does not divide the local batch
         if self.native:

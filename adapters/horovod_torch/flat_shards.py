@@ -22,6 +22,17 @@ A unit's tensors are made, once per forward pass, by ``UnitParams``, a
   gradient (with accumulation steps too): that is what keeps a full gradient from ever
   building up on a rank; the sum is the same.
 
+Under a pipeline (``pipeline:S:M+sharded:Z``: the shards' group is a stage's replicas) a
+step runs ``M`` micro-batches' forwards and backwards, interleaved. With ``hold`` (the
+layout's ``gather=step``, the default) a unit is gathered at its first use in the step and kept
+until the step's end, each backward adds its gradient to a full buffer, and one reduce-scatter
+per unit at the step's end (:meth:`ShardedParameters.reduce`) gives the gradient shard: one
+gather and one reduce-scatter per unit per step, at the memory of the unit's full parameters
+and gradient while the step runs (torchtitan's ``reshard_after_forward=False`` under a
+pipeline, with the gradient's reduction held to the last micro-batch). Without it
+(``gather=micro-batch``) every micro-batch gathers and reduce-scatters as below: the least
+memory, ``M`` times the collectives. :attr:`ShardedParameters.collectives` counts both.
+
 Stage 3 frees a unit's gathered parameters once the forward moves on to the next unit, and
 gathers them again for its backward with *saved-tensor hooks*
 (``torch.autograd.graph.saved_tensors_hooks``), not activation checkpointing: when an operation
@@ -130,14 +141,25 @@ class ShardedParameters:
         dtype, device: the torch dtype and device (the rank's GPU, or the CPU) of every buffer.
         compute: stage 3 gathers a spec model's units in this dtype (``compute_gather.py``).
         group: where this rank's shards sit (``adapters._horovod.runtime.ShardGroup``: all
-            ranks, or under HSDP its replica's, and the replicas it averages across).
+            ranks, or under HSDP its replica's, and the replicas it averages across; under a
+            pipeline its stage's replicas).
+        hold: gather each unit once per step and reduce its gradient once, at :meth:`reduce`
+            (a pipeline's micro-batches: the module docstring), rather than per forward.
+
+    ``net``'s parameters that ``layout`` does not name stay as they are (another pipeline
+    stage's), and so do a native optimizer's other parameters.
     """
 
     def __init__(self, torch, hvd, net, layout, arrays: dict[str, np.ndarray],
                  units: dict[str, list[str]], stage: int, optimizer, dtype, device=None,
-                 compute=None, *, group: ShardGroup):
+                 compute=None, *, group: ShardGroup, hold: bool = False):
         self.torch, self.hvd, self.stage, self.spec = torch, hvd, stage, optimizer
-        self.group = group
+        self.group, self.hold = group, hold
+        # what the step's collectives were: gathers and reduce-scatters since the count
+        # was last reset (a pipeline's test reads it per step)
+        self.collectives = {"gather": 0, "reduce_scatter": 0}
+        self._held: dict[int, tuple] = {}  # hold: unit -> its gathered buffers this step
+        self._sums: dict[int, Any] = {}  # hold, stages 2/3: unit -> its full gradient sum
         # (the shard arithmetic's "rank": this rank's place in its data-parallel group)
         self.rank, self.size = self.group.index, self.group.size
         self._in = {"process_set": self.group.shards}  # every shard collective's group
@@ -163,7 +185,7 @@ class ShardedParameters:
         compute = compute if stage == 3 else None
         self._gather = ComputeGather(torch, hvd, self.layouts, self.rank, compute,
                                      rounded_names(arrays) if compute is not None else (),
-                                     device, None if self.group.replicas is None
+                                     device, None if self.group.shards is hvd.global_process_set
                                      else self.group.shards)
         self._cache: dict[int, tuple] = {}  # unit -> its tensors in the current forward
         self._live: dict[int, _Use] = {}  # storage address -> stage 3's current gathered unit
@@ -185,7 +207,9 @@ class ShardedParameters:
         placed = {}  # id(view) -> (unit, start in the shard, length)
 
         def new(p):
-            name = by_id[id(p)]
+            name = by_id.get(id(p))
+            if name is None:  # (another stage's parameter)
+                return None
             unit = unit_of[name]
             a, b, at = next(((a, b, at) for n, a, b, at in self.layouts[unit].owned(self.rank)
                              if n == name), (0, 0, 0))
@@ -218,7 +242,7 @@ class ShardedParameters:
                                                           self.layouts[unit].shapes[index]))
         for module in net.modules():
             routed = {attr: where[id(p)] for attr, p in module._parameters.items()
-                      if p is not None}
+                      if p is not None and id(p) in where}
             if not routed:
                 continue
             props = {attr: property(lambda _, at=at: self.tensor(*at))
@@ -233,13 +257,13 @@ class ShardedParameters:
         """Parameter ``index`` of ``unit`` in torch's layout, for the current forward pass."""
         tensors = self._cache.get(unit)
         if tensors is None:
-            if self.stage == 3:  # the previous unit's gathered buffer is freed
+            if self.stage == 3 and not self.hold:  # the previous unit's gathered buffer is freed
                 self._cache.clear()
                 self._live.clear()
             use = _Use(self, unit)
             tensors = self._fn.apply(self.sources[unit], use)
             self._cache[unit] = tensors
-            if self.stage == 3:
+            if self.stage == 3 and not self.hold:
                 self._live.update({ptr: (use, i) for i, ptr in enumerate(use.ptrs)})
         t = tensors[index]
         return t if perm is None else t.permute(perm)
@@ -249,7 +273,7 @@ class ShardedParameters:
         """Wrap each forward pass: stage 3's saved-tensor hooks, and no tensors kept after."""
         self._cache.clear()
         hooks = (self.torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
-                 if self.stage == 3 else contextlib.nullcontext())
+                 if self.stage == 3 and not self.hold else contextlib.nullcontext())
         try:
             with hooks:
                 yield
@@ -269,35 +293,53 @@ class ShardedParameters:
             return saved
         use = saved.use
         if use.regathered is None:  # the unit's backward begins: gather it again
-            use.regathered = self._gather(use.unit, self.sources[use.unit].detach())
+            use.regathered = self._gathered(use.unit, self.sources[use.unit].detach())
         return use.regathered[saved.buffer].as_strided(saved.size, saved.stride, saved.offset)
 
     # ---------------------------------------------------------------------- collectives
     def _open(self, use: _Use, source) -> tuple:
         """UnitParams.forward: the unit's parameters as neutral-shaped views of its gathered
         buffers (stage 3: ``compute_gather.py``; else the full buffer itself)."""
-        buffers = self._gather(use.unit, source) if self.stage == 3 else (source,)
+        if self.stage < 3:
+            buffers = (source,)
+        elif self.hold:
+            buffers = self._held.get(use.unit) or self._held.setdefault(
+                use.unit, self._gathered(use.unit, source))
+        else:
+            buffers = self._gathered(use.unit, source)
         use.ptrs = tuple(b.untyped_storage().data_ptr() for b in buffers)
         fl = self.layouts[use.unit]
         return tuple(buffers[b][o:o + n].view(s) for (b, o), n, s
                      in zip(self._gather.places[use.unit], fl.sizes, fl.shapes, strict=True))
 
+    def _gathered(self, unit: int, source) -> tuple:
+        self.collectives["gather"] += 1
+        return self._gather(unit, source)
+
     def _close(self, use: _Use, grads) -> None:
-        """UnitParams.backward: the unit's gradients, reduced into its gradient buffer."""
+        """UnitParams.backward: the unit's gradients, reduced into its gradient buffer (held
+        in a full sum until :meth:`reduce` when ``hold``)."""
         use.regathered = None  # every use of the unit has had its backward
         fl, target = self.layouts[use.unit], self.grads[use.unit]
-        if self.stage == 1:
-            for o, n, g in zip(fl.offsets, fl.sizes, grads, strict=True):
-                if g is not None:
-                    target[o:o + n].add_(g.reshape(-1))
-            return
-        flat = target.new_zeros(fl.padded)
+        if self.stage > 1:
+            target = (self._sums.get(use.unit) if self.hold else None)
+            if target is None:
+                target = self.grads[use.unit].new_zeros(fl.padded)
+                if self.hold:
+                    self._sums[use.unit] = target
         for o, n, g in zip(fl.offsets, fl.sizes, grads, strict=True):
             if g is not None:
-                flat[o:o + n].copy_(g.reshape(-1))
+                target[o:o + n].add_(g.reshape(-1))
+        if self.stage > 1 and not self.hold:
+            self._scatter(use.unit, target)
+
+    def _scatter(self, unit: int, flat) -> None:
+        """The unit's full gradient ``flat``, averaged over the shards' group, added to this
+        rank's gradient shard."""
         hvd = self.hvd
-        target.add_(hvd.reducescatter(flat, op=hvd.Average, name=f"zero.grad.{use.unit}",
-                                      **self._in))
+        self.collectives["reduce_scatter"] += 1
+        self.grads[unit].add_(hvd.reducescatter(flat, op=hvd.Average, name=f"zero.grad.{unit}",
+                                                **self._in))
 
     # ---------------------------------------------------------------------- the update
     def zero_grad(self) -> None:
@@ -305,15 +347,26 @@ class ShardedParameters:
             g.zero_()
 
     def reduce(self) -> None:
-        """Stage 1 averages the full gradient buffers across all ranks; stages 2 and 3
-        reduce-scattered theirs in the backward, and (HSDP) average each shard across its
-        replicas here, once per step."""
+        """Stage 1 averages the full gradient buffers across every rank holding this part of
+        the model; stages 2 and 3 reduce-scattered theirs in the backward (or, holding, do it
+        now: once per unit), and (HSDP) average each shard across its replicas here, once per
+        step. The step's gathered units are let go."""
         hvd = self.hvd
+        for unit, flat in sorted(self._sums.items()):
+            self._scatter(unit, flat)
+        self._sums.clear()
+        self.let_go()
         if self.stage == 1:
-            hvd.grouped_allreduce_(self.grads, op=hvd.Average, name="zero.grads")
+            whole = self._in if self.group.replicas is None else {}  # (HSDP: every rank)
+            hvd.grouped_allreduce_(self.grads, op=hvd.Average, name="zero.grads", **whole)
         elif self.group.replicas is not None:
             hvd.grouped_allreduce_(self.grads, op=hvd.Average, name="zero.grads.replicas",
                                    process_set=self.group.replicas)
+
+    def let_go(self) -> None:
+        """Frees the units gathered and held this step (``hold``: at the step's end, or
+        after an evaluation)."""
+        self._held.clear()
 
     def sum_of_squares(self, grads: list):
         """The whole gradient's sum of squares (a tensor, the same on every rank) from this

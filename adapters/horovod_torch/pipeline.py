@@ -19,6 +19,7 @@ returns it; the Trainer's average over all ranks is then the average over replic
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import numpy as np
@@ -26,7 +27,9 @@ import numpy as np
 from adapters._common import check_build, check_recompute, step_seed
 from adapters._horovod.pipeline import HvdPipeline, check_pipeline
 from adapters._horovod.rounds import NARROW
+from adapters._horovod.runtime import ShardGroup
 from adapters._update import UpdateRule
+from adapters.horovod_torch.flat_shards import ShardedParameters, native_units, spec_units
 from adapters.horovod_torch.models.spec import from_host, same, to_host
 from adapters.horovod_torch.ops import (
     NEUTRAL_SLOTS,
@@ -51,11 +54,11 @@ from adapters.horovod_torch.torch_optim import (
     step_count,
 )
 from adapters.horovod_torch.update import sum_of_squares, update
-from toolkit import SGD, Adam
+from toolkit import SGD, Adam, ToolkitError
 from toolkit.contract import StepResult
 from toolkit.models.reference import optimizer_slots
-from toolkit.parallel.layouts import Pipeline
-from toolkit.parallel.pipeline.partition import micro_batch_size
+from toolkit.parallel.layouts import GATHERS, Pipeline
+from toolkit.parallel.pipeline.partition import micro_batch_size, tied_across_stages
 from toolkit.parallel.pipeline.schedules import Action
 from toolkit.precision import PRECISIONS
 
@@ -94,6 +97,9 @@ class TorchPipeline(HvdPipeline):
     precisions = PRECISIONS
     plugin = TorchPrecision  # (adapters/_precision.py)
     recomputes = True  # activation_checkpointing: each piece's blocks (stages.cut_model)
+    # pipeline x ZeRO: each stage's state sharded over its replicas (flat_shards.py)
+    composes = ("sharded",)
+    shards: ShardedParameters | None = None  # the stage's flat shards (pipeline x ZeRO)
 
     @staticmethod
     def check_layout(layout: Pipeline) -> None:
@@ -102,14 +108,21 @@ class TorchPipeline(HvdPipeline):
     def __init__(self, runtime, layout: Pipeline, precision: Any = None):
         super().__init__(runtime, layout, precision)
         self.torch, self.hvd, self.dtype = runtime.torch, runtime.hvd, runtime.dtype
+        if layout.dims.zero and self.grid.replicas == 1:
+            raise ToolkitError(
+                f"layout {layout.name} shards each stage over its replicas, but "
+                f"{self.env.world_size} ranks give each of the {self.grid.stages} stages one",
+                f"launch a multiple of {2 * self.grid.stages} ranks, or drop sharded:"
+                f"{layout.dims.zero}")
 
     # ------------------------------------------------------------------------------ build
     def build(self, model: Any, optimizer: Any, loss: Any, *, seed: int = 0,
               accumulation_steps: int = 1, sync_batchnorm: bool = False,
               metrics: Any = None, clip_grad_norm: float | None = None,
               skip_nonfinite: bool = False, activation_checkpointing: bool | None = None) -> None:
-        # (torch.optim counts its own steps)
-        self.rule = UpdateRule(None, clip_grad_norm, skip_nonfinite, self.precision.scaler)
+        # (torch.optim counts its own steps; the flat shards' spec arithmetic does not)
+        counted = optimizer if self.layout.dims.zero else None
+        self.rule = UpdateRule(counted, clip_grad_norm, skip_nonfinite, self.precision.scaler)
         torch, hvd = self.torch, self.hvd
         check_build(accumulation_steps, sync_batchnorm)
         self.ops = TorchOps(self.runtime, loss, metrics)
@@ -117,7 +130,7 @@ class TorchPipeline(HvdPipeline):
         self.seed = seed
         if isinstance(model, torch.nn.Sequential):  # rank 0's initial values, then cut
             hvd.broadcast_parameters(model.state_dict(), root_rank=0)
-        self.cut = cut_model(torch, model, self.layout, self.stage, self.dtype,
+        self.cut = cut_model(torch, model, self.pipe, self.stage, self.dtype,
                              self.runtime.dev, check_recompute("horovod-torch", model,
                                                                activation_checkpointing))
         self.native = self.cut.native
@@ -130,7 +143,9 @@ class TorchPipeline(HvdPipeline):
         params = [p for _, p, _, _ in self.params]
         # the user's optimizer (a function of the parameters: over this stage's)
         optimizer, self.scheduler = split_scheduler(torch, built_over(torch, optimizer, params))
-        if not isinstance(optimizer, SGD | Adam):  # its groups keep this stage's parameters
+        if self.layout.dims.zero:
+            self._shard(model, optimizer)
+        elif not isinstance(optimizer, SGD | Adam):  # its groups keep this stage's parameters
             check_elementwise(torch, optimizer, "horovod-torch", "pipeline")
             make_optimizer(torch, optimizer, [*params, *getattr(model, "parameters", list)()])
             templates = state_templates(torch, optimizer)
@@ -144,6 +159,43 @@ class TorchPipeline(HvdPipeline):
             zero_slots(torch, self.opt, params, optimizer)
             self.slots = optimizer_slots(optimizer)
         self._start([n for n, *_ in self.params])
+
+    def _shard(self, model: Any, optimizer: Any) -> None:
+        """Pipeline x ZeRO: the stage's parameters, gradients and optimizer state in flat
+        shards over the stage's replicas (``flat_shards.ShardedParameters``, its group the
+        stage's process set), gathered once per step unless the layout says
+        ``gather=micro-batch``. A parameter that two stages hold is refused: its two shards
+        would sit in different units (the end stages sum a whole tied gradient instead)."""
+        torch, dims = self.torch, self.layout.dims
+        tied = tied_across_stages(self.cut.names_by_stage, self.pipe)
+        if tied:
+            raise ToolkitError(
+                f"horovod-torch does not shard a parameter two stages hold ({', '.join(tied)}) "
+                f"under {self.layout.name}", "untie it (toolkit.GPT(..., tied=False)),"
+                " or run the pipeline without sharded:")
+        if not isinstance(optimizer, SGD | Adam):  # the user's torch.optim optimizer
+            check_elementwise(torch, optimizer, "horovod-torch", self.layout.name)
+            make_optimizer(torch, optimizer, [*(p for _, p, _, _ in self.params),
+                                              *getattr(model, "parameters", list)()])
+        if self.native:
+            native_units(torch, self.cut.root)  # (refuses what cannot be sharded)
+        arrays = {n: to_host(p, from_torch) for n, p, _, from_torch in self.params}
+        units: dict[str, list[str]] = {}
+        for n in arrays:  # a native layer's parameters a unit (as native_units groups them)
+            units.setdefault(n.split(".")[0], []).append(n)
+        stage_set = self._process_set(self.grid.stage_ranks(self.stage))
+        group = ShardGroup(self.replica, self.grid.replicas, stage_set, None, self.replica == 0)
+        self.shards = ShardedParameters(
+            torch, self.hvd, self.cut.root, self.params, arrays,
+            units if self.native else spec_units(arrays), dims.zero, optimizer, self.dtype,
+            self.runtime.dev, None if self.native else self.precision.autocast, group=group,
+            hold=dims.gather == GATHERS[0])
+        self.opt = self.shards.native  # (None: the spec's arithmetic on the shards)
+        self.slots = tuple(self.shards.slot_names)
+
+    def _forwarding(self):
+        """What each forward runs inside: the flat shards' (ZeRO re-routes the parameters)."""
+        return self.shards.forwarding() if self.shards is not None else contextlib.nullcontext()
 
     # ------------------------------------------------------------------------------ hooks
     def _round_start(self, outgoing: dict[int, list[Any]], dtype, name: str) -> Any:
@@ -209,10 +261,10 @@ class TorchPipeline(HvdPipeline):
         last = self._is_last(c)
         if action.kind == "F":
             inp = self.xs[m] if k == 0 else self.inbox_f.pop(key)
-            with self.precision.forward_context():
+            with self.precision.forward_context(), self._forwarding():
                 out = self.cut.pieces[c].forward(inp)
             if last:
-                out = self.ops.per_sample(out, self.ys[m]).mean() / self.layout.micro_batches
+                out = self.ops.per_sample(out, self.ys[m]).mean() / self.pipe.micro_batches
                 self.loss += out.item()
             else:
                 self.outbox[("SEND_F", m, c)] = out
@@ -230,9 +282,10 @@ class TorchPipeline(HvdPipeline):
     def train_step(self, x: np.ndarray, y: np.ndarray, lr: float | None) -> StepResult:
         """One pipelined step on this replica's local batch; returns the replica's mean loss
         (on every rank of the replica)."""
-        M = self.layout.micro_batches
+        M = self.pipe.micro_batches
         micro_batch_size(len(x), M)  # a clear error when M does not divide the local batch
-        set_lr(self.opt, lr)
+        if self.opt is not None:
+            set_lr(self.opt, lr)
         if self.native:
             self.torch.manual_seed(step_seed(self.seed, self.steps, self.env.rank))
         for piece in self.cut.pieces:
@@ -240,10 +293,16 @@ class TorchPipeline(HvdPipeline):
                 module.train()
         xt, yt = self.ops.tensors(x, y)
         self.xs, self.ys = xt.chunk(M), yt.chunk(M)
-        self.opt.zero_grad(set_to_none=False)
+        if self.shards is not None:
+            self.shards.zero_grad()
+        else:
+            self.opt.zero_grad(set_to_none=False)
         kept = kept_buffers(self.cut.buffers, self.rule.skip)
+        scalars = self.rule.scalars(lr)  # (the spec's count: the flat shards' arithmetic)
         loss = self._run_rounds()
-        result = self.rule.result(loss, self._update(kept))
+        norm = (self._update(kept) if self.shards is None
+                else self._update_shards(scalars, kept))
+        result = self.rule.result(loss, norm)
         self.steps += 1
         self.xs = self.ys = None
         return result
@@ -267,6 +326,27 @@ class TorchPipeline(HvdPipeline):
         return update(torch, self.rule, list(grads.values()),
                       lambda _: self._sum_of_squares(grads), apply, kept)[1]
 
+    def _update_shards(self, scalars: Any, kept: list) -> Any:
+        """Pipeline x ZeRO: the stage's gradient shards reduced over its replicas
+        (``ShardedParameters.reduce``), then the same update path: the norm's squares summed
+        over every stage's shards (stage 1's ranks each hold their stage's whole gradient:
+        counted once per replica set), the shards' step."""
+        torch, shards = self.torch, self.shards
+        shards.reduce()
+
+        def squares(grads: list):
+            mine = self._squares(grads)
+            total, = self._grouped_sum([mine], self.hvd.global_process_set,
+                                       "pipeline.grad_norm")
+            return total / self.grid.replicas if shards.stage == 1 else total
+
+        def apply(found_inf) -> None:
+            shards.step(scalars, found_inf)
+            if self.scheduler is not None:
+                self.scheduler.step()
+
+        return update(torch, self.rule, shards.grads, squares, apply, kept)[1]
+
     def evaluate(self, x: np.ndarray, y: np.ndarray) -> dict[str, float]:
         """Every rank's ``(x, y)`` runs through its replica's pipeline (inputs gathered on the
         first stage, labels on the last); the last stage returns the sums of all of them and
@@ -277,8 +357,15 @@ class TorchPipeline(HvdPipeline):
             for module in piece.modules:
                 module.eval()
         h = ops.tensors(xs, np.zeros(0))[0] if xs is not None else None
+
+        def run(c: int, h):
+            with self._forwarding():
+                return self.cut.pieces[c].forward(h)
+
         with torch.no_grad(), self.precision.forward_context():
-            h = self._through(h, lambda c, h: self.cut.pieces[c].forward(h))
+            h = self._through(h, run)
+            if self.shards is not None:
+                self.shards.let_go()
             if not self._is_eval_output():
                 return self._empty_sums()
             return ops.sums(h, ops.tensors(np.zeros(0), ys)[1])
@@ -288,7 +375,11 @@ class TorchPipeline(HvdPipeline):
     # (sync_state) are HvdPipeline's; a tensor's owner is replica 0 of the first stage that
     # holds it (a tied tok_emb: stage 0).
     def _local(self) -> dict[str, np.ndarray]:
-        """This rank's tensors under their neutral keys (each stage's, on every replica)."""
+        """This rank's tensors under their neutral keys (each stage's, on every replica;
+        sharded: gathered over the stage's replicas)."""
+        if self.shards is not None:
+            out = {k: v for k, v in self.shards.state_dict().items() if k != "opt/count"}
+            return {**out, **{f"buffers/{n}": to_host(b, same) for n, b in self.cut.buffers}}
         out = {}
         for n, p, _, from_torch in self.params:
             out[f"params/{n}"] = to_host(p, from_torch)
@@ -301,8 +392,8 @@ class TorchPipeline(HvdPipeline):
         return out
 
     def _replicated(self) -> dict[str, np.ndarray]:
-        out = {}
-        count = step_count(self.torch, self.opt)
+        out = dict(self.rule.counters())  # (a spec optimizer's count on the flat shards)
+        count = step_count(self.torch, self.opt) if self.opt is not None else None
         if count is not None:
             out["opt/count"] = np.asarray(count, np.int64)
         if self.scheduler is not None:
@@ -318,8 +409,11 @@ class TorchPipeline(HvdPipeline):
         def tensor(a, to_torch, dt=dtype):
             return from_host(torch, a, to_torch, dt, dev)
 
+        self.rule.load(state)
+        if self.shards is not None:
+            self.shards.load_state_dict(state)
         with torch.no_grad():
-            for n, p, to_torch, _ in self.params:
+            for n, p, to_torch, _ in ([] if self.shards is not None else self.params):
                 p.copy_(tensor(state[f"params/{n}"], to_torch))
                 slots = self.opt.state[p]
                 for key in list(slots):
@@ -335,7 +429,10 @@ class TorchPipeline(HvdPipeline):
 
     def memory_bytes(self) -> dict[str, int]:
         """Bytes this rank holds between steps: its stage's parameters, a gradient of each,
-        and their optimizer slots (a tied parameter counts on both stages that hold it)."""
+        and their optimizer slots (a tied parameter counts on both stages that hold it);
+        sharded, the flat shards' buffers."""
+        if self.shards is not None:
+            return self.shards.memory_bytes()
         params = sum(p.nbytes for _, p, _, _ in self.params)
         slots = sum(v.nbytes for p in (e[1] for e in self.params)
                     for v in self.opt.state[p].values() if self.torch.is_tensor(v) and v.dim())

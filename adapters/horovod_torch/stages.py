@@ -57,6 +57,9 @@ class CutModel:
         buffers: this stage's buffers, ``(name, tensor)``; ``buffer_specs``: every stage's
             buffers as ``name -> (stage, shape, dtype)``.
         native: whether the model is a native module (its names are torch's own).
+        root: a module whose submodules own every parameter of this stage (the spec's whole
+            module, whose other stages' parameters hold no storage; a native model's pieces):
+            what ZeRO re-routes to its flat shards (``flat_shards.py``).
     """
 
     pieces: list[Piece]
@@ -65,6 +68,7 @@ class CutModel:
     buffers: list[tuple[str, Any]]
     buffer_specs: dict[str, tuple[int, tuple[int, ...], np.dtype]]
     native: bool
+    root: Any = None
 
     def params(self) -> list[tuple[str, Any, Callable, Callable]]:
         """This stage's parameters, each once (a tied parameter shared by two local chunks)."""
@@ -149,7 +153,7 @@ def _cut_spec(torch, spec, layout, stage: int, dtype, recompute: bool) -> CutMod
     if spec.__class__.__name__ == "GPT" and part.shared and stage == S - 1 and stage != 0:
         _untie_last(torch, pieces, by_name)
     names = [part.names_on(s) for s in range(S)]
-    return CutModel(pieces, names, shapes, [], {}, native=False)
+    return CutModel(pieces, names, shapes, [], {}, native=False, root=net)
 
 
 def _untie_last(torch, pieces: list[Piece], by_name: dict) -> None:
@@ -159,30 +163,33 @@ def _untie_last(torch, pieces: list[Piece], by_name: dict) -> None:
     copy = torch.nn.Parameter(original.detach().clone())
     for piece in pieces:
         piece.params = [(n, copy if n == name else p, t, f) for n, p, t, f in piece.params]
-        if piece.forward.tok_emb is not None:  # read by the head at call time
-            piece.forward.tok_emb = copy
+        if piece.forward.reads_table:  # read by the head at call time
+            piece.forward.own_table = copy
 
 
 def _gpt_piece(torch, net, layers: range, first: bool, last: bool, unit):
     F = torch.nn.functional
     blocks = [net.blocks[i] for i in layers]
     calls = [unit(b) for b in blocks]
-    pos_emb = net.pos_emb if first else None
     ln_f = net.ln_f if last else None
-    kernel = net.head.kernel if last and net.head is not None else None
+    tied = net.head is None
 
+    # The parameters are read from the module at call time: ZeRO re-routes its attributes
+    # to views of its flat shards (flat_shards.py).
     def forward(h):
         if first:
-            h = F.embedding(h, forward.tok_emb) + pos_emb[:h.shape[1]]
+            h = F.embedding(h, table()) + net.pos_emb[:h.shape[1]]
         for call in calls:
             h = call(h)
         if last:
             f = ln_f(h)
-            return F.linear(f, forward.tok_emb) if kernel is None else f @ kernel
+            return F.linear(f, table()) if tied else f @ net.head.kernel
         return h
 
-    # The embedding table, when this piece reads it (replaced by the last stage's own copy).
-    forward.tok_emb = net.tok_emb if first or (last and kernel is None) else None
+    def table():  # (the last stage's own copy of a tied table, or the module's)
+        return net.tok_emb if forward.own_table is None else forward.own_table
+
+    forward.reads_table, forward.own_table = first or (last and tied), None
     return forward, blocks + ([ln_f] if last else [])
 
 
@@ -259,4 +266,5 @@ def _cut_sequential(torch, net, layout, stage: int) -> CutModel:
         seq = torch.nn.Sequential(*(children[i] for i in ranges[k]))
         pieces.append(Piece(k, seq, entries(ranges[k]), [seq]))
         mine += buffers(ranges[k])
-    return CutModel(pieces, names, shapes, mine, buffer_specs, native=True)
+    root = torch.nn.ModuleList([m for piece in pieces for m in piece.modules])
+    return CutModel(pieces, names, shapes, mine, buffer_specs, native=True, root=root)

@@ -35,6 +35,28 @@ def test_hsdp_equals_the_reference_holds_its_estimate_and_resumes(launch, tmp_pa
     assert f"rank {ranks - 1} (replica 1, shard" in job.stdout, job
 
 
+@pytest.mark.parametrize("backend", ["horovod-torch"])
+def test_pipeline_x_zero_equals_the_reference_counts_its_collectives_and_resumes(
+        launch, tmp_path, backend):
+    """``pipeline:2:2+sharded:Z`` on 4 ranks, Z = 1, 2, 3, ZeRO-3 gathered per step and per
+    micro-batch (tests/scripts/pipeline_zero_worker.py): the reference's losses and
+    parameters, the gathers and reduce-scatters of the formula, the estimate's bytes, and its
+    checkpoint resumed as itself (bit for bit) and as data parallel."""
+    job = launch("any", 4, ["tests/scripts/pipeline_zero_worker.py", backend, str(tmp_path)],
+                 timeout=300)
+    assert job.returncode == 0, job
+    checks = [f"{layout} {what}" for layout in (
+        "pipeline:2:2+sharded:1", "pipeline:2:2+sharded:2", "pipeline:2:2+sharded:3",
+        "pipeline:2:2+sharded:3:gather=micro-batch")
+        for what in ("equals the reference", "collectives", "bytes equal the estimate")]
+    checks += ["the checkpoint resumes as pipeline:2:2+sharded:3 bit for bit",
+               "the checkpoint resumes as data parallel"]
+    for rank in range(4):
+        for check in checks:
+            assert f"ok {check}" in job.stdout and f"on rank {rank}" in job.stdout, (check, job)
+    assert job.stdout.count("ok the checkpoint resumes as data parallel on rank") == 4, job
+
+
 COMPOSED = ("sharded:3+replicate:2", "sharded:1+replicate:2", "data+tensor:2")
 
 
@@ -63,7 +85,7 @@ def test_composed_gpt_layouts_in_jax_pjit_equal_the_reference(launch, tmp_path):
     ("jax-pmap", "data+tensor:2", "tensor"),
     ("jax-pjit", "pipeline:2:2+sharded:1", "sharded"),
     ("jax-pjit", "pipeline:2:2+tensor:2", "tensor"),
-    ("horovod-torch", "pipeline:2:2+sharded:3", "sharded"),
+    ("horovod-torch", "pipeline:2:2+sharded:3+replicate:2", "replicate"),
     ("horovod-torch", "data+tensor:2", "tensor"),
 ])
 def test_a_composition_a_backend_does_not_run_is_refused_naming_the_dimension(backend, layout,

@@ -10,7 +10,14 @@ import pytest
 from toolkit.errors import ToolkitError
 from toolkit.models.gpt import GPT
 from toolkit.models.specs import MLP
-from toolkit.parallel.layouts import DataParallel, DataShare, Pipeline, Sharded, parse_layout
+from toolkit.parallel.layouts import (
+    DataParallel,
+    DataShare,
+    ParallelDims,
+    Pipeline,
+    Sharded,
+    parse_layout,
+)
 from toolkit.parallel.shards import FlatLayout, unit_layouts, units_of
 
 
@@ -326,7 +333,8 @@ def test_resolve_layout_reads_forms_and_refuses_what_a_backend_cannot_run():
 FORMS = ("write one of: data, sharded:1|2|3[:tpN], "
          "pipeline:STAGES:MICRO_BATCHES[:gpipe|1f1b|interleaved-1f1b[:CHUNKS]]"
          "[:within-node=stages|replicas], or dimensions joined with +: "
-         "pipeline:S:M+sharded:Z+tensor:T+replicate:R[+place:tensor:data:pipeline:replicate]")
+         "pipeline:S:M+sharded:Z[:gather=micro-batch]+tensor:T+replicate:R"
+         "[+place:tensor:data:pipeline:replicate]")
 COMMA = "dimensions are joined with +, not a comma"
 NODE_HINT = "HINT: write within-node=stages (the default) or within-node=replicas"
 PIPELINE_EXAMPLE = "HINT: e.g. Pipeline(stages=4, micro_batches=8)"
@@ -417,7 +425,6 @@ def test_layout_errors_whole(make, message):
 
 # ---------------------------------------------------------------- composed layouts (dimensions)
 from toolkit.parallel.dims import Grid  # noqa: E402
-from toolkit.parallel.layouts import ParallelDims  # noqa: E402
 
 
 def test_a_composed_name_parses_back_and_one_dimension_is_its_own_kind():
@@ -522,3 +529,28 @@ def test_a_dimension_that_does_not_fit_is_named_with_the_sizes_that_would(text, 
     with pytest.raises(ToolkitError) as err:
         parse_layout(text).data_share(world, 0, local)
     assert str(err.value) == message
+
+
+def test_a_pipelines_zero_stage_gathers_once_per_step_unless_told_per_micro_batch():
+    once = parse_layout("pipeline:2:4+sharded:3")
+    each = parse_layout("pipeline:2:4+sharded:3:gather=micro-batch")
+    assert (once.gather, each.gather) == ("step", "micro-batch")
+    assert each.name == "pipeline:2:4:1f1b+sharded:3:gather=micro-batch"
+    assert parse_layout(each.name) == each and once != each
+    # the executor's grid: a stage's data-parallel ranks are its replicas, placed as place: says
+    assert each.staged() == Pipeline(2, 4, within_node="replicas")
+    assert parse_layout("pipeline:2:4+sharded:1+place:tensor:pipeline:data:replicate"
+                        ).staged() == Pipeline(2, 4)
+
+
+@pytest.mark.parametrize(("text", "message"), [
+    ("sharded:3:gather=micro-batch", "gather= chooses when a pipeline's ZeRO stage gathers"),
+    ("pipeline:2:4+sharded:3:gather=often", "gather='often' is not when a stage gathers"),
+    ("sharded:3+replicate:2+gather", "no pipeline with ZeRO"),
+])
+def test_gather_is_refused_where_it_chooses_nothing(text, message):
+    with pytest.raises(ToolkitError) as err:
+        if text.endswith("+gather"):  # (no text form has it: the value)
+            ParallelDims(zero=3, replicate=2, gather="micro-batch")
+        parse_layout(text)
+    assert message in str(err.value) and "HINT" in str(err.value)

@@ -34,7 +34,7 @@ SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
 LAYOUT_FORMS = ("data, sharded:1|2|3[:tpN], "
                 "pipeline:STAGES:MICRO_BATCHES[:gpipe|1f1b|interleaved-1f1b[:CHUNKS]]"
                 "[:within-node=stages|replicas], or dimensions joined with +: "
-                "pipeline:S:M+sharded:Z+tensor:T+replicate:R[+place:tensor:data:pipeline:"
+                "pipeline:S:M+sharded:Z[:gather=micro-batch]+tensor:T+replicate:R[+place:tensor:data:pipeline:"
                 "replicate]")
 KINDS = ("data", "data_parallel", "dp", "sharded", "pipeline")
 
@@ -285,6 +285,7 @@ class Pipeline:
 
 
 AXES = ("tensor", "data", "pipeline", "replicate")
+GATHERS = ("step", "micro-batch")
 """The dimensions of a layout, innermost first: the default placement (``ParallelDims.place``)."""
 
 
@@ -307,6 +308,11 @@ class ParallelDims:
             order, innermost first: the first on consecutive devices (inside a node), the
             last across nodes. The default keeps the tensor axis inside a node, the data
             shards next, the stages across nodes and the replicas outermost.
+        gather: when a pipeline's ZeRO-3 stage gathers its parameters (and ZeRO-2/3
+            reduce-scatter their gradients): ``step`` (once per step: the gathered
+            parameters and a full gradient held while the step's micro-batches run) or
+            ``micro-batch`` (around each micro-batch's forward and backward: the least
+            memory, ``M`` times the collectives). Text form ``sharded:3:gather=micro-batch``.
 
     The command-line form joins the dimensions with ``+``: ``pipeline:2:4+sharded:3``,
     ``sharded:3+replicate:2``, ``sharded:1+tensor:2``, ``pipeline:2:4+tensor:2``, and
@@ -326,10 +332,19 @@ class ParallelDims:
     replicate: int = 1
     tensor: int = 1
     place: tuple[str, ...] = AXES
+    gather: str = GATHERS[0]
     collective_forward: ClassVar[bool] = True
 
     def __post_init__(self) -> None:
         example = "ParallelDims(zero=3, replicate=2)"
+        if self.gather not in GATHERS:
+            raise ToolkitError(f"gather={self.gather!r} is not when a stage gathers",
+                               f"use one of: {', '.join(GATHERS)}")
+        if self.gather != GATHERS[0] and (self.pipeline is None or not self.zero):
+            raise ToolkitError(
+                f"gather={self.gather} chooses when a pipeline's ZeRO stage gathers per "
+                "micro-batch, but this layout has no pipeline with ZeRO",
+                "e.g. pipeline:2:4+sharded:3:gather=micro-batch, or drop gather=")
         if isinstance(self.zero, bool) or self.zero not in (0, 1, 2, 3):
             raise ToolkitError(f"ParallelDims zero={self.zero!r} is not a ZeRO stage",
                                "use 0 (replicated), 1 (optimizer state), 2 (+ gradients) or "
@@ -389,7 +404,8 @@ class ParallelDims:
         if simple is not self:
             return simple.name
         parts = [self.pipeline.name] if self.pipeline is not None else []
-        parts += [f"sharded:{self.zero}"] if self.zero else ([] if parts else ["data"])
+        gather = f":gather={self.gather}" if self.gather != GATHERS[0] else ""
+        parts += [f"sharded:{self.zero}{gather}"] if self.zero else ([] if parts else ["data"])
         parts += [f"tensor:{self.tensor}"] if self.tensor > 1 else []
         parts += [f"replicate:{self.replicate}"] if self.replicate > 1 else []
         if self.place != AXES:
@@ -406,10 +422,20 @@ class ParallelDims:
             if self.tensor == 1 or self.place.index("tensor") < self.place.index("data"):
                 return Sharded(self.zero, self.tensor)
         if self.pipeline is not None and self.active == ("pipeline",):
-            stages_inside = self.place.index("pipeline") < self.place.index("data")
-            return dataclasses.replace(self.pipeline, within_node=WITHIN_NODE[
-                0 if stages_inside else 1])
+            return self.staged()
         return self
+
+    def staged(self) -> Pipeline:
+        """The pipeline, its ``within_node`` the placement's (a stage's data-parallel ranks
+        are its ``Pipeline`` replicas): the grid a pipeline executor runs on. A ToolkitError
+        without a pipeline, or with replicas or tensor parts the pipeline grid has no place
+        for."""
+        if self.pipeline is None or self.replicate > 1 or self.tensor > 1:
+            raise ToolkitError(f"layout {self.name} has no stage grid of (stage, replica) "
+                               "alone", "compose a pipeline with data or sharded:Z only")
+        stages_inside = self.place.index("pipeline") < self.place.index("data")
+        return dataclasses.replace(self.pipeline, within_node=WITHIN_NODE[
+            0 if stages_inside else 1])
 
     def grid(self, world_size: int, local_devices: int = 1) -> Grid:
         """The world's devices on the four axes (the data axis takes what the others leave);
@@ -519,8 +545,9 @@ def parse_layout(text: str) -> Layout:
     and, for the interleaved schedule, ``pipeline:S:M:interleaved-1f1b:CHUNKS``; a pipeline
     may end with ``:within-node=stages|replicas`` (``Pipeline.within_node``). Dimensions
     compose with ``+`` (:class:`ParallelDims`): ``pipeline:2:4+sharded:3``,
-    ``sharded:3+replicate:2``, ``sharded:1+tensor:2``, ``...+place:AXES``. A layout's ``name``
-    parses back to an equal layout.
+    ``sharded:3+replicate:2``, ``sharded:1+tensor:2``, ``...+place:AXES``; a pipeline's
+    sharded dimension may end with ``:gather=micro-batch`` (:attr:`ParallelDims.gather`). A
+    layout's ``name`` parses back to an equal layout.
 
     Example:
         >>> parse_layout("pipeline:2:4") == Pipeline(stages=2, micro_batches=4, schedule="1f1b")
@@ -552,6 +579,9 @@ def parse_layout(text: str) -> Layout:
             put("replicate" if head == "replicate" else "tensor",
                 _int_field(text, rest, f"{head} size"), part)
         elif head in KINDS:
+            if head == "sharded" and ":gather=" in part:
+                part, _, when = part.partition(":gather=")
+                put("gather", when, part)
             one = _parse_one(text, part)
             if isinstance(one, Pipeline) and one.within_node != WITHIN_NODE[0]:
                 raise ToolkitError(f"layout {text!r}: a composed layout places its stages "
@@ -577,6 +607,10 @@ def _parse_one(text: str, part: str) -> Layout:
     kind = parts[0]
     if kind in ("data", "data_parallel", "dp") and len(parts) == 1:
         return DataParallel()
+    if kind == "sharded" and len(parts) in (2, 3) and parts[-1].startswith("gather="):
+        raise ToolkitError(f"layout {text!r}: gather= chooses when a pipeline's ZeRO stage "
+                           "gathers", "compose it with a pipeline: pipeline:2:4+"
+                           f"{part}")
     if kind == "sharded" and len(parts) in (2, 3):
         tp = 1
         if len(parts) == 3:
