@@ -108,6 +108,7 @@ class HvdPipeline(RoundMessages, StrategyBase):
     """The framework-free part of a Horovod pipeline executor (see the module's docstring); a
     subclass is a :class:`StageCompute`."""
 
+    backend = "horovod"  # the backend's name, for errors
     metric_names: tuple[str, ...] = ()  # the build's metrics (their sums on idle ranks: 0)
     clips = True  # build takes clip_grad_norm (then the StepResult has grad_norm)
     skips = True  # build takes skip_nonfinite (then the StepResult says skipped)
@@ -122,6 +123,12 @@ class HvdPipeline(RoundMessages, StrategyBase):
         # its replicas (ZeRO shards them: the subclass's part)
         self.pipe = layout.dims.staged()
         self.grid = check_pipeline(self.pipe, env.world_size)
+        if layout.dims.zero and self.grid.replicas == 1:
+            raise ToolkitError(
+                f"layout {layout.name} shards each stage over its replicas, but "
+                f"{env.world_size} ranks give each of the {self.grid.stages} stages one",
+                f"launch a multiple of {2 * self.grid.stages} ranks, or drop sharded:"
+                f"{layout.dims.zero}")
         self.stage = self.grid.stage_of(env.rank)
         self.replica = self.grid.replica_of(env.rank)
         pipe = self.pipe
@@ -153,6 +160,16 @@ class HvdPipeline(RoundMessages, StrategyBase):
     @property
     def np_dtype(self) -> np.dtype:
         return np.dtype(self.runtime.dtype_name)
+
+    def _refuse_tied_shards(self) -> None:
+        """Pipeline x ZeRO refuses a parameter two stages hold: its shards would sit in
+        different units on the two end stages (their whole gradients are summed instead)."""
+        tied = tied_across_stages(self.cut.names_by_stage, self.pipe)
+        if tied:
+            raise ToolkitError(
+                f"{self.backend} does not shard a parameter two stages hold "
+                f"({', '.join(tied)}) under {self.layout.name}",
+                "untie it (toolkit.GPT(..., tied=False)), or run the pipeline without sharded:")
 
     def _start(self, mine: list[str]) -> None:
         """After build: the reduction plan for this stage's parameters ``mine`` (in order), and

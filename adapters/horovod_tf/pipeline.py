@@ -40,17 +40,21 @@ import numpy as np
 from adapters._common import check_build, check_recompute, check_spec_optimizer
 from adapters._horovod.pipeline import HvdPipeline
 from adapters._horovod.rounds import ALIGNMENT, NARROW, aligned_empty
+from adapters._horovod.runtime import ShardGroup
 from adapters._update import StepScalars, UpdateRule
 from adapters.horovod_tf.in_order import InOrderRounds, Spinner, Submitted
 from adapters.horovod_tf.keras_optim import check_elementwise, for_stage
 from adapters.horovod_tf.models.keras_native import assign, is_keras_optimizer
 from adapters.horovod_tf.ops import TFOps, TFState
 from adapters.horovod_tf.precision import TFPrecision
+from adapters.horovod_tf.stage_shards import StageShards
 from adapters.horovod_tf.stages import compiled_pieces, cut_model
 from adapters.horovod_tf.update import apply_update, sum_squares, update
+from toolkit import SGD, Adam, ToolkitError
 from toolkit.contract import StepResult
+from toolkit.errors import describe
 from toolkit.models.reference import optimizer_slots
-from toolkit.parallel.layouts import Pipeline
+from toolkit.parallel.layouts import GATHERS, Pipeline
 from toolkit.parallel.pipeline.partition import micro_batch_size
 from toolkit.parallel.pipeline.schedules import Action
 from toolkit.precision import PRECISIONS
@@ -67,10 +71,21 @@ class TFPipeline(HvdPipeline):
     # last stage
     precisions = PRECISIONS
     plugin = TFPrecision  # (adapters/_precision.py)
+    backend = "horovod-tf"
+    # pipeline x ZeRO: each stage's state sharded over its replicas (stage_shards.py)
+    composes = ("sharded",)
+    shards: StageShards | None = None
+    held: dict | None = None  # ZeRO-3: the stage's parameters gathered for this step
 
     @staticmethod
     def check_layout(layout: Pipeline) -> None:
         """Refused before Horovod starts (the grid needs the world size: at ``__init__``)."""
+        if layout.dims.gather != GATHERS[0]:
+            raise ToolkitError(
+                f"horovod-tf gathers a stage's ZeRO-3 parameters once per step, not per "
+                f"micro-batch ({layout.name}): TensorFlow's tape keeps what each forward read "
+                "until its backward, so per micro-batch it would hold more, not less",
+                "drop :gather=micro-batch, or use --backend horovod-torch")
 
     def __init__(self, runtime, layout: Pipeline, precision: Any = None):
         super().__init__(runtime, layout, precision)
@@ -108,8 +123,11 @@ class TFPipeline(HvdPipeline):
         self.rule = UpdateRule(optimizer, clip_grad_norm, skip_nonfinite, self.precision.scaler)
         state = self.state = TFState(self.tf, self.native, self.rule)
         state.vars, state.buffers = self.cut.variables, dict(self.cut.buffers)
-        # zero slots over this stage's variables (a spec's), or the Keras optimizer's
-        state.build_optimizer(model, optimizer, self.keras_model, list(state.vars.values()))
+        mine = list(state.vars)
+        if self.layout.dims.zero:  # (the slots are the shards')
+            self._shard(optimizer)
+        else:  # zero slots over this stage's variables (a spec's), or the Keras optimizer's
+            state.build_optimizer(model, optimizer, self.keras_model, list(state.vars.values()))
         self.slots, self.replicated = _slots(optimizer, state)
         tf, ops, M = self.tf, self.ops, self.pipe.micro_batches
         # each piece's forward compiled, the last piece's ending with its micro-batch's share of
@@ -126,7 +144,23 @@ class TFPipeline(HvdPipeline):
                 lambda grads, s: apply_update(tf, state.rule.spec, state.vars, state.slots,
                                               grads, StepScalars.of(s)),
                 reduce_retracing=True)
-        self._start(state.names)
+        self._start(mine)
+
+    def _shard(self, optimizer: Any) -> None:
+        """Pipeline x ZeRO: the stage's state in flat shards over its replicas
+        (``stage_shards.StageShards``), for spec models and optimizers."""
+        if self.native or not isinstance(optimizer, SGD | Adam):
+            raise ToolkitError(
+                f"horovod-tf shards a pipeline stage of a spec model with a spec optimizer "
+                f"(layout {self.layout.name}), not "
+                + ("a Keras model" if self.native else describe(optimizer)),
+                "pass a toolkit.MLP/CNN/GPT and toolkit.SGD/Adam, or drop sharded: (Keras "
+                "models and optimizers are sharded by the sharded:Z layout)")
+        self._refuse_tied_shards()
+        stage_set = self._process_set(self.grid.stage_ranks(self.stage))
+        self.shards = StageShards(self.tf, self.hvd, self.state.vars, self.layout.dims.zero,
+                                  optimizer, ShardGroup(self.replica, self.grid.replicas,
+                                                        stage_set, None, self.replica == 0))
 
     @property
     def steps(self) -> int:
@@ -235,13 +269,16 @@ class TFPipeline(HvdPipeline):
         m, c = action.micro_batch, action.chunk
         key, piece = (m, c), self.cut.pieces[action.chunk]
         first, last = piece.index == 0, self._is_last(c)
+        held = () if self.held is None else (self.held,)  # (ZeRO-3's gathered parameters)
         if action.kind == "F":
             inp = self.xs[m] if first else self.inbox_f.pop(key)
             with tf.GradientTape() as tape:
                 if not first:
                     tape.watch(inp)
-                out = (self.loss_of[c](inp, self.ys[m], True) if last else
-                       self.forwards[c](inp, True))
+                if held:
+                    tape.watch([self.held[n] for n in piece.names])
+                out = (self.loss_of[c](inp, self.ys[m], True, *held) if last else
+                       self.forwards[c](inp, True, *held))
                 loss = out
                 if last:  # (fp16: the last stage's loss scaled)
                     out = self.precision.scale_loss(out)
@@ -253,7 +290,7 @@ class TFPipeline(HvdPipeline):
             self.peak_activations = max(self.peak_activations, len(self.outputs))
             return
         (tape, inp), out = self.inputs.pop(key), self.outputs.pop(key)
-        variables = [self.state.vars[n] for n in piece.names]
+        variables = [(self.held or self.state.vars)[n] for n in piece.names]
         sources = variables if first else [inp, *variables]
         grads = tape.gradient(out, sources,
                               output_gradients=None if last else self.inbox_b.pop(key))
@@ -285,10 +322,16 @@ class TFPipeline(HvdPipeline):
         self.sums: dict[str, Any] = {}  # each gradient summed over the micro-batches
         # (a skipped step keeps the BatchNorm statistics its forward passes moved)
         kept = [(b, tf.identity(b)) for b in state.buffers.values()] if self.rule.skip else []
+        self.held = self.shards.gather() if self.shards is not None else None
         loss = self._run_rounds()
-        names = state.names
-        grads = self._reduced({n: self.sums[n] if n in self.sums else
-                               tf.zeros_like(state.vars[n]) for n in names})
+        names = self.mine
+        sums = {n: self.sums[n] if n in self.sums else
+                tf.zeros(self.cut.shapes[n], self.dtype) for n in names}
+        if self.shards is not None:
+            result = self._update_shards(sums, loss, scalars, kept)
+            self.xs = self.ys = self.sums = self.held = sums = None
+            return result
+        grads = self._reduced(sums)
         # the family's one update path (unscale, norm over every stage, clip, apply, the old
         # state kept where the norm is not finite), eagerly around the compiled apply
         _, norm = update(tf, self.rule, [grads[n] for n in names],
@@ -300,6 +343,27 @@ class TFPipeline(HvdPipeline):
         self.xs = self.ys = self.sums = grads = None
         return result
 
+    def _update_shards(self, sums: dict[str, Any], loss: float, scalars: Any,
+                       kept: list) -> StepResult:
+        """Pipeline x ZeRO: the stage's gradient shards (``StageShards.reduce``: ZeRO-1 from
+        the replicas' average), then the family's update path on them, the norm's squares
+        added over every rank's shards, and the shards' step."""
+        tf, shards = self.tf, self.shards
+        if shards.zero == 1:
+            sums = self._reduced(sums)
+        grads = shards.reduce(sums, shards.zero == 1, self.held)
+
+        def squares(g: list):
+            total, = self._grouped_sum([self._squares(g)], self.hvd.global_process_set,
+                                       "pipeline.grad_norm")
+            return total
+
+        _, norm = update(tf, self.rule, grads, squares, lambda g: shards.step(g, scalars),
+                         kept, scalars)
+        result = self.rule.result(loss, norm)  # (a skip takes the count back)
+        self.steps += 1
+        return result
+
     def evaluate(self, x: np.ndarray, y: np.ndarray) -> dict[str, float]:
         """Every rank's ``(x, y)`` runs through its replica's pipeline (inputs gathered on the
         first stage, labels on the last); the last stage returns the sums of all of them and
@@ -307,7 +371,8 @@ class TFPipeline(HvdPipeline):
         ops = self.ops
         xs, ys = self._eval_data(x, y)
         h = ops.inputs(xs, np.zeros(0))[0] if xs is not None else None
-        h = self._through(h, lambda c, h: self.forwards[c](h, False))
+        held = (self.shards.gather(),) if self.shards is not None else ()
+        h = self._through(h, lambda c, h: self.forwards[c](h, False, *held))
         if not self._is_eval_output():
             return self._empty_sums()
         if len(ys) == 0:
@@ -316,7 +381,10 @@ class TFPipeline(HvdPipeline):
 
     # ------------------------------------------------------------------------------ state
     def _local(self) -> dict[str, np.ndarray]:
-        """This rank's tensors under their neutral keys (each stage's, on every replica)."""
+        """This rank's tensors under their neutral keys (each stage's, on every replica;
+        sharded: gathered over the stage's replicas)."""
+        if self.shards is not None:
+            return self.shards.state()
         return {k: v for k, v in self.state.state().items() if k not in self.replicated}
 
     def _replicated(self) -> dict[str, np.ndarray]:
@@ -325,11 +393,13 @@ class TFPipeline(HvdPipeline):
     def load_state_dict(self, state: dict[str, np.ndarray]) -> None:
         """Keeps this stage's part of the full ``state``."""
         self.state.load(state)
+        if self.shards is not None:
+            self.shards.load(state)
 
     def memory_bytes(self) -> dict[str, int]:
         """Bytes this rank (its stage) holds: its parameters, a gradient of each, their
-        optimizer slots."""
-        return self.state.memory_bytes()
+        optimizer slots (sharded: what its shards hold)."""
+        return (self.state if self.shards is None else self.shards).memory_bytes()
 
 
 def _slots(optimizer: Any, state: TFState) -> tuple[tuple[str, ...], tuple[str, ...]]:

@@ -103,7 +103,8 @@ def compiled_pieces(tf, cut: CutModel, loss: Callable,
                     last: Callable[[int], bool]) -> tuple[list[Callable], dict[int, Callable]]:
     """``(forwards, loss_of)``: each of ``cut``'s pieces' ``forward(h, training)`` as a
     ``tf.function`` by local chunk, and for each chunk ``c`` that ``last(c)`` its forward ending
-    with ``loss(output, y)``: ``loss_of[c](h, y, training)``.
+    with ``loss(output, y)``: ``loss_of[c](h, y, training)``. A spec piece takes the stage's
+    parameters as a last argument where no variable holds them (pipeline x ZeRO-3).
 
     A tape differentiates a ``tf.function`` call with its compiled gradient. A spec model's
     pieces go through XLA: TF's own kernels took 91 ms for the backward of a 2048 x 2048 and a
@@ -115,7 +116,7 @@ def compiled_pieces(tf, cut: CutModel, loss: Callable,
         return tf.function(fn, reduce_retracing=True, jit_compile=not cut.native)
 
     def with_loss(forward):
-        return lambda h, y, training: loss(forward(h, training), y)
+        return lambda h, y, training, *params: loss(forward(h, training, *params), y)
 
     return ([compiled(p.forward) for p in cut.pieces],
             {c: compiled(with_loss(p.forward)) for c, p in enumerate(cut.pieces) if last(c)})
@@ -146,9 +147,10 @@ def _spec_forward(fns: list[Callable], variables: dict, first: bool,
     after the other; a later piece's input is its ``h`` (and its ``x``: a GPT block reads the
     batch and sequence sizes from it). The variables and the input go through ``cast``."""
 
-    def forward(h, training: bool = True):
+    def forward(h, training: bool = True, params: dict | None = None):
         del training  # the spec models have no dropout or batch statistics
-        h, params = cast(h), cast(variables)
+        # (params: the stage's gathered parameters under ZeRO-3, in the variables' place)
+        h, params = cast(h), cast(variables if params is None else params)
         x, out = h, None if first else h
         with float32_products():  # (an XLA cluster: no fused bias, models/layers.py)
             for fn in fns:

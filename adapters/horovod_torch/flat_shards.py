@@ -62,6 +62,7 @@ grouped ``allgather``.
 from __future__ import annotations
 
 import contextlib
+import weakref
 from typing import Any
 
 import numpy as np
@@ -160,6 +161,10 @@ class ShardedParameters:
         self.collectives = {"gather": 0, "reduce_scatter": 0}
         self._held: dict[int, tuple] = {}  # hold: unit -> its gathered buffers this step
         self._sums: dict[int, Any] = {}  # hold, stages 2/3: unit -> its full gradient sum
+        # the gathered buffers and full gradient sums alive (weakly: autograd and the caches
+        # own them), and the most bytes they held at once: what a step adds to the shards
+        self._alive: weakref.WeakSet = weakref.WeakSet()
+        self.peak_transient = 0
         # (the shard arithmetic's "rank": this rank's place in its data-parallel group)
         self.rank, self.size = self.group.index, self.group.size
         self._in = {"process_set": self.group.shards}  # every shard collective's group
@@ -314,7 +319,15 @@ class ShardedParameters:
 
     def _gathered(self, unit: int, source) -> tuple:
         self.collectives["gather"] += 1
-        return self._gather(unit, source)
+        return self._track(*self._gather(unit, source))
+
+    def _track(self, *tensors) -> tuple:
+        """``tensors`` (gathered buffers, a full gradient sum) counted in
+        :attr:`peak_transient` while alive."""
+        self._alive.update(tensors)
+        alive = sum(t.numel() * t.element_size() for t in self._alive)
+        self.peak_transient = max(self.peak_transient, alive)
+        return tensors
 
     def _close(self, use: _Use, grads) -> None:
         """UnitParams.backward: the unit's gradients, reduced into its gradient buffer (held
@@ -324,7 +337,7 @@ class ShardedParameters:
         if self.stage > 1:
             target = (self._sums.get(use.unit) if self.hold else None)
             if target is None:
-                target = self.grads[use.unit].new_zeros(fl.padded)
+                target, = self._track(self.grads[use.unit].new_zeros(fl.padded))
                 if self.hold:
                     self._sums[use.unit] = target
         for o, n, g in zip(fl.offsets, fl.sizes, grads, strict=True):

@@ -54,11 +54,11 @@ from adapters.horovod_torch.torch_optim import (
     step_count,
 )
 from adapters.horovod_torch.update import sum_of_squares, update
-from toolkit import SGD, Adam, ToolkitError
+from toolkit import SGD, Adam
 from toolkit.contract import StepResult
 from toolkit.models.reference import optimizer_slots
 from toolkit.parallel.layouts import GATHERS, Pipeline
-from toolkit.parallel.pipeline.partition import micro_batch_size, tied_across_stages
+from toolkit.parallel.pipeline.partition import micro_batch_size
 from toolkit.parallel.pipeline.schedules import Action
 from toolkit.precision import PRECISIONS
 
@@ -91,6 +91,7 @@ class TorchPipeline(HvdPipeline):
     """``toolkit.Pipeline`` for ``horovod-torch`` (see :class:`toolkit.Adapter`): this rank's
     stage of one replica, run by the lockstep rounds of ``adapters/_horovod/pipeline.py``."""
 
+    backend = "horovod-torch"
     asynchronous = True  # hvd.alltoall_async: receives joined ahead (adapters/_horovod/rounds.py)
     # mixed: each stage's forward under torch autocast (as data parallel), 16-bit activations
     # sent as they are (pack_tensors), fp16's loss scaled on the last stage
@@ -108,12 +109,6 @@ class TorchPipeline(HvdPipeline):
     def __init__(self, runtime, layout: Pipeline, precision: Any = None):
         super().__init__(runtime, layout, precision)
         self.torch, self.hvd, self.dtype = runtime.torch, runtime.hvd, runtime.dtype
-        if layout.dims.zero and self.grid.replicas == 1:
-            raise ToolkitError(
-                f"layout {layout.name} shards each stage over its replicas, but "
-                f"{self.env.world_size} ranks give each of the {self.grid.stages} stages one",
-                f"launch a multiple of {2 * self.grid.stages} ranks, or drop sharded:"
-                f"{layout.dims.zero}")
 
     # ------------------------------------------------------------------------------ build
     def build(self, model: Any, optimizer: Any, loss: Any, *, seed: int = 0,
@@ -164,15 +159,9 @@ class TorchPipeline(HvdPipeline):
         """Pipeline x ZeRO: the stage's parameters, gradients and optimizer state in flat
         shards over the stage's replicas (``flat_shards.ShardedParameters``, its group the
         stage's process set), gathered once per step unless the layout says
-        ``gather=micro-batch``. A parameter that two stages hold is refused: its two shards
-        would sit in different units (the end stages sum a whole tied gradient instead)."""
+        ``gather=micro-batch``."""
         torch, dims = self.torch, self.layout.dims
-        tied = tied_across_stages(self.cut.names_by_stage, self.pipe)
-        if tied:
-            raise ToolkitError(
-                f"horovod-torch does not shard a parameter two stages hold ({', '.join(tied)}) "
-                f"under {self.layout.name}", "untie it (toolkit.GPT(..., tied=False)),"
-                " or run the pipeline without sharded:")
+        self._refuse_tied_shards()
         if not isinstance(optimizer, SGD | Adam):  # the user's torch.optim optimizer
             check_elementwise(torch, optimizer, "horovod-torch", self.layout.name)
             make_optimizer(torch, optimizer, [*(p for _, p, _, _ in self.params),

@@ -1,0 +1,189 @@
+"""Pipeline x ZeRO for ``horovod-tf``: a pipeline stage's optimizer state, gradient and (ZeRO-3)
+parameters in flat shards over the stage's replicas (``pipeline:S:M+sharded:Z``).
+
+Each unit of the stage (``toolkit.parallel.shards.unit_layouts`` over its parameters: an MLP's
+layers, a GPT's blocks) is one flat buffer padded to a multiple of the stage's replicas ``D``;
+replica ``d`` owns elements ``[d L, (d + 1) L)``, so the pieces are the ones ``flat_shards.py``
+and every other backend cut. Every collective runs in the stage's Horovod process set.
+
+- ZeRO-1: the stage's variables stay whole; after the rounds the summed gradient is averaged
+  over the replicas (the executor's ``_reduced``), each replica updates its shard with its
+  slots' shards, and one all-gather per unit re-assembles the variables.
+- ZeRO-2: as 1, but each unit's summed gradient is reduce-scattered (averaged) once per step:
+  a replica keeps its gradient shard only.
+- ZeRO-3: the parameters live only as shards. At the step's start one all-gather per unit gives
+  the stage's whole parameters as tensors, which the pieces take in place of variables (and the
+  tape watches), held until the step's end (``gather=step``); the gradient as in 2, and the
+  update writes the shards.
+
+Gathering per micro-batch (``gather=micro-batch``) is refused here: TensorFlow's tape keeps
+every tensor a forward read until that micro-batch's backward, so a parameter gathered for
+each micro-batch would stay as many times as micro-batches are in flight: more memory, not
+less, unless the forward were recomputed (horovod-torch gathers per micro-batch).
+
+The optimizer is ``toolkit.SGD``/``Adam``'s arithmetic (``update.spec_update``) on the flat
+shards, as data parallel's and the reference's. The global norm adds up every rank's shard
+squares over the world (the shards partition each stage's gradient; each stage once).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from adapters._update import StepScalars
+from adapters.horovod_tf.update import spec_update
+from toolkit.models.reference import optimizer_slots
+from toolkit.parallel.shards import FlatLayout, unit_layouts
+
+
+class StageShards:
+    """The ZeRO state of one pipeline stage (see the module docstring).
+
+    Args:
+        tf, hvd: the modules.
+        variables: the stage's variables by neutral name, in the model's order (ZeRO-3
+            empties the mapping: the shards hold the parameters).
+        zero: the ZeRO stage, 1-3.
+        spec: ``toolkit.SGD`` or ``toolkit.Adam``.
+        group: ``adapters._horovod.runtime.ShardGroup``: the replica's index among the
+            stage's ``size`` replicas, and their process set.
+    """
+
+    def __init__(self, tf, hvd, variables: dict[str, Any], zero: int, spec: Any, group: Any):
+        self.tf, self.hvd, self.zero, self.spec = tf, hvd, zero, spec
+        self.index, self.size, self._in = group.index, group.size, {"process_set": group.shards}
+        self.variables = variables
+        self.dtype = next(iter(variables.values())).dtype
+        shapes = {n: tuple(v.shape) for n, v in variables.items()}
+        self.layouts: list[FlatLayout] = list(unit_layouts(shapes, self.size).values())
+        self.slot_names = tuple(optimizer_slots(spec))
+        shard = [fl.shard_size for fl in self.layouts]
+        self.slots = [{s: tf.Variable(tf.zeros([n], self.dtype)) for s in self.slot_names}
+                      for n in shard]
+        self.grads = ([tf.Variable(tf.zeros([n], self.dtype)) for n in shard]
+                      if zero >= 2 else [])
+        self.shards: list[Any] = []
+        if zero == 3:
+            self.shards = [tf.Variable(self._mine(u, self._flat(u, variables)))
+                           for u in range(len(self.layouts))]
+            variables.clear()  # (the pieces read the gathered tensors: gather())
+        # gathers and reduce-scatters since the count was last reset, and the most bytes the
+        # step's gathered parameters and whole gradient sums held at once
+        self.collectives = {"gather": 0, "reduce_scatter": 0}
+        self.peak_transient = 0
+
+    # ------------------------------------------------------------------ flat buffers
+    def _flat(self, unit: int, tensors: dict) -> Any:
+        """The unit's tensors as its padded flat buffer."""
+        tf, fl = self.tf, self.layouts[unit]
+        parts = [tf.reshape(tf.cast(tensors[n], self.dtype), [-1]) for n in fl.names]
+        return tf.concat([*parts, tf.zeros([fl.padded - fl.total], self.dtype)], 0)
+
+    def _mine(self, unit: int, flat: Any) -> Any:
+        n = self.layouts[unit].shard_size
+        return flat[self.index * n:(self.index + 1) * n]
+
+    def _unflat(self, unit: int, flat: Any) -> dict[str, Any]:
+        tf, fl = self.tf, self.layouts[unit]
+        return {n: tf.reshape(flat[o:o + k], s) for n, o, k, s
+                in zip(fl.names, fl.offsets, fl.sizes, fl.shapes, strict=True)}
+
+    def _allgather(self, shard: Any, name: str) -> Any:
+        return self.hvd.allgather(self.tf.convert_to_tensor(shard), name=name, **self._in)
+
+    # ------------------------------------------------------------------ a step
+    def gather(self) -> dict[str, Any] | None:
+        """ZeRO-3: the stage's whole parameters (tensors by name) for this step, one all-gather
+        per unit; None below ZeRO-3 (the variables are whole)."""
+        if self.zero < 3:
+            return None
+        out: dict[str, Any] = {}
+        for unit, shard in enumerate(self.shards):
+            self.collectives["gather"] += 1
+            out.update(self._unflat(unit, self._allgather(shard, f"zero.gather.{unit}")))
+        return out
+
+    def reduce(self, sums: dict[str, Any], averaged: bool, held: dict | None) -> list:
+        """This replica's gradient shard per unit from the step's summed gradients ``sums``
+        (by name; ``averaged``: ZeRO-1's, already averaged over the replicas), ZeRO-2/3
+        reduce-scattering each unit's once. ``held``: the step's gathered parameters, counted
+        with the sums in :attr:`peak_transient`."""
+        hvd, out = self.hvd, []
+        alive = [*sums.values(), *(held or {}).values()]
+        self.peak_transient = max(self.peak_transient, sum(
+            int(np.prod(t.shape)) * t.dtype.size for t in alive))
+        for unit in range(len(self.layouts)):
+            flat = self._flat(unit, sums)
+            if self.zero == 1:
+                assert averaged
+                out.append(self._mine(unit, flat))
+                continue
+            self.collectives["reduce_scatter"] += 1
+            shard = hvd.reducescatter(flat, op=hvd.Average, name=f"zero.grad.{unit}",
+                                      **self._in)
+            self.grads[unit].assign(shard)
+            out.append(shard)
+        return out
+
+    def step(self, grads: list, scalars: Any) -> None:
+        """Updates this replica's shards by its (clipped) gradient shards ``grads`` with the
+        step's ``scalars``; below ZeRO-3 the variables are re-assembled (one all-gather per
+        unit)."""
+        s = StepScalars.of(scalars)
+        for unit, g in enumerate(grads):
+            fl = self.layouts[unit]
+            param = (self.shards[unit] if self.zero == 3
+                     else self._mine(unit, self._flat(unit, self.variables)))
+            new = spec_update(self.tf, self.spec, param, g, self.slots[unit], s.lr,
+                              s.step_size, s.c2_sqrt)
+            if self.zero == 3:
+                self.shards[unit].assign(new)
+                continue
+            whole = self._unflat(unit, self._allgather(new, f"zero.params.{unit}"))
+            for n in fl.names:
+                self.variables[n].assign(whole[n])
+
+    # ------------------------------------------------------------------ state
+    def state(self) -> dict[str, np.ndarray]:
+        """The stage's parameters and slots, whole, under the checkpoint's names (gathered
+        over the replicas: a collective of the stage)."""
+        out: dict[str, np.ndarray] = {}
+        for unit, fl in enumerate(self.layouts):
+            if self.zero == 3:
+                flat = self._allgather(self.shards[unit], f"zero.state.params.{unit}")
+                out.update({f"params/{n}": np.asarray(t) for n, t
+                            in self._unflat(unit, flat).items()})
+            else:
+                out.update({f"params/{n}": np.asarray(self.variables[n]) for n in fl.names})
+            for slot, var in self.slots[unit].items():
+                flat = self._allgather(var, f"zero.state.{slot}.{unit}")
+                out.update({f"opt/{slot}/{n}": np.asarray(t) for n, t
+                            in self._unflat(unit, flat).items()})
+        return out
+
+    def load(self, state: dict[str, np.ndarray]) -> None:
+        """This replica's shards (and below ZeRO-3 the whole variables) from a full state."""
+        for unit, fl in enumerate(self.layouts):
+            params = {n: state[f"params/{n}"] for n in fl.names}
+            if self.zero == 3:
+                self.shards[unit].assign(fl.shard(params, self.index))
+            else:
+                for n in fl.names:
+                    self.variables[n].assign(params[n])
+            for slot, var in self.slots[unit].items():
+                var.assign(fl.shard({n: state[f"opt/{slot}/{n}"] for n in fl.names},
+                                    self.index))
+
+    def memory_bytes(self) -> dict[str, int]:
+        """Bytes of what the stage holds between steps: its parameters (whole, or ZeRO-3's
+        shards), its gradient (whole as a size below ZeRO-2: the step's average; else the
+        shards) and the slots' shards."""
+        def nbytes(tensors) -> int:
+            return int(sum(int(np.prod(t.shape)) * t.dtype.size for t in tensors))
+
+        whole = sum(fl.total for fl in self.layouts) * self.dtype.size
+        params = nbytes(self.shards) if self.zero == 3 else nbytes(self.variables.values())
+        return {"params": params, "grads": nbytes(self.grads) if self.zero >= 2 else whole,
+                "optimizer": nbytes(v for slots in self.slots for v in slots.values())}

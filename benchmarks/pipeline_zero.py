@@ -1,0 +1,142 @@
+"""Pipeline x ZeRO: what each ZeRO stage and each gather choice holds, moves and costs per step,
+measured on 4 ranks (2 stages x 2 replicas sharding each stage) beside the pipeline alone.
+
+    .venv/bin/python benchmarks/pipeline_zero.py
+    .venv/bin/python benchmarks/pipeline_zero.py --micro-batches 8 --layers 8 --width 512
+
+For each layout it launches ``horovodrun -np 4`` on this script in worker mode, which trains
+``--steps`` steps of an untied GPT (AdamW) with the Trainer under ``pipeline:2:M`` and
+``pipeline:2:M+sharded:Z`` (Z = 1, 2, 3; ZeRO-3 gathered once per step and per micro-batch),
+and reports from every rank:
+
+- the bytes held between steps (``adapter.memory_bytes()``: its real tensors);
+- the most bytes the step's gathered parameters and full gradient sums held at once
+  (``ShardedParameters.peak_transient``, from the live tensors), beside the formula: gathering
+  once per step holds the stage's whole parameters (ZeRO-3) and its whole gradient sum
+  (ZeRO-2/3) until the step's end; per micro-batch, about a unit at a time;
+- the gathers and reduce-scatters per step (``ShardedParameters.collectives``);
+- the median step time.
+
+The table shows the most loaded rank. A CPU figure is for the relative cost of the collectives
+and of holding; on GPUs with a fast interconnect the gathers overlap less here than there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+from _paired import time_steps
+
+ZEROS = ("", "+sharded:1", "+sharded:2", "+sharded:3", "+sharded:3:gather=micro-batch")
+
+
+def gpt_spec(args):
+    import toolkit
+
+    return toolkit.GPT(vocab=256, context=args.context, width=args.width, layers=args.layers,
+                       heads=args.heads, tied=False)
+
+
+def worker(args) -> None:
+    """One run under horovodrun: trains, then rank 0 writes every rank's figures."""
+    import adapters
+    import toolkit
+    from toolkit.equivalence import stdlib_bytes
+
+    env = toolkit.current_env()
+    spec = gpt_spec(args)
+    n = args.batch * 4
+    tokens = stdlib_bytes(n * spec.context + 1).astype(np.int64)
+    x, y = tokens[:-1].reshape(n, spec.context), tokens[1:].reshape(n, spec.context)
+    adapter = adapters.get("horovod-torch")
+    times = time_steps(adapter)
+    trainer = toolkit.Trainer(adapter, spec, toolkit.Adam(lr=1e-3, weight_decay=0.1,
+                                                          decoupled=True),
+                              global_batch_size=args.batch, max_steps=args.steps,
+                              layout=args.layout, progress=False, stop_signals=())
+    trainer.fit(x, y)
+    held = adapter.memory_bytes()
+    shards = adapter.strategy.shards
+    counts = shards.collectives if shards is not None else {}
+    row = np.zeros((env.world_size, 7))
+    row[env.rank] = [held["params"], held["grads"], held["optimizer"],
+                     shards.peak_transient if shards is not None else 0,
+                     counts.get("gather", 0) / args.steps,
+                     counts.get("reduce_scatter", 0) / args.steps,
+                     statistics.median(times[1:] or times)]
+    table = adapter.allreduce(row.reshape(-1), "sum").reshape(env.world_size, 7)
+    toolkit.save0(args.out, json.dumps({"ranks": table.tolist()}), env=env)
+
+
+def launch(args, layout: str, out: Path) -> dict:
+    me = [sys.executable, __file__, "--worker", "--layout", layout, "--out", str(out),
+          "--steps", str(args.steps), "--batch", str(args.batch), "--layers",
+          str(args.layers), "--width", str(args.width), "--heads", str(args.heads),
+          "--context", str(args.context)]
+    horovodrun = str(Path(sys.executable).parent / "horovodrun")
+    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.run([horovodrun, "-np", "4", "--gloo", *me], env=env,
+                          capture_output=True, text=True, timeout=1200,
+                          stdin=subprocess.DEVNULL)
+    if proc.returncode or not out.exists():
+        tail = " | ".join((proc.stderr or proc.stdout).strip().splitlines()[-3:])
+        return {"error": f"exit {proc.returncode}: {tail}"}
+    return json.loads(out.read_text())
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--micro-batches", type=int, default=4)
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--batch", type=int, default=16, help="global batch (sequences)")
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--width", type=int, default=256)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--context", type=int, default=64)
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--layout", help=argparse.SUPPRESS)
+    p.add_argument("--out", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.worker:
+        worker(args)
+        return 0
+
+    from toolkit.memory import human
+
+    spec = gpt_spec(args)
+    print(f"{spec!r}: {spec.num_params:,} parameters ({human(4 * spec.num_params)} float32); "
+          f"AdamW; 4 ranks: 2 stages x 2 replicas, {args.micro_batches} micro-batches")
+    print(f"{'layout':<44} {'params':>11} {'grads':>11} {'optimizer':>11} {'held':>11} "
+          f"{'in-step':>11} {'gathers':>7} {'r-scat':>6} {'ms/step':>8} {'vs pipe':>7}")
+    failed, base = False, None
+    with tempfile.TemporaryDirectory() as tmp:
+        for zero in ZEROS:
+            layout = f"pipeline:2:{args.micro_batches}{zero}"
+            out = Path(tmp) / "out.json"
+            res = launch(args, layout, out)
+            out.unlink(missing_ok=True)
+            if "error" in res:
+                print(f"{layout:<44} FAILED {res['error']}")
+                failed = True
+                continue
+            ranks = np.asarray(res["ranks"])
+            worst = ranks[np.argmax(ranks[:, :3].sum(axis=1))]
+            ms = float(np.median(ranks[:, 6])) * 1e3
+            base = ms if not zero else base
+            print(f"{layout:<44} {worst[0]:>11,.0f} {worst[1]:>11,.0f} {worst[2]:>11,.0f} "
+                  f"{worst[:3].sum():>11,.0f} {ranks[:, 3].max():>11,.0f} "
+                  f"{ranks[:, 4].max():>7.0f} {ranks[:, 5].max():>6.0f} {ms:>8.1f} "
+                  f"{(ms / base if base else float('nan')):>6.2f}x")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
