@@ -18,6 +18,7 @@ import numpy as np
 import adapters
 import toolkit
 from adapters._common import float32_matmuls
+from adapters._horovod.runtime import layout_groups
 from toolkit.equivalence import load_data, make_model, make_optimizer
 from toolkit.launch.devices import count_gpus
 
@@ -41,8 +42,8 @@ def main() -> None:
     # Horovod registers the first pipeline's process sets as it starts; pipelines that reduce
     # in other rank groups (the other within_node) add theirs later, which Horovod allows
     # only with dynamic process sets, asked for before it starts.
-    groups = {layout.grid(env.world_size).reduction_groups() for layout in layouts
-              if layout.kind == "pipeline" and env.world_size % layout.stages == 0}
+    groups = {layout_groups(layout, env.world_size) for layout in layouts
+              if layout.kind == "pipeline" and env.world_size % layout.dims.stages == 0}
     if len(groups) > 1:
         os.environ.setdefault("HOROVOD_DYNAMIC_PROCESS_SETS", "1")
     for i, layout in sorted(enumerate(layouts), key=lambda item: item[1].kind != "pipeline"):

@@ -161,16 +161,6 @@ class HvdPipeline(RoundMessages, StrategyBase):
     def np_dtype(self) -> np.dtype:
         return np.dtype(self.runtime.dtype_name)
 
-    def _refuse_tied_shards(self) -> None:
-        """Pipeline x ZeRO refuses a parameter two stages hold: its shards would sit in
-        different units on the two end stages (their whole gradients are summed instead)."""
-        tied = tied_across_stages(self.cut.names_by_stage, self.pipe)
-        if tied:
-            raise ToolkitError(
-                f"{self.backend} does not shard a parameter two stages hold "
-                f"({', '.join(tied)}) under {self.layout.name}",
-                "untie it (toolkit.GPT(..., tied=False)), or run the pipeline without sharded:")
-
     def _start(self, mine: list[str]) -> None:
         """After build: the reduction plan for this stage's parameters ``mine`` (in order), and
         the timeline's common origin (a barrier)."""

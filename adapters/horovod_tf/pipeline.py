@@ -55,7 +55,7 @@ from toolkit.contract import StepResult
 from toolkit.errors import describe
 from toolkit.models.reference import optimizer_slots
 from toolkit.parallel.layouts import GATHERS, Pipeline
-from toolkit.parallel.pipeline.partition import micro_batch_size
+from toolkit.parallel.pipeline.partition import micro_batch_size, tied_across_stages
 from toolkit.parallel.pipeline.schedules import Action
 from toolkit.precision import PRECISIONS
 
@@ -156,11 +156,19 @@ class TFPipeline(HvdPipeline):
                 + ("a Keras model" if self.native else describe(optimizer)),
                 "pass a toolkit.MLP/CNN/GPT and toolkit.SGD/Adam, or drop sharded: (Keras "
                 "models and optimizers are sharded by the sharded:Z layout)")
-        self._refuse_tied_shards()
+        hvd, replicas = self.hvd, self.grid.replicas
+        tied = tuple(n for n in tied_across_stages(self.cut.names_by_stage, self.pipe)
+                     if n in self.state.vars)
+        ends = self._process_set(self.grid.end_ranks()) if tied else None
+
+        def reduce_tied(flat):  # (summed over both end stages, averaged over the replicas)
+            return hvd.allreduce(flat, op=hvd.Sum, name="zero.grad.tied",
+                                 process_set=ends) / replicas
+
         stage_set = self._process_set(self.grid.stage_ranks(self.stage))
-        self.shards = StageShards(self.tf, self.hvd, self.state.vars, self.layout.dims.zero,
-                                  optimizer, ShardGroup(self.replica, self.grid.replicas,
-                                                        stage_set, None, self.replica == 0))
+        self.shards = StageShards(self.tf, hvd, self.state.vars, self.layout.dims.zero,
+                                  optimizer, ShardGroup(self.replica, replicas, stage_set, None,
+                                                        self.replica == 0), tied, reduce_tied)
 
     @property
     def steps(self) -> int:
@@ -353,8 +361,9 @@ class TFPipeline(HvdPipeline):
             sums = self._reduced(sums)
         grads = shards.reduce(sums, shards.zero == 1, self.held)
 
-        def squares(g: list):
-            total, = self._grouped_sum([self._squares(g)], self.hvd.global_process_set,
+        def squares(g: list):  # (a tied unit's counted on the first stage)
+            mine = [t for u, t in enumerate(g) if self.stage == 0 or u != shards.tied_unit]
+            total, = self._grouped_sum([self._squares(mine)], self.hvd.global_process_set,
                                        "pipeline.grad_norm")
             return total
 

@@ -49,15 +49,27 @@ class StageShards:
         spec: ``toolkit.SGD`` or ``toolkit.Adam``.
         group: ``adapters._horovod.runtime.ShardGroup``: the replica's index among the
             stage's ``size`` replicas, and their process set.
+        tied: the parameters another stage holds too (a tied embedding on the end stages):
+            a unit of their own (the last, :attr:`tied_unit`), the same on both stages, whose
+            whole gradient ``reduce_tied`` averages over every rank holding it before this
+            replica keeps its shard.
     """
 
-    def __init__(self, tf, hvd, variables: dict[str, Any], zero: int, spec: Any, group: Any):
+    def __init__(self, tf, hvd, variables: dict[str, Any], zero: int, spec: Any, group: Any,
+                 tied: tuple[str, ...] = (), reduce_tied: Any = None):
         self.tf, self.hvd, self.zero, self.spec = tf, hvd, zero, spec
         self.index, self.size, self._in = group.index, group.size, {"process_set": group.shards}
-        self.variables = variables
+        self.variables, self.reduce_tied = variables, reduce_tied
         self.dtype = next(iter(variables.values())).dtype
         shapes = {n: tuple(v.shape) for n, v in variables.items()}
-        self.layouts: list[FlatLayout] = list(unit_layouts(shapes, self.size).values())
+        self.layouts: list[FlatLayout] = [
+            FlatLayout.from_shapes({n: shapes[n] for n in fl.names if n not in tied}, self.size)
+            for fl in unit_layouts(shapes, self.size).values()
+            if any(n not in tied for n in fl.names)]
+        self.tied_unit = None
+        if tied:
+            self.tied_unit = len(self.layouts)
+            self.layouts.append(FlatLayout.from_shapes({n: shapes[n] for n in tied}, self.size))
         self.slot_names = tuple(optimizer_slots(spec))
         shard = [fl.shard_size for fl in self.layouts]
         self.slots = [{s: tf.Variable(tf.zeros([n], self.dtype)) for s in self.slot_names}
@@ -119,6 +131,11 @@ class StageShards:
             if self.zero == 1:
                 assert averaged
                 out.append(self._mine(unit, flat))
+                continue
+            if unit == self.tied_unit:  # (averaged whole with the other end stage's)
+                shard = self._mine(unit, self.reduce_tied(flat))
+                self.grads[unit].assign(shard)
+                out.append(shard)
                 continue
             self.collectives["reduce_scatter"] += 1
             shard = hvd.reducescatter(flat, op=hvd.Average, name=f"zero.grad.{unit}",

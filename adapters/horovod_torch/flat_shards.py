@@ -146,6 +146,11 @@ class ShardedParameters:
             pipeline its stage's replicas).
         hold: gather each unit once per step and reduce its gradient once, at :meth:`reduce`
             (a pipeline's micro-batches: the module docstring), rather than per forward.
+        whole: units whose gradient another group also holds (a pipeline's tied embedding, a
+            unit of its own on both end stages), each with the function that averages its
+            whole flat gradient sum over every rank holding it: their gradient is summed
+            whole over the step and reduced by it at :meth:`reduce`, this rank then keeping
+            its shard.
 
     ``net``'s parameters that ``layout`` does not name stay as they are (another pipeline
     stage's), and so do a native optimizer's other parameters.
@@ -153,9 +158,11 @@ class ShardedParameters:
 
     def __init__(self, torch, hvd, net, layout, arrays: dict[str, np.ndarray],
                  units: dict[str, list[str]], stage: int, optimizer, dtype, device=None,
-                 compute=None, *, group: ShardGroup, hold: bool = False):
+                 compute=None, *, group: ShardGroup, hold: bool = False,
+                 whole: dict[str, Any] | None = None):
         self.torch, self.hvd, self.stage, self.spec = torch, hvd, stage, optimizer
         self.group, self.hold = group, hold
+        self.whole = {list(units).index(u): f for u, f in (whole or {}).items()}
         # what the step's collectives were: gathers and reduce-scatters since the count
         # was last reset (a pipeline's test reads it per step)
         self.collectives = {"gather": 0, "reduce_scatter": 0}
@@ -334,16 +341,17 @@ class ShardedParameters:
         in a full sum until :meth:`reduce` when ``hold``)."""
         use.regathered = None  # every use of the unit has had its backward
         fl, target = self.layouts[use.unit], self.grads[use.unit]
+        summed = self.hold or use.unit in self.whole  # (reduced once, at reduce())
         if self.stage > 1:
-            target = (self._sums.get(use.unit) if self.hold else None)
+            target = self._sums.get(use.unit) if summed else None
             if target is None:
                 target, = self._track(self.grads[use.unit].new_zeros(fl.padded))
-                if self.hold:
+                if summed:
                     self._sums[use.unit] = target
         for o, n, g in zip(fl.offsets, fl.sizes, grads, strict=True):
             if g is not None:
                 target[o:o + n].add_(g.reshape(-1))
-        if self.stage > 1 and not self.hold:
+        if self.stage > 1 and not summed:
             self._scatter(use.unit, target)
 
     def _scatter(self, unit: int, flat) -> None:
@@ -366,12 +374,19 @@ class ShardedParameters:
         step. The step's gathered units are let go."""
         hvd = self.hvd
         for unit, flat in sorted(self._sums.items()):
-            self._scatter(unit, flat)
+            if unit in self.whole:  # (averaged whole with the other holders: my shard)
+                self.grads[unit].add_(self.whole[unit](flat)[self._owned(unit)])
+            else:
+                self._scatter(unit, flat)
         self._sums.clear()
         self.let_go()
         if self.stage == 1:
-            whole = self._in if self.group.replicas is None else {}  # (HSDP: every rank)
-            hvd.grouped_allreduce_(self.grads, op=hvd.Average, name="zero.grads", **whole)
+            every = self._in if self.group.replicas is None else {}  # (HSDP: every rank)
+            rest = [g for u, g in enumerate(self.grads) if u not in self.whole]
+            if rest:
+                hvd.grouped_allreduce_(rest, op=hvd.Average, name="zero.grads", **every)
+            for unit, reduce in self.whole.items():
+                self.grads[unit].copy_(reduce(self.grads[unit]))
         elif self.group.replicas is not None:
             hvd.grouped_allreduce_(self.grads, op=hvd.Average, name="zero.grads.replicas",
                                    process_set=self.group.replicas)

@@ -58,7 +58,7 @@ from toolkit import SGD, Adam
 from toolkit.contract import StepResult
 from toolkit.models.reference import optimizer_slots
 from toolkit.parallel.layouts import GATHERS, Pipeline
-from toolkit.parallel.pipeline.partition import micro_batch_size
+from toolkit.parallel.pipeline.partition import micro_batch_size, tied_across_stages
 from toolkit.parallel.pipeline.schedules import Action
 from toolkit.precision import PRECISIONS
 
@@ -161,7 +161,6 @@ class TorchPipeline(HvdPipeline):
         stage's process set), gathered once per step unless the layout says
         ``gather=micro-batch``."""
         torch, dims = self.torch, self.layout.dims
-        self._refuse_tied_shards()
         if not isinstance(optimizer, SGD | Adam):  # the user's torch.optim optimizer
             check_elementwise(torch, optimizer, "horovod-torch", self.layout.name)
             make_optimizer(torch, optimizer, [*(p for _, p, _, _ in self.params),
@@ -172,15 +171,36 @@ class TorchPipeline(HvdPipeline):
         units: dict[str, list[str]] = {}
         for n in arrays:  # a native layer's parameters a unit (as native_units groups them)
             units.setdefault(n.split(".")[0], []).append(n)
+        units, whole = self._tied_unit(units if self.native else spec_units(arrays))
         stage_set = self._process_set(self.grid.stage_ranks(self.stage))
         group = ShardGroup(self.replica, self.grid.replicas, stage_set, None, self.replica == 0)
         self.shards = ShardedParameters(
-            torch, self.hvd, self.cut.root, self.params, arrays,
-            units if self.native else spec_units(arrays), dims.zero, optimizer, self.dtype,
-            self.runtime.dev, None if self.native else self.precision.autocast, group=group,
-            hold=dims.gather == GATHERS[0])
+            torch, self.hvd, self.cut.root, self.params, arrays, units, dims.zero, optimizer,
+            self.dtype, self.runtime.dev, None if self.native else self.precision.autocast,
+            group=group, hold=dims.gather == GATHERS[0], whole=whole)
         self.opt = self.shards.native  # (None: the spec's arithmetic on the shards)
         self.slots = tuple(self.shards.slot_names)
+
+    def _tied_unit(self, units: dict[str, list[str]]) -> tuple[dict[str, list[str]], dict]:
+        """``units`` with the parameters two stages hold (a tied embedding, on the end
+        stages) taken out into a unit of their own, the same on both stages, and that unit's
+        reduction: its whole gradient summed over both end stages' ranks (the end stages'
+        process set) and averaged over the replicas, as the pipeline sums a tied gradient."""
+        tied = set(tied_across_stages(self.cut.names_by_stage, self.pipe))
+        mine = [n for names in units.values() for n in names if n in tied]
+        if not mine:
+            return units, {}
+        out = {u: [n for n in names if n not in tied] for u, names in units.items()}
+        out = {u: names for u, names in out.items() if names}
+        out["tied"] = mine
+        ends, hvd, replicas = self._process_set(self.grid.end_ranks()), self.hvd, \
+            self.grid.replicas
+
+        def reduce(flat):
+            return hvd.allreduce(flat, op=hvd.Sum, name="zero.grad.tied",
+                                 process_set=ends) / replicas
+
+        return out, {"tied": reduce}
 
     def _forwarding(self):
         """What each forward runs inside: the flat shards' (ZeRO re-routes the parameters)."""
@@ -323,8 +343,9 @@ class TorchPipeline(HvdPipeline):
         torch, shards = self.torch, self.shards
         shards.reduce()
 
-        def squares(grads: list):
-            mine = self._squares(grads)
+        def squares(grads: list):  # (a tied unit's counted on the first stage)
+            mine = self._squares([g for u, g in enumerate(grads)
+                                  if self.stage == 0 or u not in shards.whole])
             total, = self._grouped_sum([mine], self.hvd.global_process_set,
                                        "pipeline.grad_norm")
             return total / self.grid.replicas if shards.stage == 1 else total

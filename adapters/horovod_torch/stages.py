@@ -150,21 +150,25 @@ def _cut_spec(torch, spec, layout, stage: int, dtype, recompute: bool) -> CutMod
             raise ToolkitError(f"no pipeline pieces for {type(spec).__name__}", SEQUENTIAL_ONLY)
         params = [by_name[n] for n in part.names[k]]
         pieces.append(Piece(k, forward, params, modules))
+    root = net
     if spec.__class__.__name__ == "GPT" and part.shared and stage == S - 1 and stage != 0:
-        _untie_last(torch, pieces, by_name)
+        root = torch.nn.ModuleList([net, _untie_last(torch, pieces, by_name)])
     names = [part.names_on(s) for s in range(S)]
-    return CutModel(pieces, names, shapes, [], {}, native=False, root=net)
+    return CutModel(pieces, names, shapes, [], {}, native=False, root=root)
 
 
-def _untie_last(torch, pieces: list[Piece], by_name: dict) -> None:
+def _untie_last(torch, pieces: list[Piece], by_name: dict):
     """The last stage's own copy of a tied ``tok_emb`` (another rank holds the first's): a
-    separate Parameter, so the executor can sum both stages' gradients explicitly."""
+    separate Parameter, so the executor can sum both stages' gradients explicitly. Returned in
+    the module that owns it (``table``), read by the head at call time."""
     name, original, to_torch, from_torch = by_name["tok_emb"]
-    copy = torch.nn.Parameter(original.detach().clone())
+    holder = torch.nn.Module()
+    holder.table = copy = torch.nn.Parameter(original.detach().clone())
     for piece in pieces:
         piece.params = [(n, copy if n == name else p, t, f) for n, p, t, f in piece.params]
-        if piece.forward.reads_table:  # read by the head at call time
-            piece.forward.own_table = copy
+        if piece.forward.reads_table:
+            piece.forward.own_table = holder
+    return holder
 
 
 def _gpt_piece(torch, net, layers: range, first: bool, last: bool, unit):
@@ -187,7 +191,7 @@ def _gpt_piece(torch, net, layers: range, first: bool, last: bool, unit):
         return h
 
     def table():  # (the last stage's own copy of a tied table, or the module's)
-        return net.tok_emb if forward.own_table is None else forward.own_table
+        return net.tok_emb if forward.own_table is None else forward.own_table.table
 
     forward.reads_table, forward.own_table = first or (last and tied), None
     return forward, blocks + ([ln_f] if last else [])
