@@ -37,16 +37,21 @@ def main() -> None:
     env = toolkit.current_env()
     # Several layouts (comma-separated) run one after the other in the same processes, each
     # with a fresh adapter: one launch instead of one per layout. Results go to OUT/<i>/. The
-    # pipelines run first: Horovod makes their process sets when it starts.
+    # layouts with process sets run first: Horovod makes them when it starts.
     layouts = [toolkit.parse_layout(name) for name in args.layout.split(",")]
-    # Horovod registers the first pipeline's process sets as it starts; pipelines that reduce
-    # in other rank groups (the other within_node) add theirs later, which Horovod allows
-    # only with dynamic process sets, asked for before it starts.
-    groups = {layout_groups(layout, env.world_size) for layout in layouts
-              if layout.kind == "pipeline" and env.world_size % layout.dims.stages == 0}
-    if len(groups) > 1:
+    # Horovod registers the first layout's process sets as it starts (a pipeline's stage
+    # replicas, a composition's shard and replica groups); layouts that reduce in other rank
+    # groups add theirs later, which Horovod allows only with dynamic process sets, asked for
+    # before it starts.
+    groups = {}
+    for layout in layouts:
+        try:
+            groups[layout] = layout_groups(layout, env.world_size)
+        except toolkit.ToolkitError:  # (a layout that does not fit: its run says so)
+            groups[layout] = ()
+    if len(set(groups.values()) - {()}) > 1:
         os.environ.setdefault("HOROVOD_DYNAMIC_PROCESS_SETS", "1")
-    for i, layout in sorted(enumerate(layouts), key=lambda item: item[1].kind != "pipeline"):
+    for i, layout in sorted(enumerate(layouts), key=lambda item: not groups[item[1]]):
         run_layout(args, layout, Path(args.out) / str(i), env)
 
 

@@ -123,7 +123,7 @@ class HvdPipeline(RoundMessages, StrategyBase):
         # its replicas (ZeRO shards them: the subclass's part)
         self.pipe = layout.dims.staged()
         self.grid = check_pipeline(self.pipe, env.world_size)
-        if layout.dims.zero and self.grid.replicas == 1:
+        if layout.dims.zero and self.grid.replicas == 1 and env.world_size > 1:
             raise ToolkitError(
                 f"layout {layout.name} shards each stage over its replicas, but "
                 f"{env.world_size} ranks give each of the {self.grid.stages} stages one",

@@ -18,7 +18,9 @@ CASES = [("horovod-torch", "data"), ("horovod-torch", "sharded:3"),
          ("horovod-torch", "pipeline:1:4:1f1b"), ("jax-pjit", "pipeline:1:4"), ("jax-pmap", "data"),
          ("jax-pmap", "sharded:1"), ("jax-pjit", "data"), ("jax-pjit", "sharded:3:tp2"),
          ("horovod-tf", "data"), ("horovod-tf", "sharded:2"), ("horovod-tf", "sharded:3"),
-         ("horovod-tf", "pipeline:1:4")]
+         ("horovod-tf", "pipeline:1:4"), ("horovod-torch", "pipeline:1:4+sharded:3"),
+         ("horovod-torch", "pipeline:1:4+sharded:3:gather=micro-batch"),
+         ("horovod-tf", "pipeline:1:4+sharded:3")]
 # bit for bit: the same kernels run again (horovod-torch, ZeRO-3's saved-tensor hooks
 # included); horovod-tf's ZeRO-3 recomputes unless told False, when it keeps the forward's tape
 # (bit for bit on one process; at 2 ranks grappler's rewrites move a last bit, docs/memory.md)

@@ -18,15 +18,18 @@ WORKER = "tests/scripts/native_optimizer_worker.py"
 # Horovod process sets are made when Horovod starts. "-spec": the toolkit's small GPT, whose
 # tied embedding sits on the first and last stage (torch: the optimizer as a function of the
 # parameters; horovod-tf shards the spec models only).
+# pipeline x ZeRO-3, a replica's stages on neighbouring ranks (the pipelines' process sets)
+PIPELINE_ZERO = "pipeline:2:2+sharded:3+place:tensor:pipeline:data:replicate"
 CASES = {
-    "horovod-torch": (["horovod-torch"], ["pipeline:2:2", "pipeline:2:4:1f1b", "sharded:1",
-                                          "sharded:2", "sharded:3"], ("sharded:3", "pipeline:2:1")),
+    "horovod-torch": (["horovod-torch"], ["pipeline:2:2", "pipeline:2:4:1f1b", PIPELINE_ZERO,
+                                          "sharded:1", "sharded:2", "sharded:3"],
+                      ("sharded:3", "pipeline:2:1")),
     "horovod-tf": (["horovod-tf"], ["pipeline:2:2", "pipeline:2:4:1f1b"],
                    ("pipeline:2:1", "pipeline:2:2")),
     "horovod-tf-spec": (["horovod-tf", "--spec"], ["pipeline:2:2", "sharded:1", "sharded:2",
                                                    "sharded:3"], ("sharded:3", "pipeline:2:1")),
-    "horovod-torch-spec": (["horovod-torch", "--spec"], ["pipeline:2:2", "sharded:1",
-                                                         "sharded:3"],
+    "horovod-torch-spec": (["horovod-torch", "--spec"], ["pipeline:2:2", PIPELINE_ZERO,
+                                                         "sharded:1", "sharded:3"],
                            ("sharded:2", "pipeline:2:1")),
     "horovod-torch-32": (["horovod-torch", "--precision", "32"],
                          ["pipeline:2:4:1f1b", "sharded:2", "sharded:3"], None),

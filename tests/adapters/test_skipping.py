@@ -49,6 +49,8 @@ def trainer_for(backend, layout, model, optimizer):
       for layout in ("data", "sharded:3")],
     ("jax-pmap", "pipeline:2:4:1f1b", toolkit.MLP((64, 16, 16, 10))),
     ("jax-pjit", "pipeline:2:4:gpipe", toolkit.MLP((64, 16, 16, 10))),
+    *[(b, "pipeline:1:2+sharded:3", toolkit.MLP((64, 16, 10)))
+      for b in ("horovod-torch", "horovod-tf")],
 ])
 def test_a_nan_step_updates_nothing_and_the_next_one_trains(backend, layout, model):
     x, y = poisoned_digits()
@@ -114,7 +116,8 @@ def native_model(backend):
 
 @pytest.mark.parametrize("backend, layout", [
     *[(b, "data") for b in adapters.BACKENDS], ("horovod-torch", "sharded:3"),
-    ("horovod-torch", "pipeline:1:2"), ("horovod-tf", "pipeline:1:2"), ("jax-pjit", "sharded:2")])
+    ("horovod-torch", "pipeline:1:2"), ("horovod-torch", "pipeline:1:2+sharded:2"),
+    ("horovod-tf", "pipeline:1:2"), ("jax-pjit", "sharded:2")])
 def test_native_models_and_optimizers_skip_with_their_batchnorm_statistics(backend, layout):
     """The framework's own optimizer and schedule under every layout that takes it: a skipped
     step moves neither (its step count, the schedule's position)."""
