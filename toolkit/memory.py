@@ -114,12 +114,16 @@ def mlp_activation_bytes(sizes: tuple[int, ...], batch: int, dtype: str = "float
 
 @dataclasses.dataclass(frozen=True)
 class MemoryEstimate:
-    """Bytes one rank holds (the most loaded rank: a pipeline's first stage)."""
+    """Bytes one rank holds (the most loaded rank: a pipeline's first stage). ``gathered``:
+    what a pipeline's ZeRO stage holds besides while a step runs, gathering once per step
+    (``gather=step``): the stage's whole parameters (ZeRO-3) and whole gradient sum (ZeRO-2
+    and 3) until the step's end; per micro-batch it is about one unit's, not counted."""
 
     params: float
     grads: float
     optimizer: float
     activations: float
+    gathered: float = 0.0
 
     @property
     def total(self) -> float:
@@ -163,8 +167,11 @@ def estimate(num_params: int, layout: Layout, world_size: int, dtype: str = "flo
         m = dims.pipeline.micro_batches
         in_flight = m if dims.pipeline.schedule == "gpipe" else min(s, m)
         activations = activations / s * in_flight
+    gathered = 0.0
+    if dims.pipeline is not None and z >= 2 and dims.gather == "step":
+        gathered = (p if z >= 3 else 0.0) + g
     return MemoryEstimate(p / n if z >= 3 else p, g / n if z >= 2 else g,
-                          o / n if z >= 1 else o, activations)
+                          o / n if z >= 1 else o, activations, gathered)
 
 
 def human(n: float) -> str:
@@ -178,6 +185,8 @@ def format_table(est: MemoryEstimate) -> str:
     rows = [("parameters", est.params), ("gradients", est.grads),
             ("optimizer state", est.optimizer), ("activations", est.activations),
             ("total", est.total)]
+    if est.gathered:  # (a pipeline's ZeRO stage gathering once per step)
+        rows += [("gathered in step", est.gathered), ("peak in a step", est.total + est.gathered)]
     lines = [f"{'per rank':<16} {'bytes':>16}  human (GB = 1e9 bytes, GiB = 2**30 bytes)"]
     lines += [f"{name:<16} {value:>16,.0f}  {human(value)}" for name, value in rows]
     return "\n".join(lines)
@@ -208,7 +217,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--activations", default="full", help=" | ".join(ACTIVATION_MODELS))
     parser.add_argument("--activation-checkpointing", action="store_true",
                         help="a GPT's blocks keep their inputs only (docs/memory.md)")
-    parser.add_argument("--layout", default="data", help="data | sharded:1|2|3 | pipeline:S:M")
+    parser.add_argument("--layout", default="data",
+                        help="data | sharded:1|2|3 | pipeline:S:M, or dimensions joined with +: "
+                             "pipeline:S:M+sharded:Z[:gather=micro-batch], sharded:Z+replicate:R")
     parser.add_argument("--world-size", type=int, default=1)
     return parser.parse_args(argv)
 

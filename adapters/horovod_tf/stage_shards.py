@@ -123,7 +123,8 @@ class StageShards:
         reduce-scattering each unit's once. ``held``: the step's gathered parameters, counted
         with the sums in :attr:`peak_transient`."""
         hvd, out = self.hvd, []
-        alive = [*sums.values(), *(held or {}).values()]
+        # (ZeRO-1's whole gradient is the pipeline's own, and stays between steps)
+        alive = [*(sums.values() if self.zero >= 2 else ()), *(held or {}).values()]
         self.peak_transient = max(self.peak_transient, sum(
             int(np.prod(t.shape)) * t.dtype.size for t in alive))
         for unit in range(len(self.layouts)):

@@ -36,6 +36,12 @@ def data():
     return rng.standard_normal((96, 5)), rng.integers(0, 4, 96)
 
 
+def composed_stage(count: int, layout: str):
+    """The estimate of one stage of ``layout`` holding ``count`` parameters (2 replicas)."""
+    one = toolkit.parse_layout(layout.replace("pipeline:2:", "pipeline:1:"))
+    return memory.estimate(count, one, 2, "float32", "adam")
+
+
 def run(layout, steps, folder=None, resume=False):
     adapter = adapters.get(BACKEND, dtype="float64")
     trainer = toolkit.Trainer(adapter, MODEL, OPTIMIZER, global_batch_size=16,
@@ -84,7 +90,12 @@ def main(folder: Path) -> None:
                                               held["optimizer"]], np.float64))
         np.testing.assert_allclose(means, [2 * composed.params, 2 * composed.grads,
                                            2 * composed.optimizer])
-        print(f"ok {layout} bytes equal the estimate on rank {rank}: {held}", flush=True)
+        # while a step runs: the stage's whole parameters (ZeRO-3) and gradient sum (2, 3)
+        # gathered once per step, as the estimate says; per micro-batch less than that
+        peak, whole = shards.peak_transient, 2 * composed_stage(mine, layout).gathered
+        assert (peak == whole) if gather == "step" else (0 < peak < 8 * mine * 2), (peak, whole)
+        print(f"ok {layout} bytes equal the estimate on rank {rank}: {held}, {peak} in a step",
+              flush=True)
     # (the last run, ZeRO-3 gathered once per step, saved its state at step 3)
     saved = toolkit.read_checkpoint(sorted(folder.glob("step_*"))[-1])
     for name, value in state.items():

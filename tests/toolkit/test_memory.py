@@ -9,7 +9,7 @@ from toolkit import memory
 from toolkit.errors import ToolkitError
 from toolkit.models.gpt import GPT
 from toolkit.models.specs import MLP
-from toolkit.parallel.layouts import DataParallel, Pipeline, Sharded
+from toolkit.parallel.layouts import DataParallel, Pipeline, Sharded, parse_layout
 
 GB, GIB = 1e9, 2**30
 
@@ -217,3 +217,22 @@ def test_activation_checkpointing_keeps_each_block_input_and_one_block():
     one_block = full // 48
     assert kept == 48 * 32 * 1024 * 1600 * 4 + one_block  # inputs (float32) + one block
     assert kept < full / 5
+
+
+def test_a_pipelines_zero_stage_shards_its_stage_and_holds_it_whole_while_a_step_runs(capsys):
+    """Pipeline 2 x ZeRO over 4 ranks: each stage's half of the state over its 2 replicas;
+    gathering once per step holds the stage's whole parameters (ZeRO-3) and gradient sum
+    (ZeRO-2, 3) while the step runs, what benchmarks/pipeline_zero.py measures."""
+    p = 1000  # float32, Adam: a stage's 500 parameters are 2000 bytes, its slots 4000
+    est = {z: memory.estimate(p, parse_layout(f"pipeline:2:4+sharded:{z}"), 4)
+           for z in (1, 2, 3)}
+    assert [(e.params, e.grads, e.optimizer) for e in est.values()] == [
+        (2000, 2000, 2000), (2000, 1000, 2000), (1000, 1000, 2000)]
+    assert [e.gathered for e in est.values()] == [0, 2000, 4000]
+    apart = memory.estimate(p, parse_layout("pipeline:2:4+sharded:3:gather=micro-batch"), 4)
+    assert (apart.model_states, apart.gathered) == (est[3].model_states, 0)
+    memory.main(["--params", "1000", "--layout", "pipeline:2:4+sharded:3", "--world-size", "4"])
+    rows = _rows(capsys.readouterr().out)
+    assert rows["gathered in step"] == 4000 and rows["peak in a step"] == 4000 + 4000
+    memory.main(["--params", "1000", "--layout", "sharded:3", "--world-size", "4"])
+    assert "gathered in step" not in capsys.readouterr().out
