@@ -101,6 +101,12 @@ SMOKE: dict[str, Smoke] = {
          r"^data parallel: \d+ ms per step"),
         options={"--steps": "2", "--warmup": "1", "--width": "64", "--batch-size": "32",
                  "--micro-batches": "2", "--timeline-dir": "{tmp}/timelines"}),
+    "benchmarks/pipeline_zero.py": Smoke(
+        (r"^layout\s+params\s+grads\s+optimizer\s+held\s+in-step",
+         r"^pipeline:2:2\+sharded:3\s+([\d,]+\s+){5}1\s+1\s+[\d.]+"),
+        options={"--layouts": "pipeline:2:2+sharded:3", "--repeats": "1", "--steps": "2",
+                 "--layers": "2", "--width": "32", "--heads": "2", "--context": "16",
+                 "--batch": "8", "--micro-batches": "2"}),
     "benchmarks/pipeline_host_bytes.py": Smoke(
         (r"^horovod-\w+ pipeline:\S+ \S+: numpy held at most [\d.]+ MB during a step; the "
          r"stage's gradient is [\d.]+ MB \(0\.0\dx\)",),  # (a host update: about 3x)
