@@ -40,22 +40,20 @@ import numpy as np
 from adapters._common import check_build, check_recompute, check_spec_optimizer
 from adapters._horovod.pipeline import HvdPipeline
 from adapters._horovod.rounds import ALIGNMENT, NARROW, aligned_empty
-from adapters._horovod.runtime import ShardGroup
-from adapters._update import StepScalars, UpdateRule
+from adapters._update import UpdateRule
 from adapters.horovod_tf.in_order import InOrderRounds, Spinner, Submitted
 from adapters.horovod_tf.keras_optim import check_elementwise, for_stage
 from adapters.horovod_tf.models.keras_native import assign, is_keras_optimizer
 from adapters.horovod_tf.ops import TFOps, TFState
 from adapters.horovod_tf.precision import TFPrecision
-from adapters.horovod_tf.stage_shards import StageShards
+from adapters.horovod_tf.stage_state import stage_state
 from adapters.horovod_tf.stages import compiled_pieces, cut_model
-from adapters.horovod_tf.update import apply_update, sum_squares, update
-from toolkit import SGD, Adam, ToolkitError
+from adapters.horovod_tf.update import sum_squares
+from toolkit import ToolkitError
 from toolkit.contract import StepResult
-from toolkit.errors import describe
 from toolkit.models.reference import optimizer_slots
 from toolkit.parallel.layouts import GATHERS, Pipeline
-from toolkit.parallel.pipeline.partition import micro_batch_size, tied_across_stages
+from toolkit.parallel.pipeline.partition import micro_batch_size
 from toolkit.parallel.pipeline.schedules import Action
 from toolkit.precision import PRECISIONS
 
@@ -72,10 +70,15 @@ class TFPipeline(HvdPipeline):
     precisions = PRECISIONS
     plugin = TFPrecision  # (adapters/_precision.py)
     backend = "horovod-tf"
-    # pipeline x ZeRO: each stage's state sharded over its replicas (stage_shards.py)
+    # pipeline x ZeRO: each stage's state sharded over its replicas (stage_state.py)
     composes = ("sharded",)
-    shards: StageShards | None = None
+    part: Any = None  # what the stage holds and how it updates (stage_state.py), at build
     held: dict | None = None  # ZeRO-3: the stage's parameters gathered for this step
+
+    @property
+    def shards(self) -> Any:
+        """A sharded stage's ``StageShards`` (pipeline x ZeRO), else None."""
+        return getattr(self.part, "shards", None)
 
     @staticmethod
     def check_layout(layout: Pipeline) -> None:
@@ -123,52 +126,15 @@ class TFPipeline(HvdPipeline):
         self.rule = UpdateRule(optimizer, clip_grad_norm, skip_nonfinite, self.precision.scaler)
         state = self.state = TFState(self.tf, self.native, self.rule)
         state.vars, state.buffers = self.cut.variables, dict(self.cut.buffers)
-        mine = list(state.vars)
-        if self.layout.dims.zero:  # (the slots are the shards')
-            self._shard(optimizer)
-        else:  # zero slots over this stage's variables (a spec's), or the Keras optimizer's
-            state.build_optimizer(model, optimizer, self.keras_model, list(state.vars.values()))
+        mine = list(state.vars)  # (ZeRO-3 empties it: the shards hold the parameters)
+        self.part = stage_state(self.layout)(self, model, optimizer)
         self.slots, self.replicated = _slots(optimizer, state)
         tf, ops, M = self.tf, self.ops, self.pipe.micro_batches
         # each piece's forward compiled, the last piece's ending with its micro-batch's share of
-        # the loss (stages.compiled_pieces); the update compiled too
+        # the loss (stages.compiled_pieces)
         self.forwards, self.loss_of = compiled_pieces(tf, self.cut, lambda out, y: tf.cast(
             tf.reduce_mean(ops.per_sample_loss(out, y)), self.dtype) / M, self._is_last)
-        if state.keras_opt is not None:
-            variables = [state.vars[n] for n in state.names]
-            self.update = tf.function(lambda grads, s: state.keras_opt.apply_gradients(
-                zip([grads[n] for n in state.names], variables, strict=True)),
-                reduce_retracing=True)
-        else:
-            self.update = tf.function(
-                lambda grads, s: apply_update(tf, state.rule.spec, state.vars, state.slots,
-                                              grads, StepScalars.of(s)),
-                reduce_retracing=True)
         self._start(mine)
-
-    def _shard(self, optimizer: Any) -> None:
-        """Pipeline x ZeRO: the stage's state in flat shards over its replicas
-        (``stage_shards.StageShards``), for spec models and optimizers."""
-        if self.native or not isinstance(optimizer, SGD | Adam):
-            raise ToolkitError(
-                f"horovod-tf shards a pipeline stage of a spec model with a spec optimizer "
-                f"(layout {self.layout.name}), not "
-                + ("a Keras model" if self.native else describe(optimizer)),
-                "pass a toolkit.MLP/CNN/GPT and toolkit.SGD/Adam, or drop sharded: (Keras "
-                "models and optimizers are sharded by the sharded:Z layout)")
-        hvd, replicas = self.hvd, self.grid.replicas
-        tied = tuple(n for n in tied_across_stages(self.cut.names_by_stage, self.pipe)
-                     if n in self.state.vars)
-        ends = self._process_set(self.grid.end_ranks()) if tied else None
-
-        def reduce_tied(flat):  # (summed over both end stages, averaged over the replicas)
-            return hvd.allreduce(flat, op=hvd.Sum, name="zero.grad.tied",
-                                 process_set=ends) / replicas
-
-        stage_set = self._process_set(self.grid.stage_ranks(self.stage))
-        self.shards = StageShards(self.tf, hvd, self.state.vars, self.layout.dims.zero,
-                                  optimizer, ShardGroup(self.replica, replicas, stage_set, None,
-                                                        self.replica == 0), tied, reduce_tied)
 
     @property
     def steps(self) -> int:
@@ -330,47 +296,14 @@ class TFPipeline(HvdPipeline):
         self.sums: dict[str, Any] = {}  # each gradient summed over the micro-batches
         # (a skipped step keeps the BatchNorm statistics its forward passes moved)
         kept = [(b, tf.identity(b)) for b in state.buffers.values()] if self.rule.skip else []
-        self.held = self.shards.gather() if self.shards is not None else None
+        self.held = self.part.gather()
         loss = self._run_rounds()
-        names = self.mine
         sums = {n: self.sums[n] if n in self.sums else
-                tf.zeros(self.cut.shapes[n], self.dtype) for n in names}
-        if self.shards is not None:
-            result = self._update_shards(sums, loss, scalars, kept)
-            self.xs = self.ys = self.sums = self.held = sums = None
-            return result
-        grads = self._reduced(sums)
-        # the family's one update path (unscale, norm over every stage, clip, apply, the old
-        # state kept where the norm is not finite), eagerly around the compiled apply
-        _, norm = update(tf, self.rule, [grads[n] for n in names],
-                         lambda g: self._sum_of_squares(dict(zip(names, g, strict=True))),
-                         lambda g: self.update(dict(zip(names, g, strict=True)), scalars), kept,
-                         scalars)
+                tf.zeros(self.cut.shapes[n], self.dtype) for n in self.mine}
+        norm = self.part.update(sums, scalars, kept)
         result = self.rule.result(loss, norm)  # (a skip takes the count back)
         self.steps += 1
-        self.xs = self.ys = self.sums = grads = None
-        return result
-
-    def _update_shards(self, sums: dict[str, Any], loss: float, scalars: Any,
-                       kept: list) -> StepResult:
-        """Pipeline x ZeRO: the stage's gradient shards (``StageShards.reduce``: ZeRO-1 from
-        the replicas' average), then the family's update path on them, the norm's squares
-        added over every rank's shards, and the shards' step."""
-        tf, shards = self.tf, self.shards
-        if shards.zero == 1:
-            sums = self._reduced(sums)
-        grads = shards.reduce(sums, shards.zero == 1, self.held)
-
-        def squares(g: list):  # (a tied unit's counted on the first stage)
-            mine = [t for u, t in enumerate(g) if self.stage == 0 or u != shards.tied_unit]
-            total, = self._grouped_sum([self._squares(mine)], self.hvd.global_process_set,
-                                       "pipeline.grad_norm")
-            return total
-
-        _, norm = update(tf, self.rule, grads, squares, lambda g: shards.step(g, scalars),
-                         kept, scalars)
-        result = self.rule.result(loss, norm)  # (a skip takes the count back)
-        self.steps += 1
+        self.xs = self.ys = self.sums = self.held = sums = None
         return result
 
     def evaluate(self, x: np.ndarray, y: np.ndarray) -> dict[str, float]:
@@ -380,8 +313,9 @@ class TFPipeline(HvdPipeline):
         ops = self.ops
         xs, ys = self._eval_data(x, y)
         h = ops.inputs(xs, np.zeros(0))[0] if xs is not None else None
-        held = (self.shards.gather(),) if self.shards is not None else ()
-        h = self._through(h, lambda c, h: self.forwards[c](h, False, *held))
+        held = self.part.gather()
+        extra = () if held is None else (held,)  # (ZeRO-3's parameters for the pieces)
+        h = self._through(h, lambda c, h: self.forwards[c](h, False, *extra))
         if not self._is_eval_output():
             return self._empty_sums()
         if len(ys) == 0:
@@ -392,9 +326,7 @@ class TFPipeline(HvdPipeline):
     def _local(self) -> dict[str, np.ndarray]:
         """This rank's tensors under their neutral keys (each stage's, on every replica;
         sharded: gathered over the stage's replicas)."""
-        if self.shards is not None:
-            return self.shards.state()
-        return {k: v for k, v in self.state.state().items() if k not in self.replicated}
+        return self.part.local()
 
     def _replicated(self) -> dict[str, np.ndarray]:
         return {k: v for k, v in self.state.state().items() if k in self.replicated}
@@ -402,13 +334,12 @@ class TFPipeline(HvdPipeline):
     def load_state_dict(self, state: dict[str, np.ndarray]) -> None:
         """Keeps this stage's part of the full ``state``."""
         self.state.load(state)
-        if self.shards is not None:
-            self.shards.load(state)
+        self.part.load(state)
 
     def memory_bytes(self) -> dict[str, int]:
         """Bytes this rank (its stage) holds: its parameters, a gradient of each, their
         optimizer slots (sharded: what its shards hold)."""
-        return (self.state if self.shards is None else self.shards).memory_bytes()
+        return self.part.memory_bytes()
 
 
 def _slots(optimizer: Any, state: TFState) -> tuple[tuple[str, ...], tuple[str, ...]]:

@@ -19,7 +19,6 @@ returns it; the Trainer's average over all ranks is then the average over replic
 
 from __future__ import annotations
 
-import contextlib
 from typing import Any
 
 import numpy as np
@@ -27,38 +26,18 @@ import numpy as np
 from adapters._common import check_build, check_recompute, step_seed
 from adapters._horovod.pipeline import HvdPipeline, check_pipeline
 from adapters._horovod.rounds import NARROW
-from adapters._horovod.runtime import ShardGroup
 from adapters._update import UpdateRule
-from adapters.horovod_torch.flat_shards import ShardedParameters, native_units, spec_units
 from adapters.horovod_torch.models.spec import from_host, same, to_host
-from adapters.horovod_torch.ops import (
-    NEUTRAL_SLOTS,
-    TORCH_SLOTS,
-    TorchOps,
-    count_like,
-    kept_buffers,
-    make_optimizer,
-    set_lr,
-    zero_slots,
-)
+from adapters.horovod_torch.ops import TorchOps, kept_buffers
 from adapters.horovod_torch.precision import TorchPrecision
 from adapters.horovod_torch.scheduler import load_scheduler_state, scheduler_state, split_scheduler
+from adapters.horovod_torch.stage_state import stage_state
 from adapters.horovod_torch.stages import cut_model
-from adapters.horovod_torch.torch_optim import (
-    built_over,
-    check_elementwise,
-    fill_state,
-    rebind,
-    slot_names,
-    state_templates,
-    step_count,
-)
-from adapters.horovod_torch.update import sum_of_squares, update
-from toolkit import SGD, Adam
+from adapters.horovod_torch.torch_optim import built_over
+from adapters.horovod_torch.update import sum_of_squares
 from toolkit.contract import StepResult
-from toolkit.models.reference import optimizer_slots
-from toolkit.parallel.layouts import GATHERS, Pipeline
-from toolkit.parallel.pipeline.partition import micro_batch_size, tied_across_stages
+from toolkit.parallel.layouts import Pipeline
+from toolkit.parallel.pipeline.partition import micro_batch_size
 from toolkit.parallel.pipeline.schedules import Action
 from toolkit.precision import PRECISIONS
 
@@ -98,9 +77,14 @@ class TorchPipeline(HvdPipeline):
     precisions = PRECISIONS
     plugin = TorchPrecision  # (adapters/_precision.py)
     recomputes = True  # activation_checkpointing: each piece's blocks (stages.cut_model)
-    # pipeline x ZeRO: each stage's state sharded over its replicas (flat_shards.py)
+    # pipeline x ZeRO: each stage's state sharded over its replicas (stage_state.py)
     composes = ("sharded",)
-    shards: ShardedParameters | None = None  # the stage's flat shards (pipeline x ZeRO)
+    part: Any = None  # what the stage holds and how it updates (stage_state.py), at build
+
+    @property
+    def shards(self) -> Any:
+        """A sharded stage's ``ShardedParameters`` (pipeline x ZeRO), else None."""
+        return getattr(self.part, "shards", None)
 
     @staticmethod
     def check_layout(layout: Pipeline) -> None:
@@ -115,9 +99,9 @@ class TorchPipeline(HvdPipeline):
               accumulation_steps: int = 1, sync_batchnorm: bool = False,
               metrics: Any = None, clip_grad_norm: float | None = None,
               skip_nonfinite: bool = False, activation_checkpointing: bool | None = None) -> None:
-        # (torch.optim counts its own steps; the flat shards' spec arithmetic does not)
-        counted = optimizer if self.layout.dims.zero else None
-        self.rule = UpdateRule(counted, clip_grad_norm, skip_nonfinite, self.precision.scaler)
+        part = stage_state(self.layout)  # (its dimensions choose what the stage holds)
+        self.rule = UpdateRule(optimizer if part.counts else None, clip_grad_norm,
+                               skip_nonfinite, self.precision.scaler)
         torch, hvd = self.torch, self.hvd
         check_build(accumulation_steps, sync_batchnorm)
         self.ops = TorchOps(self.runtime, loss, metrics)
@@ -138,73 +122,9 @@ class TorchPipeline(HvdPipeline):
         params = [p for _, p, _, _ in self.params]
         # the user's optimizer (a function of the parameters: over this stage's)
         optimizer, self.scheduler = split_scheduler(torch, built_over(torch, optimizer, params))
-        if self.layout.dims.zero:
-            self._shard(model, optimizer)
-        elif not isinstance(optimizer, SGD | Adam):  # its groups keep this stage's parameters
-            check_elementwise(torch, optimizer, "horovod-torch", "pipeline")
-            make_optimizer(torch, optimizer, [*params, *getattr(model, "parameters", list)()])
-            templates = state_templates(torch, optimizer)
-            mine = {id(p) for p in params}
-            rebind(optimizer, lambda p: (p, lambda v: v) if id(p) in mine else None)
-            fill_state(torch, optimizer, templates)  # as data parallel: state from step 0
-            self.opt = optimizer
-            self.slots = slot_names(templates)
-        else:
-            self.opt = make_optimizer(torch, optimizer, params)
-            zero_slots(torch, self.opt, params, optimizer)
-            self.slots = optimizer_slots(optimizer)
+        self.part = part(self, model, optimizer)
+        self.slots = self.part.slots
         self._start([n for n, *_ in self.params])
-
-    def _shard(self, model: Any, optimizer: Any) -> None:
-        """Pipeline x ZeRO: the stage's parameters, gradients and optimizer state in flat
-        shards over the stage's replicas (``flat_shards.ShardedParameters``, its group the
-        stage's process set), gathered once per step unless the layout says
-        ``gather=micro-batch``."""
-        torch, dims = self.torch, self.layout.dims
-        if not isinstance(optimizer, SGD | Adam):  # the user's torch.optim optimizer
-            check_elementwise(torch, optimizer, "horovod-torch", self.layout.name)
-            make_optimizer(torch, optimizer, [*(p for _, p, _, _ in self.params),
-                                              *getattr(model, "parameters", list)()])
-        if self.native:
-            native_units(torch, self.cut.root)  # (refuses what cannot be sharded)
-        arrays = {n: to_host(p, from_torch) for n, p, _, from_torch in self.params}
-        units: dict[str, list[str]] = {}
-        for n in arrays:  # a native layer's parameters a unit (as native_units groups them)
-            units.setdefault(n.split(".")[0], []).append(n)
-        units, whole = self._tied_unit(units if self.native else spec_units(arrays))
-        stage_set = self._process_set(self.grid.stage_ranks(self.stage))
-        group = ShardGroup(self.replica, self.grid.replicas, stage_set, None, self.replica == 0)
-        self.shards = ShardedParameters(
-            torch, self.hvd, self.cut.root, self.params, arrays, units, dims.zero, optimizer,
-            self.dtype, self.runtime.dev, None if self.native else self.precision.autocast,
-            group=group, hold=dims.gather == GATHERS[0], whole=whole)
-        self.opt = self.shards.native  # (None: the spec's arithmetic on the shards)
-        self.slots = tuple(self.shards.slot_names)
-
-    def _tied_unit(self, units: dict[str, list[str]]) -> tuple[dict[str, list[str]], dict]:
-        """``units`` with the parameters two stages hold (a tied embedding, on the end
-        stages) taken out into a unit of their own, the same on both stages, and that unit's
-        reduction: its whole gradient summed over both end stages' ranks (the end stages'
-        process set) and averaged over the replicas, as the pipeline sums a tied gradient."""
-        tied = set(tied_across_stages(self.cut.names_by_stage, self.pipe))
-        mine = [n for names in units.values() for n in names if n in tied]
-        if not mine:
-            return units, {}
-        out = {u: [n for n in names if n not in tied] for u, names in units.items()}
-        out = {u: names for u, names in out.items() if names}
-        out["tied"] = mine
-        ends, hvd, replicas = self._process_set(self.grid.end_ranks()), self.hvd, \
-            self.grid.replicas
-
-        def reduce(flat):
-            return hvd.allreduce(flat, op=hvd.Sum, name="zero.grad.tied",
-                                 process_set=ends) / replicas
-
-        return out, {"tied": reduce}
-
-    def _forwarding(self):
-        """What each forward runs inside: the flat shards' (ZeRO re-routes the parameters)."""
-        return self.shards.forwarding() if self.shards is not None else contextlib.nullcontext()
 
     # ------------------------------------------------------------------------------ hooks
     def _round_start(self, outgoing: dict[int, list[Any]], dtype, name: str) -> Any:
@@ -270,7 +190,7 @@ class TorchPipeline(HvdPipeline):
         last = self._is_last(c)
         if action.kind == "F":
             inp = self.xs[m] if k == 0 else self.inbox_f.pop(key)
-            with self.precision.forward_context(), self._forwarding():
+            with self.precision.forward_context(), self.part.forwarding():
                 out = self.cut.pieces[c].forward(inp)
             if last:
                 out = self.ops.per_sample(out, self.ys[m]).mean() / self.pipe.micro_batches
@@ -293,8 +213,7 @@ class TorchPipeline(HvdPipeline):
         (on every rank of the replica)."""
         M = self.pipe.micro_batches
         micro_batch_size(len(x), M)  # a clear error when M does not divide the local batch
-        if self.opt is not None:
-            set_lr(self.opt, lr)
+        self.part.begin(lr)  # (the step's rate, zeroed gradients)
         if self.native:
             self.torch.manual_seed(step_seed(self.seed, self.steps, self.env.rank))
         for piece in self.cut.pieces:
@@ -302,60 +221,13 @@ class TorchPipeline(HvdPipeline):
                 module.train()
         xt, yt = self.ops.tensors(x, y)
         self.xs, self.ys = xt.chunk(M), yt.chunk(M)
-        if self.shards is not None:
-            self.shards.zero_grad()
-        else:
-            self.opt.zero_grad(set_to_none=False)
         kept = kept_buffers(self.cut.buffers, self.rule.skip)
-        scalars = self.rule.scalars(lr)  # (the spec's count: the flat shards' arithmetic)
+        scalars = self.rule.scalars(lr)  # (a sharded stage's spec arithmetic takes them)
         loss = self._run_rounds()
-        norm = (self._update(kept) if self.shards is None
-                else self._update_shards(scalars, kept))
-        result = self.rule.result(loss, norm)
+        result = self.rule.result(loss, self.part.update(kept, scalars))
         self.steps += 1
         self.xs = self.ys = None
         return result
-
-    def _update(self, kept: list) -> Any:
-        """The stage's gradients reduced on the device (``_reduced``), then the family's one
-        update path (``update.update``: unscale, norm over every stage, finite check, clip,
-        the optimizer's step; ``kept``: the buffers' values before the step, put back when
-        it is skipped). Returns the norm."""
-        torch = self.torch
-        grads = self._reduced({n: torch.zeros_like(p) if p.grad is None else p.grad
-                               for n, p, _, _ in self.params})
-        for n, p, _, _ in self.params:
-            p.grad = grads[n]
-
-        def apply(_) -> None:  # (the skip is known on the host here)
-            self.opt.step()
-            if self.scheduler is not None:
-                self.scheduler.step()
-
-        return update(torch, self.rule, list(grads.values()),
-                      lambda _: self._sum_of_squares(grads), apply, kept)[1]
-
-    def _update_shards(self, scalars: Any, kept: list) -> Any:
-        """Pipeline x ZeRO: the stage's gradient shards reduced over its replicas
-        (``ShardedParameters.reduce``), then the same update path: the norm's squares summed
-        over every stage's shards (stage 1's ranks each hold their stage's whole gradient:
-        counted once per replica set), the shards' step."""
-        torch, shards = self.torch, self.shards
-        shards.reduce()
-
-        def squares(grads: list):  # (a tied unit's counted on the first stage)
-            mine = self._squares([g for u, g in enumerate(grads)
-                                  if self.stage == 0 or u not in shards.whole])
-            total, = self._grouped_sum([mine], self.hvd.global_process_set,
-                                       "pipeline.grad_norm")
-            return total / self.grid.replicas if shards.stage == 1 else total
-
-        def apply(found_inf) -> None:
-            shards.step(scalars, found_inf)
-            if self.scheduler is not None:
-                self.scheduler.step()
-
-        return update(torch, self.rule, shards.grads, squares, apply, kept)[1]
 
     def evaluate(self, x: np.ndarray, y: np.ndarray) -> dict[str, float]:
         """Every rank's ``(x, y)`` runs through its replica's pipeline (inputs gathered on the
@@ -369,13 +241,12 @@ class TorchPipeline(HvdPipeline):
         h = ops.tensors(xs, np.zeros(0))[0] if xs is not None else None
 
         def run(c: int, h):
-            with self._forwarding():
+            with self.part.forwarding():
                 return self.cut.pieces[c].forward(h)
 
         with torch.no_grad(), self.precision.forward_context():
             h = self._through(h, run)
-            if self.shards is not None:
-                self.shards.let_go()
+            self.part.let_go()
             if not self._is_eval_output():
                 return self._empty_sums()
             return ops.sums(h, ops.tensors(np.zeros(0), ys)[1])
@@ -385,65 +256,32 @@ class TorchPipeline(HvdPipeline):
     # (sync_state) are HvdPipeline's; a tensor's owner is replica 0 of the first stage that
     # holds it (a tied tok_emb: stage 0).
     def _local(self) -> dict[str, np.ndarray]:
-        """This rank's tensors under their neutral keys (each stage's, on every replica;
-        sharded: gathered over the stage's replicas)."""
-        if self.shards is not None:
-            out = {k: v for k, v in self.shards.state_dict().items() if k != "opt/count"}
-            return {**out, **{f"buffers/{n}": to_host(b, same) for n, b in self.cut.buffers}}
-        out = {}
-        for n, p, _, from_torch in self.params:
-            out[f"params/{n}"] = to_host(p, from_torch)
-            for slot in self.slots:  # (zeros where the parameter's group keeps no such slot)
-                value = self.opt.state[p].get(TORCH_SLOTS.get(slot, slot))
-                out[f"opt/{slot}/{n}"] = to_host(value if value is not None
-                                                 else self.torch.zeros_like(p), from_torch)
-        for n, b in self.cut.buffers:
-            out[f"buffers/{n}"] = to_host(b, same)
-        return out
+        """This rank's tensors under their neutral keys (each stage's, on every replica)."""
+        return {**self.part.local(),
+                **{f"buffers/{n}": to_host(b, same) for n, b in self.cut.buffers}}
 
     def _replicated(self) -> dict[str, np.ndarray]:
-        out = dict(self.rule.counters())  # (a spec optimizer's count on the flat shards)
-        count = step_count(self.torch, self.opt) if self.opt is not None else None
-        if count is not None:
-            out["opt/count"] = np.asarray(count, np.int64)
+        out = {**self.rule.counters(), **self.part.count()}
         if self.scheduler is not None:
-            out.update(scheduler_state(self.scheduler, self.opt))
+            out.update(scheduler_state(self.scheduler, self.part.opt))
         if self.native:
             out["rng/step"] = np.asarray(self.steps, np.int64)
         return out
 
     def load_state_dict(self, state: dict[str, np.ndarray]) -> None:
         """Keeps this stage's part of the full ``state``."""
-        torch, dtype, dev = self.torch, self.dtype, self.runtime.dev
-
-        def tensor(a, to_torch, dt=dtype):
-            return from_host(torch, a, to_torch, dt, dev)
-
+        torch = self.torch
         self.rule.load(state)
-        if self.shards is not None:
-            self.shards.load_state_dict(state)
+        self.part.load(state)
         with torch.no_grad():
-            for n, p, to_torch, _ in ([] if self.shards is not None else self.params):
-                p.copy_(tensor(state[f"params/{n}"], to_torch))
-                slots = self.opt.state[p]
-                for key in list(slots):
-                    slots[key] = (count_like(torch, slots[key], state["opt/count"])
-                                  if key == "step" else
-                                  tensor(state[f"opt/{NEUTRAL_SLOTS.get(key, key)}/{n}"], to_torch))
             for n, b in self.cut.buffers:
-                b.copy_(tensor(state[f"buffers/{n}"], same, b.dtype))
+                b.copy_(from_host(torch, state[f"buffers/{n}"], same, b.dtype, self.runtime.dev))
         if self.scheduler is not None:
-            load_scheduler_state(self.scheduler, self.opt, state)
+            load_scheduler_state(self.scheduler, self.part.opt, state)
         if self.native:
             self.steps = int(state["rng/step"])
 
     def memory_bytes(self) -> dict[str, int]:
-        """Bytes this rank holds between steps: its stage's parameters, a gradient of each,
-        and their optimizer slots (a tied parameter counts on both stages that hold it);
-        sharded, the flat shards' buffers."""
-        if self.shards is not None:
-            return self.shards.memory_bytes()
-        params = sum(p.nbytes for _, p, _, _ in self.params)
-        slots = sum(v.nbytes for p in (e[1] for e in self.params)
-                    for v in self.opt.state[p].values() if self.torch.is_tensor(v) and v.dim())
-        return {"params": params, "grads": params, "optimizer": slots}
+        """Bytes this rank holds between steps (``stage_state.py``: the stage's parameters,
+        gradient and optimizer slots, whole or in shards)."""
+        return self.part.memory_bytes()

@@ -1,5 +1,17 @@
-"""Pipeline x ZeRO for ``horovod-tf``: a pipeline stage's optimizer state, gradient and (ZeRO-3)
-parameters in flat shards over the stage's replicas (``pipeline:S:M+sharded:Z``).
+"""What a ``horovod-tf`` pipeline stage holds and how it updates: the data-parallel part of a
+pipeline layout, one of two, chosen once by the layout's dimensions (:func:`stage_state`).
+
+- :class:`WholeStage` (``pipeline:S:M``): the stage's variables whole on each replica, their
+  slots (a spec's, or the Keras optimizer's) and a compiled apply; the executor averages the
+  gradient over the stage's replicas (``HvdPipeline._reduced``).
+- :class:`ShardedStage` (``pipeline:S:M+sharded:Z``): the stage's optimizer state, gradient and
+  (ZeRO-3) parameters in flat shards over the stage's replicas (:class:`StageShards`).
+
+Both give the executor (``pipeline.TFPipeline``) ``gather`` (the step's parameters where no
+variable holds them, else None), ``update`` (the family's update path on the step's summed
+gradients; returns the norm), ``local``, ``load`` and ``memory_bytes``.
+
+Pipeline x ZeRO, what :class:`StageShards` does:
 
 Each unit of the stage (``toolkit.parallel.shards.unit_layouts`` over its parameters: an MLP's
 layers, a GPT's blocks) is one flat buffer padded to a multiple of the stage's replicas ``D``;
@@ -32,10 +44,122 @@ from typing import Any
 
 import numpy as np
 
+from adapters._horovod.runtime import ShardGroup
 from adapters._update import StepScalars
-from adapters.horovod_tf.update import spec_update
+from adapters.horovod_tf.update import apply_update, spec_update, update
+from toolkit import SGD, Adam, ToolkitError
+from toolkit.errors import describe
 from toolkit.models.reference import optimizer_slots
+from toolkit.parallel.pipeline.partition import tied_across_stages
 from toolkit.parallel.shards import FlatLayout, unit_layouts
+
+
+def stage_state(layout: Any) -> type:
+    """The stage's part for ``layout``: :class:`ShardedStage` when its data dimension shards
+    (``pipeline:S:M+sharded:Z``), else :class:`WholeStage`."""
+    return ShardedStage if layout.dims.zero else WholeStage
+
+
+class WholeStage:
+    """The stage's variables whole (the executor's ``TFState``), their optimizer and its
+    compiled apply (see the module docstring). ``ex``: the executor, after its cut."""
+
+    def __init__(self, ex: Any, model: Any, optimizer: Any):
+        self.ex, tf, state = ex, ex.tf, ex.state
+        # zero slots over this stage's variables (a spec's), or the Keras optimizer's
+        state.build_optimizer(model, optimizer, ex.keras_model, list(state.vars.values()))
+        if state.keras_opt is not None:
+            variables = [state.vars[n] for n in state.names]
+            self.apply = tf.function(lambda grads, s: state.keras_opt.apply_gradients(
+                zip([grads[n] for n in state.names], variables, strict=True)),
+                reduce_retracing=True)
+        else:
+            self.apply = tf.function(
+                lambda grads, s: apply_update(tf, state.rule.spec, state.vars, state.slots,
+                                              grads, StepScalars.of(s)),
+                reduce_retracing=True)
+
+    def gather(self) -> None:
+        """(the variables hold the parameters)"""
+
+    def update(self, sums: dict[str, Any], scalars: Any, kept: list) -> Any:
+        """The stage's summed gradients averaged over its replicas (``_reduced``), then the
+        family's update path (unscale, norm over every stage, clip, apply, the old state kept
+        where the norm is not finite), eagerly around the compiled apply."""
+        ex, names = self.ex, self.ex.mine
+        grads = ex._reduced(sums)
+        return update(ex.tf, ex.rule, [grads[n] for n in names],
+                      lambda g: ex._sum_of_squares(dict(zip(names, g, strict=True))),
+                      lambda g: self.apply(dict(zip(names, g, strict=True)), scalars), kept,
+                      scalars)[1]
+
+    def local(self) -> dict[str, np.ndarray]:
+        ex = self.ex
+        return {k: v for k, v in ex.state.state().items() if k not in ex.replicated}
+
+    def load(self, state: dict[str, np.ndarray]) -> None:
+        """(the executor's ``TFState`` loads the variables and slots)"""
+
+    def memory_bytes(self) -> dict[str, int]:
+        return self.ex.state.memory_bytes()
+
+
+class ShardedStage:
+    """The stage's state in flat shards over its replicas (:class:`StageShards`), for spec
+    models and optimizers (see the module docstring)."""
+
+    def __init__(self, ex: Any, model: Any, optimizer: Any):
+        self.ex = ex
+        if ex.native or not isinstance(optimizer, SGD | Adam):
+            raise ToolkitError(
+                f"horovod-tf shards a pipeline stage of a spec model with a spec optimizer "
+                f"(layout {ex.layout.name}), not "
+                + ("a Keras model" if ex.native else describe(optimizer)),
+                "pass a toolkit.MLP/CNN/GPT and toolkit.SGD/Adam, or drop sharded: (Keras "
+                "models and optimizers are sharded by the sharded:Z layout)")
+        hvd, replicas = ex.hvd, ex.grid.replicas
+        tied = tuple(n for n in tied_across_stages(ex.cut.names_by_stage, ex.pipe)
+                     if n in ex.state.vars)
+        ends = ex._process_set(ex.grid.end_ranks()) if tied else None
+
+        def reduce_tied(flat):  # (summed over both end stages, averaged over the replicas)
+            return hvd.allreduce(flat, op=hvd.Sum, name="zero.grad.tied",
+                                 process_set=ends) / replicas
+
+        stage_set = ex._process_set(ex.grid.stage_ranks(ex.stage))
+        self.shards = StageShards(ex.tf, hvd, ex.state.vars, ex.layout.dims.zero, optimizer,
+                                  ShardGroup(ex.replica, replicas, stage_set, None,
+                                             ex.replica == 0), tied, reduce_tied)
+
+    def gather(self) -> dict[str, Any] | None:
+        return self.shards.gather()
+
+    def update(self, sums: dict[str, Any], scalars: Any, kept: list) -> Any:
+        """The stage's gradient shards (``StageShards.reduce``: ZeRO-1 from the replicas'
+        average), then the family's update path on them, the norm's squares added over every
+        rank's shards (a tied unit's on the first stage), and the shards' step."""
+        ex, shards = self.ex, self.shards
+        if shards.zero == 1:
+            sums = ex._reduced(sums)
+        grads = shards.reduce(sums, shards.zero == 1, ex.held)
+
+        def squares(g: list):
+            mine = [t for u, t in enumerate(g) if ex.stage == 0 or u != shards.tied_unit]
+            total, = ex._grouped_sum([ex._squares(mine)], ex.hvd.global_process_set,
+                                     "pipeline.grad_norm")
+            return total
+
+        return update(ex.tf, ex.rule, grads, squares, lambda g: shards.step(g, scalars),
+                      kept, scalars)[1]
+
+    def local(self) -> dict[str, np.ndarray]:
+        return self.shards.state()
+
+    def load(self, state: dict[str, np.ndarray]) -> None:
+        self.shards.load(state)
+
+    def memory_bytes(self) -> dict[str, int]:
+        return self.shards.memory_bytes()
 
 
 class StageShards:
