@@ -75,7 +75,7 @@ FAULTS: list[Fault] = [
           "                pass",
           ("tests/adapters/test_composed.py::"
            "test_pipeline_x_zero_equals_the_reference_counts_its_collectives_and_resumes"
-           "[horovod-torch]",),
+           "[horovod-torch-False]",),
           "pipeline x ZeRO, gathered once per step: the step's whole gradient sum never "
           "reduce-scattered into the shards"),
     Fault("tied-shard-not-summed", "horovod-torch", "adapters/horovod_torch/flat_shards.py",
@@ -83,7 +83,7 @@ FAULTS: list[Fault] = [
           "            if False:",
           ("tests/adapters/test_composed.py::"
            "test_pipeline_x_zero_equals_the_reference_counts_its_collectives_and_resumes"
-           "[horovod-torch]",),
+           "[horovod-torch-False]",),
           "pipeline x ZeRO: a tied embedding's unit reduced within its stage only, the end "
           "stages' copies untied"),
     Fault("not-averaged-sharded", "jax-pmap", "adapters/jax_pmap/sharded.py",

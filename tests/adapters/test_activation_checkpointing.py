@@ -40,9 +40,11 @@ def train(backend, layout, model, recompute, steps=4):
     return losses, params
 
 
-# (the GPT of jax-pmap and horovod-tf data parallel with make test-long: their ZeRO and
-# pipeline GPTs recompute the same blocks in make test)
-LONG = {("jax-pmap", "data", "gpt"), ("horovod-tf", "data", "gpt")}
+# (the GPT of jax-pmap and horovod-tf data parallel, and of horovod-tf's pipeline x ZeRO, with
+# make test-long: their ZeRO and pipeline GPTs recompute the same blocks in make test, and the
+# MLP runs under pipeline x ZeRO)
+LONG = {("jax-pmap", "data", "gpt"), ("horovod-tf", "data", "gpt"),
+        ("horovod-tf", "pipeline:1:4+sharded:3", "gpt")}
 
 
 @pytest.mark.parametrize("backend, layout, model", [
