@@ -128,8 +128,8 @@ class ShardedStage:
 
         stage_set = ex._process_set(ex.grid.stage_ranks(ex.stage))
         self.shards = StageShards(ex.tf, hvd, ex.state.vars, ex.layout.dims.zero, optimizer,
-                                  ShardGroup(ex.replica, replicas, stage_set, None,
-                                             ex.replica == 0), tied, reduce_tied)
+                                  ShardGroup(ex.replica, replicas, stage_set, None, True),
+                                  tied, reduce_tied)
 
     def gather(self) -> dict[str, Any] | None:
         return self.shards.gather()

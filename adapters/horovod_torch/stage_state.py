@@ -164,7 +164,8 @@ class ShardedStage:
             units.setdefault(n.split(".")[0], []).append(n)
         units, whole = self._tied_unit(units if ex.native else spec_units(arrays))
         stage_set = ex._process_set(ex.grid.stage_ranks(ex.stage))
-        group = ShardGroup(ex.replica, ex.grid.replicas, stage_set, None, ex.replica == 0)
+        # (each replica of a stage holds its own shard: every one writes its pieces)
+        group = ShardGroup(ex.replica, ex.grid.replicas, stage_set, None, True)
         self.shards = ShardedParameters(
             torch, ex.hvd, ex.cut.root, ex.params, arrays, units, dims.zero, optimizer,
             ex.dtype, ex.runtime.dev, None if ex.native else ex.precision.autocast,
