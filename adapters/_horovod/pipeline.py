@@ -103,6 +103,8 @@ class StageCompute(Protocol):
     def _set_buffer(self, buffer: Any, array: np.ndarray) -> None:
         """Writes a loaded buffer (BatchNorm statistics) into the model."""
 
+    part: Any  # the stage's data-parallel part (``stage_state.py``): its ``pieces(catalogue)``
+
 
 class HvdPipeline(RoundMessages, StrategyBase):
     """The framework-free part of a Horovod pipeline executor (see the module's docstring); a
@@ -354,12 +356,18 @@ class HvdPipeline(RoundMessages, StrategyBase):
         return {**out, **self._replicated()}
 
     def sharded_state(self):
-        """``(replicated, pieces)`` for ``CheckpointStore.save(..., shards=pieces)``: each
-        tensor whole from its owner, an empty piece from every other rank."""
-        local, rank = self._local(), self.env.rank
-        pieces = {key: (local[key].reshape(-1) if owner == rank else np.zeros(0, dtype), 0,
-                        shape) for key, shape, dtype, owner in self._catalogue()}
-        return self._replicated(), pieces
+        """``(replicated, pieces)`` for ``CheckpointStore.save(..., shards=pieces)``: the
+        stage's part gives them (``part.pieces``): each tensor whole from its owner and an
+        empty piece from every other rank (:meth:`_owned_pieces`), or, where the stage shards
+        it (pipeline x ZeRO), each replica's piece of its shard, concatenated in rank order."""
+        return self._replicated(), self.part.pieces(self._catalogue())
+
+    def _owned_pieces(self, local: dict[str, np.ndarray], catalogue: list) -> dict:
+        """Each key of ``local`` whole from its owner; an empty piece of every key elsewhere."""
+        rank = self.env.rank
+        return {key: (local[key].reshape(-1) if owner == rank and key in local
+                      else np.zeros(0, dtype), 0, shape)
+                for key, shape, dtype, owner in catalogue}
 
     def sync_state(self) -> None:
         """Replica 0's buffers (BatchNorm statistics) of each stage become its replicas'."""

@@ -97,6 +97,10 @@ class WholeStage:
         ex = self.ex
         return {k: v for k, v in ex.state.state().items() if k not in ex.replicated}
 
+    def pieces(self, catalogue: list) -> dict:
+        """Checkpoint pieces: each tensor whole from its owner."""
+        return self.ex._owned_pieces(self.local(), catalogue)
+
     def load(self, state: dict[str, np.ndarray]) -> None:
         """(the executor's ``TFState`` loads the variables and slots)"""
 
@@ -154,6 +158,18 @@ class ShardedStage:
 
     def local(self) -> dict[str, np.ndarray]:
         return self.shards.state()
+
+    def pieces(self, catalogue: list) -> dict:
+        """Checkpoint pieces: each replica's piece of its shards of the tensors its stage is
+        the first to hold (a tied unit: the first stage's), nothing gathered; ZeRO-1 and 2's
+        whole parameters from their owner."""
+        ex = self.ex
+        whole, mine = self.shards.pieces()
+        out = ex._owned_pieces(whole, catalogue)
+        for key, _, _, owner in catalogue:
+            if key in mine and ex.grid.stage_of(owner) == ex.stage:
+                out[key] = mine[key]
+        return out
 
     def load(self, state: dict[str, np.ndarray]) -> None:
         self.shards.load(state)
@@ -304,6 +320,28 @@ class StageShards:
                 out.update({f"opt/{slot}/{n}": np.asarray(t) for n, t
                             in self._unflat(unit, flat).items()})
         return out
+
+    def pieces(self) -> tuple[dict[str, np.ndarray], dict[str, tuple]]:
+        """``(whole, pieces)``: below ZeRO-3 the stage's whole parameters; this replica's piece
+        of each tensor in its shards (``(flat piece, 0, full shape)``, empty where its shard
+        holds none of it), of the slots and ZeRO-3's parameters."""
+        whole: dict[str, np.ndarray] = {}
+        mine: dict[str, tuple] = {}
+        for unit, fl in enumerate(self.layouts):
+            owned = {name: (a, b, at) for name, a, b, at in fl.owned(self.index)}
+
+            def cut(shard: np.ndarray, prefix: str, fl=fl, owned=owned) -> None:
+                for name, shape in zip(fl.names, fl.shapes, strict=True):
+                    a, b, at = owned.get(name, (0, 0, 0))
+                    mine[prefix + name] = (shard[at:at + b - a].copy(), 0, shape)
+
+            if self.zero == 3:
+                cut(np.asarray(self.shards[unit]), "params/")
+            else:
+                whole.update({f"params/{n}": np.asarray(self.variables[n]) for n in fl.names})
+            for slot, var in self.slots[unit].items():
+                cut(np.asarray(var), f"opt/{slot}/")
+        return whole, mine
 
     def load(self, state: dict[str, np.ndarray]) -> None:
         """This replica's shards (and below ZeRO-3 the whole variables) from a full state."""

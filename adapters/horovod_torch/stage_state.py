@@ -26,7 +26,7 @@ import numpy as np
 
 from adapters._horovod.runtime import ShardGroup
 from adapters.horovod_torch.flat_shards import ShardedParameters, native_units, spec_units
-from adapters.horovod_torch.models.spec import from_host, to_host
+from adapters.horovod_torch.models.spec import from_host, same, to_host
 from adapters.horovod_torch.ops import (
     NEUTRAL_SLOTS,
     TORCH_SLOTS,
@@ -119,6 +119,10 @@ class WholeStage:
     def count(self) -> dict[str, np.ndarray]:
         count = step_count(self.ex.torch, self.opt)
         return {} if count is None else {"opt/count": np.asarray(count, np.int64)}
+
+    def pieces(self, catalogue: list) -> dict:
+        """Checkpoint pieces: each tensor whole from its owner."""
+        return self.ex._owned_pieces(self.ex._local(), catalogue)
 
     def load(self, state: dict[str, np.ndarray]) -> None:
         ex, torch = self.ex, self.ex.torch
@@ -233,6 +237,20 @@ class ShardedStage:
     def count(self) -> dict[str, np.ndarray]:
         count = None if self.opt is None else step_count(self.ex.torch, self.opt)
         return {} if count is None else {"opt/count": np.asarray(count, np.int64)}
+
+    def pieces(self, catalogue: list) -> dict:
+        """Checkpoint pieces: each replica's piece of its shards of the tensors its stage is
+        the first to hold (a tied unit: the first stage's), nothing gathered; what the stage
+        holds whole (ZeRO-1 and 2's parameters, buffers) from its owner."""
+        ex = self.ex
+        replicated, mine = self.shards.sharded_state()
+        whole = {k: v for k, v in replicated.items() if k.startswith("params/")}
+        whole.update({f"buffers/{n}": to_host(b, same) for n, b in ex.cut.buffers})
+        out = ex._owned_pieces(whole, catalogue)
+        for key, _, _, owner in catalogue:
+            if key in mine and ex.grid.stage_of(owner) == ex.stage:
+                out[key] = mine[key]
+        return out
 
     def load(self, state: dict[str, np.ndarray]) -> None:
         self.shards.load_state_dict(state)

@@ -3,7 +3,8 @@
 ``worker.py BACKEND FOLDER [quick]`` (quick: ZeRO-3 only).
 
 1. At ZeRO 1, 2 and 3 (gathered once per step, and per micro-batch) its losses and parameters
-   equal the one-process float64 reference's (1e-10).
+   equal the one-process float64 reference's (1e-10), and its checkpoint (each replica's pieces
+   of its stage's shards) reads back as that state.
 2. Each step's gathers and reduce-scatters are the formula's: per unit of the stage, ZeRO-3
    gathers once per step (gather=step) or ``2 M`` times (each micro-batch's forward and its
    backward, ``M`` for the first layer's: gather=micro-batch); ZeRO-2/3 reduce-scatter once per
@@ -62,7 +63,8 @@ def main(folder: Path) -> None:
     for zero, gather in (*zeros, *((3, g) for g in gathers)):
         layout = f"pipeline:2:{M}+sharded:{zero}" + (
             ":gather=micro-batch" if gather != "step" else "")
-        adapter, history = run(layout, STEPS, folder if gather == "step" and zero == 3 else None)
+        saves = folder if gather == "step" and zero == 3 else folder.with_name(f"zero-{zero}")
+        adapter, history = run(layout, STEPS, saves)
         rank, shards = adapter.env.rank, adapter.strategy.shards
         state, held = adapter.state_dict(), adapter.memory_bytes()
         losses, params = reference[STEPS]
@@ -70,6 +72,10 @@ def main(folder: Path) -> None:
         for name, value in params.items():
             np.testing.assert_allclose(state[f"params/{name}"], value, atol=1e-10, err_msg=name)
         print(f"ok {layout} equals the reference on rank {rank}", flush=True)
+        # its checkpoint (each replica's pieces of its stage's shards) holds that state
+        saved = toolkit.read_checkpoint(sorted(saves.glob("step_*"))[-1])
+        for name, value in state.items():
+            np.testing.assert_array_equal(saved.tensors[name], value, err_msg=name)
 
         units, per_step = len(shards.layouts), M if gather != "step" else 1
         # (per micro-batch a unit is gathered again for its backward only where that needs
@@ -97,10 +103,7 @@ def main(folder: Path) -> None:
         assert (peak == whole) if gather == "step" else (0 < peak < 8 * mine * 2), (peak, whole)
         print(f"ok {layout} bytes equal the estimate on rank {rank}: {held}, {peak} in a step",
               flush=True)
-    # (the last run, ZeRO-3 gathered once per step, saved its state at step 3)
-    saved = toolkit.read_checkpoint(sorted(folder.glob("step_*"))[-1])
-    for name, value in state.items():
-        np.testing.assert_array_equal(saved.tensors[name], value, err_msg=name)
+    # (the last run, ZeRO-3 gathered once per step, saved its state at step 3 in folder)
     if rank == 0:  # (each resumed run saves its step 5: from copies of step 3)
         shutil.copytree(folder, folder.with_name("as-data"))
     adapter.barrier()
