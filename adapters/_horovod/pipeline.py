@@ -362,12 +362,19 @@ class HvdPipeline(RoundMessages, StrategyBase):
         it (pipeline x ZeRO), each replica's piece of its shard, concatenated in rank order."""
         return self._replicated(), self.part.pieces(self._catalogue())
 
-    def _owned_pieces(self, local: dict[str, np.ndarray], catalogue: list) -> dict:
-        """Each key of ``local`` whole from its owner; an empty piece of every key elsewhere."""
+    def _owned_pieces(self, local: dict[str, np.ndarray], catalogue: list,
+                      shards: dict[str, tuple] | None = None) -> dict:
+        """Each key of ``local`` whole from its owner; an empty piece of every key elsewhere.
+        ``shards``: this rank's pieces of the tensors its stage shards (pipeline x ZeRO),
+        written where its stage is the owner's (a tied unit: by the first stage's replicas)."""
         rank = self.env.rank
-        return {key: (local[key].reshape(-1) if owner == rank and key in local
-                      else np.zeros(0, dtype), 0, shape)
-                for key, shape, dtype, owner in catalogue}
+        out = {key: (local[key].reshape(-1) if owner == rank and key in local
+                     else np.zeros(0, dtype), 0, shape)
+               for key, shape, dtype, owner in catalogue}
+        for key, _, _, owner in catalogue if shards else ():
+            if key in shards and self.grid.stage_of(owner) == self.stage:
+                out[key] = shards[key]
+        return out
 
     def sync_state(self) -> None:
         """Replica 0's buffers (BatchNorm statistics) of each stage become its replicas'."""

@@ -449,12 +449,12 @@ class ShardedTF:
         rank = self.rank if self.group.writes else None
         for u, lay in self.layouts.items():
             if self.stage == 3:
-                pieces.update(_pieces(lay, rank, self.params[u].numpy(), "params/"))
+                pieces.update(lay.pieces(self.params[u].numpy(), rank, "params/"))
             else:
                 replicated.update({f"params/{n}": np.array(self.vars[n].numpy())
                                    for n in lay.names})
         for (slot, u), var in self.slots.items():
-            pieces.update(_pieces(self.layouts[u], rank, var.numpy(), f"opt/{slot}/"))
+            pieces.update(self.layouts[u].pieces(var.numpy(), rank, f"opt/{slot}/"))
         replicated.update({k: to_host(v) for k, v in self.extras.items()})
         return replicated, pieces
 
@@ -468,14 +468,3 @@ class ShardedTF:
 
 def _nbytes(variables) -> int:
     return sum(math.prod(v.shape) * np.dtype(_np_dtype(v)).itemsize for v in variables)
-
-
-def _pieces(lay: FlatLayout, rank: int | None, shard: np.ndarray, prefix: str) -> dict:
-    """This rank's piece of each tensor of ``lay`` (empty where it owns none, and all empty
-    for ``rank`` None), by full name."""
-    out = {f"{prefix}{n}": (np.zeros((0,), shard.dtype), 0, shape)
-           for n, shape in zip(lay.names, lay.shapes, strict=True)}
-    for n, a, b, at in lay.owned(rank) if rank is not None else ():
-        out[f"{prefix}{n}"] = (np.array(shard[at:at + b - a]), 0,
-                               lay.shapes[lay.names.index(n)])
-    return out

@@ -163,13 +163,8 @@ class ShardedStage:
         """Checkpoint pieces: each replica's piece of its shards of the tensors its stage is
         the first to hold (a tied unit: the first stage's), nothing gathered; ZeRO-1 and 2's
         whole parameters from their owner."""
-        ex = self.ex
         whole, mine = self.shards.pieces()
-        out = ex._owned_pieces(whole, catalogue)
-        for key, _, _, owner in catalogue:
-            if key in mine and ex.grid.stage_of(owner) == ex.stage:
-                out[key] = mine[key]
-        return out
+        return self.ex._owned_pieces(whole, catalogue, mine)
 
     def load(self, state: dict[str, np.ndarray]) -> None:
         self.shards.load(state)
@@ -328,19 +323,12 @@ class StageShards:
         whole: dict[str, np.ndarray] = {}
         mine: dict[str, tuple] = {}
         for unit, fl in enumerate(self.layouts):
-            owned = {name: (a, b, at) for name, a, b, at in fl.owned(self.index)}
-
-            def cut(shard: np.ndarray, prefix: str, fl=fl, owned=owned) -> None:
-                for name, shape in zip(fl.names, fl.shapes, strict=True):
-                    a, b, at = owned.get(name, (0, 0, 0))
-                    mine[prefix + name] = (shard[at:at + b - a].copy(), 0, shape)
-
             if self.zero == 3:
-                cut(np.asarray(self.shards[unit]), "params/")
+                mine.update(fl.pieces(np.asarray(self.shards[unit]), self.index, "params/"))
             else:
                 whole.update({f"params/{n}": np.asarray(self.variables[n]) for n in fl.names})
             for slot, var in self.slots[unit].items():
-                cut(np.asarray(var), f"opt/{slot}/")
+                mine.update(fl.pieces(np.asarray(var), self.index, f"opt/{slot}/"))
         return whole, mine
 
     def load(self, state: dict[str, np.ndarray]) -> None:

@@ -489,22 +489,16 @@ class ShardedParameters:
         count: the adapter adds them)."""
         replicated: dict[str, np.ndarray] = {}
         pieces: dict[str, tuple] = {}
+        # (HSDP: the first replica writes; the others' pieces are empty)
+        rank = self.rank if self.group.writes else None
         for unit, fl in enumerate(self.layouts):
-            owned = {name: (a, b, at) for name, a, b, at in fl.owned(self.rank)}
-
-            def cut(shard: np.ndarray, prefix: str, fl=fl, owned=owned) -> None:
-                for name, shape in zip(fl.names, fl.shapes, strict=True):
-                    # (HSDP: the first replica writes; the others' pieces are empty)
-                    a, b, at = owned.get(name, (0, 0, 0)) if self.group.writes else (0, 0, 0)
-                    pieces[prefix + name] = (shard[at:at + b - a].copy(), 0, shape)
-
             source = self.sources[unit].detach().cpu().numpy()
             if self.stage == 3:
-                cut(source, "params/")
+                pieces.update(fl.pieces(source, rank, "params/"))
             else:
                 replicated.update({f"params/{n}": a for n, a in fl.unflatten(source).items()})
             for slot, shard in self.slots[unit].items():
-                cut(shard.cpu().numpy(), f"opt/{slot}/")
+                pieces.update(fl.pieces(shard.cpu().numpy(), rank, f"opt/{slot}/"))
         return {**replicated, **self._count()}, pieces
 
     def memory_bytes(self) -> dict[str, int]:

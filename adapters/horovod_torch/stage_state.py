@@ -246,11 +246,7 @@ class ShardedStage:
         replicated, mine = self.shards.sharded_state()
         whole = {k: v for k, v in replicated.items() if k.startswith("params/")}
         whole.update({f"buffers/{n}": to_host(b, same) for n, b in ex.cut.buffers})
-        out = ex._owned_pieces(whole, catalogue)
-        for key, _, _, owner in catalogue:
-            if key in mine and ex.grid.stage_of(owner) == ex.stage:
-                out[key] = mine[key]
-        return out
+        return ex._owned_pieces(whole, catalogue, mine)
 
     def load(self, state: dict[str, np.ndarray]) -> None:
         self.shards.load_state_dict(state)

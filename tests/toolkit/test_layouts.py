@@ -120,6 +120,15 @@ def test_shard_gather_round_trip(world_size, seed):
                                           arrays[name].reshape(-1)[a:b])
             at += b - a
     assert all((count == 1).all() for count in seen.values())
+    # each rank's checkpoint pieces, concatenated in rank order, are each tensor; a rank that
+    # writes nothing (None) gives empty pieces of every tensor
+    pieces = [layout.pieces(shards[r], r, "p/") for r in range(world_size)]
+    for name, shape in shapes.items():
+        parts = [p[f"p/{name}"] for p in pieces]
+        assert {(axis, full) for _, axis, full in parts} == {(0, shape)}
+        np.testing.assert_array_equal(np.concatenate([piece for piece, _, _ in parts]),
+                                      arrays[name].reshape(-1))
+    assert all(piece.size == 0 for piece, _, _ in layout.pieces(shards[0], None).values())
 
 
 def test_flatten_unflatten_and_errors():

@@ -92,6 +92,18 @@ class FlatLayout:
                 pieces.append((name, a - start, b - start, a - lo))
         return pieces
 
+    def pieces(self, shard: np.ndarray, rank: int | None, prefix: str = "") -> dict[str, tuple]:
+        """Checkpoint pieces of rank ``rank``'s ``shard``: ``prefix + name -> (flat piece, 0,
+        full shape)`` for every tensor, empty where the shard holds none of it (every one
+        for ``rank`` None: a copy no one writes). The ranks' pieces concatenated in rank order
+        are each tensor, flattened (``CheckpointStore.save``'s ``shards``)."""
+        out = {prefix + n: (np.zeros((0,), shard.dtype), 0, shape)
+               for n, shape in zip(self.names, self.shapes, strict=True)}
+        for n, a, b, at in self.owned(rank) if rank is not None else ():
+            out[prefix + n] = (np.array(shard[at:at + b - a]), 0,
+                               self.shapes[self.names.index(n)])
+        return out
+
     def _check_arrays(self, arrays: Mapping[str, np.ndarray]) -> None:
         missing = [n for n in self.names if n not in arrays]
         if missing:
