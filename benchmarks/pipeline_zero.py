@@ -27,72 +27,37 @@ and of holding; on GPUs with a fast interconnect the gathers overlap less here t
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 import numpy as np
-from _paired import time_steps
+from _gpt import gpt_options, gpt_spec, launch_worker, save_every_rank, train_gpt
 
 ZEROS = ("", "+sharded:1", "+sharded:2", "+sharded:3", "+sharded:3:gather=micro-batch")
-
-
-def gpt_spec(args):
-    import toolkit
-
-    return toolkit.GPT(vocab=256, context=args.context, width=args.width, layers=args.layers,
-                       heads=args.heads, tied=False)
 
 
 def worker(args) -> None:
     """One run under mpirun: trains, then rank 0 writes every rank's figures."""
     import adapters
-    import toolkit
-    from toolkit.equivalence import stdlib_bytes
 
-    env = toolkit.current_env()
-    spec = gpt_spec(args)
-    n = args.batch * 4
-    tokens = stdlib_bytes(n * spec.context + 1).astype(np.int64)
-    x, y = tokens[:-1].reshape(n, spec.context), tokens[1:].reshape(n, spec.context)
     adapter = adapters.get("horovod-torch")
-    times = time_steps(adapter)
-    trainer = toolkit.Trainer(adapter, spec, toolkit.Adam(lr=1e-3, weight_decay=0.1,
-                                                          decoupled=True),
-                              global_batch_size=args.batch, max_steps=args.steps,
-                              layout=args.layout, progress=False, stop_signals=())
-    trainer.fit(x, y)
+    seconds = train_gpt(adapter, gpt_spec(args, tied=False), args.layout, args.batch,
+                        args.steps)
     held = adapter.memory_bytes()
     shards = adapter.strategy.shards
     counts = shards.collectives if shards is not None else {}
-    row = np.zeros((env.world_size, 7))
-    row[env.rank] = [held["params"], held["grads"], held["optimizer"],
-                     shards.peak_transient if shards is not None else 0,
-                     counts.get("gather", 0) / args.steps,
-                     counts.get("reduce_scatter", 0) / args.steps,
-                     statistics.median(times[1:] or times)]
-    table = adapter.allreduce(row.reshape(-1), "sum").reshape(env.world_size, 7)
-    toolkit.save0(args.out, json.dumps({"ranks": table.tolist()}), env=env)
+    save_every_rank(adapter, [held["params"], held["grads"], held["optimizer"],
+                              shards.peak_transient if shards is not None else 0,
+                              counts.get("gather", 0) / args.steps,
+                              counts.get("reduce_scatter", 0) / args.steps, seconds], args.out)
 
 
 def launch(args, layout: str, out: Path) -> dict:
-    me = [sys.executable, __file__, "--worker", "--layout", layout, "--out", str(out),
-          "--steps", str(args.steps), "--batch", str(args.batch), "--layers",
-          str(args.layers), "--width", str(args.width), "--heads", str(args.heads),
-          "--context", str(args.context)]
-    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", "PYTHONUNBUFFERED": "1"}
     root = ["--allow-run-as-root"] if os.geteuid() == 0 else []
-    proc = subprocess.run(["mpirun", *root, "--oversubscribe", "-np", "4", *me], env=env,
-                          capture_output=True, text=True, timeout=1200,
-                          stdin=subprocess.DEVNULL)
-    if proc.returncode or not out.exists():
-        tail = " | ".join((proc.stderr or proc.stdout).strip().splitlines()[-3:])
-        return {"error": f"exit {proc.returncode}: {tail}"}
-    return json.loads(out.read_text())
+    return launch_worker(["mpirun", *root, "--oversubscribe", "-np", "4"], __file__, args,
+                         ["--layout", layout], out)
 
 
 def main(argv=None) -> int:
@@ -103,11 +68,7 @@ def main(argv=None) -> int:
                    help="comma-separated (default: the pipeline alone and with ZeRO 1, 2, 3 "
                         "gathered per step, 3 per micro-batch)")
     p.add_argument("--steps", type=int, default=5)
-    p.add_argument("--batch", type=int, default=16, help="global batch (sequences)")
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--width", type=int, default=256)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--context", type=int, default=64)
+    gpt_options(p, context=64, batch=16, width=256)  # (--batch: the global batch)
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--layout", help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
@@ -118,7 +79,7 @@ def main(argv=None) -> int:
 
     from toolkit.memory import human
 
-    spec = gpt_spec(args)
+    spec = gpt_spec(args, tied=False)
     print(f"{spec!r}: {spec.num_params:,} parameters ({human(4 * spec.num_params)} float32); "
           f"AdamW; 4 ranks: 2 stages x 2 replicas, {args.micro_batches} micro-batches")
     print(f"{'layout':<44} {'params':>11} {'grads':>11} {'optimizer':>11} {'held':>11} "

@@ -16,47 +16,25 @@ per-rank bytes <= 1.05 x (replicated bytes / N) + one unit's gathered parameters
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 import numpy as np
-from _paired import time_steps
+from _gpt import gpt_options, gpt_spec, launch_worker, save_every_rank, train_gpt
 
 BACKENDS = ("horovod-torch", "horovod-tf", "jax-pmap", "jax-pjit")
 LAYOUTS = ("data", "sharded:1", "sharded:2", "sharded:3")
-
-
-def gpt_spec(args):
-    import toolkit
-
-    return toolkit.GPT(vocab=256, context=args.context, width=args.width, layers=args.layers,
-                       heads=args.heads)
 
 
 def worker(args) -> None:
     """One run under a launcher: trains, then rank 0 writes every rank's bytes and times."""
     import adapters
     import toolkit
-    from toolkit.equivalence import stdlib_bytes
 
-    env = toolkit.current_env()
-    spec = gpt_spec(args)
-    n = args.batch * 4
-    tokens = stdlib_bytes(n * spec.context + 1).astype(np.int64)
-    x, y = tokens[:-1].reshape(n, spec.context), tokens[1:].reshape(n, spec.context)
     adapter = adapters.get(args.backend)
-    times = time_steps(adapter)
     layout = toolkit.parse_layout(args.layout)
-    trainer = toolkit.Trainer(adapter, spec, toolkit.Adam(lr=1e-3, weight_decay=0.1,
-                                                          decoupled=True),
-                              global_batch_size=args.batch, max_steps=args.steps,
-                              layout=layout, progress=False, stop_signals=())
-    trainer.fit(x, y)
+    seconds = train_gpt(adapter, gpt_spec(args), layout, args.batch, args.steps)
     if isinstance(layout, toolkit.Sharded):
         held = adapter.memory_bytes()
     else:
@@ -64,28 +42,14 @@ def worker(args) -> None:
         params = sum(v.nbytes for k, v in state.items() if k.startswith("params/"))
         held = {"params": params, "grads": params,
                 "optimizer": sum(v.nbytes for k, v in state.items() if k.startswith("opt/"))}
-    # Every rank's figures, gathered with a sum of one-hot rows.
-    row = np.zeros((env.world_size, 4))
-    row[env.rank] = [held["params"], held["grads"], held["optimizer"],
-                     statistics.median(times[1:] or times)]
-    table = adapter.allreduce(row.reshape(-1), "sum").reshape(env.world_size, 4)
-    toolkit.save0(args.out, json.dumps({"ranks": table.tolist()}), env=env)
+    save_every_rank(adapter, [held["params"], held["grads"], held["optimizer"], seconds],
+                    args.out)
 
 
 def launch(args, backend: str, world: int, layout: str, out: Path) -> dict:
-    me = [sys.executable, __file__, "--worker", "--backend", backend, "--layout", layout,
-          "--out", str(out), "--steps", str(args.steps), "--batch", str(args.batch),
-          "--layers", str(args.layers), "--width", str(args.width), "--heads",
-          str(args.heads), "--context", str(args.context)]
     horovodrun = str(Path(sys.executable).parent / "horovodrun")
-    cmd = me if world == 1 else [horovodrun, "-np", str(world), "--gloo", *me]
-    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1200,
-                          stdin=subprocess.DEVNULL)
-    if proc.returncode or not out.exists():
-        tail = " | ".join((proc.stderr or proc.stdout).strip().splitlines()[-3:])
-        return {"error": f"exit {proc.returncode}: {tail}"}
-    return json.loads(out.read_text())
+    return launch_worker([] if world == 1 else [horovodrun, "-np", str(world), "--gloo"],
+                         __file__, args, ["--backend", backend, "--layout", layout], out)
 
 
 def main(argv=None) -> int:
@@ -94,11 +58,7 @@ def main(argv=None) -> int:
     p.add_argument("--world-sizes", default="2,4")
     p.add_argument("--layouts", default=",".join(LAYOUTS))
     p.add_argument("--steps", type=int, default=4)
-    p.add_argument("--batch", type=int, default=8, help="global batch (sequences)")
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--width", type=int, default=256)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--context", type=int, default=64)
+    gpt_options(p, context=64, batch=8, width=256)  # (--batch: the global batch)
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--backend", help=argparse.SUPPRESS)
     p.add_argument("--layout", help=argparse.SUPPRESS)
