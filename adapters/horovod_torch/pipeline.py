@@ -222,9 +222,8 @@ class TorchPipeline(HvdPipeline):
         xt, yt = self.ops.tensors(x, y)
         self.xs, self.ys = xt.chunk(M), yt.chunk(M)
         kept = kept_buffers(self.cut.buffers, self.rule.skip)
-        scalars = self.rule.scalars(lr)  # (a sharded stage's spec arithmetic takes them)
         loss = self._run_rounds()
-        result = self.rule.result(loss, self.part.update(kept, scalars))
+        result = self.rule.result(loss, self.part.update(kept, lr))
         self.steps += 1
         self.xs = self.ys = None
         return result

@@ -85,10 +85,11 @@ class WholeStage:
         set_lr(self.opt, lr)
         self.opt.zero_grad(set_to_none=False)
 
-    def update(self, kept: list, scalars: Any) -> Any:
+    def update(self, kept: list, lr: float | None) -> Any:
         """The stage's gradients reduced on the device (``_reduced``), then the family's
-        update path (unscale, norm over every stage, finite check, clip, the optimizer's step;
-        ``kept``: the buffers' values before the step, put back when it is skipped)."""
+        update path (unscale, norm over every stage, finite check, clip, the optimizer's step
+        at the rate ``begin`` set; ``kept``: the buffers' values before the step, put back when
+        it is skipped)."""
         ex, torch = self.ex, self.ex.torch
         grads = ex._reduced({n: torch.zeros_like(p) if p.grad is None else p.grad
                              for n, p, _, _ in ex.params})
@@ -206,12 +207,13 @@ class ShardedStage:
             set_lr(self.opt, lr)
         self.shards.zero_grad()
 
-    def update(self, kept: list, scalars: Any) -> Any:
+    def update(self, kept: list, lr: float | None) -> Any:
         """The stage's gradient shards reduced over its replicas (``ShardedParameters.reduce``),
         then the same update path: the norm's squares summed over every stage's shards (ZeRO-1's
         ranks each hold their stage's whole gradient: counted once per replica set; a tied unit
-        on the first stage), the shards' step with the rule's ``scalars``."""
+        on the first stage), the shards' step with the step's scalars (the rule counts it)."""
         ex, torch, shards = self.ex, self.ex.torch, self.shards
+        scalars = ex.rule.scalars(lr)
         shards.reduce()
 
         def squares(grads: list):
